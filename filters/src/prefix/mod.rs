@@ -1,0 +1,4 @@
+//! Knowing where each prefix is cached: tokenization, block keys, KV events and
+//! the prefix index.
+
+pub mod tokenize;

@@ -1,0 +1,58 @@
+//! Tokenization as the engine does it.
+//!
+//! A router can only match cached prefixes if it turns a request into the same
+//! token ids the engine will. [`Tokenizer`] is that contract; [`Builtin`] is the
+//! deterministic tokenizer shared by the engine simulator and the sidecar, so a
+//! simulated fleet and its routers agree exactly without any model files.
+
+mod builtin;
+
+pub use builtin::Builtin;
+
+/// One chat message, with multi-part content already flattened to text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Why a prompt could not be tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("chat template failed to render: {0}")]
+    Template(String),
+    #[error("tokenizer failed: {0}")]
+    Tokenizer(String),
+}
+
+/// Turns prompts into token ids the way one engine does.
+pub trait Tokenizer: Send + Sync {
+    /// Token ids of `text`; with `add_special_tokens` the ids start with BOS, as
+    /// vLLM does for a completion prompt.
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError>;
+
+    /// Renders chat messages with the model's chat template, as the engine does
+    /// before tokenizing a chat request.
+    fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError>;
+
+    /// Whether the rendered chat text already carries BOS (then chat prompts are
+    /// encoded without adding special tokens, as vLLM does).
+    fn chat_template_adds_bos(&self) -> bool;
+
+    /// The text of one token, for engines that synthesise output.
+    fn decode_token(&self, id: u32) -> String;
+
+    /// Token ids of a chat request: render, then encode the way the engine does.
+    fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat(messages, add_generation_prompt)?;
+        self.encode(&text, !self.chat_template_adds_bos())
+    }
+}

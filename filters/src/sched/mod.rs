@@ -1,0 +1,1 @@
+//! Scheduling: views, plugins, profiles, registry and the filter config.
