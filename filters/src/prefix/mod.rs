@@ -1,4 +1,5 @@
 //! Knowing where each prefix is cached: tokenization, block keys, KV events and
 //! the prefix index.
 
+pub mod hash;
 pub mod tokenize;
