@@ -1,0 +1,128 @@
+//! The `kvmesh-engine-sim` command line, parsed into a [`SimConfig`].
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+use crate::config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
+use crate::profile::LatencyProfile;
+use crate::{Engine, SimError};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FlavorArg {
+    Vllm,
+    Sglang,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum RoleArg {
+    Both,
+    Prefill,
+    Decode,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FormatArg {
+    Map,
+    Array,
+}
+
+/// A simulated vLLM (or SGLang) engine.
+#[derive(Debug, Parser)]
+#[command(name = "kvmesh-engine-sim", version)]
+pub struct Args {
+    /// Address to serve HTTP on, e.g. 127.0.0.1:8000.
+    #[arg(long)]
+    listen: String,
+    /// Served model name.
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 4096)]
+    num_blocks: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_model_len: usize,
+    /// KV-event PUB endpoint (vLLM rule: bind if it has `*` or `::`, else connect).
+    #[arg(long)]
+    kv_events_endpoint: Option<String>,
+    /// KV-event replay ROUTER endpoint (bound).
+    #[arg(long)]
+    kv_events_replay: Option<String>,
+    #[arg(long, value_enum, default_value = "map")]
+    kv_events_format: FormatArg,
+    /// KV-event topic (frame 0); default `kv@<listen>@<model>`.
+    #[arg(long)]
+    kv_events_topic: Option<String>,
+    /// Latency profile: small-gpu, large-gpu, vllm-cpu-tiny, or a YAML file.
+    #[arg(long, default_value = "small-gpu")]
+    profile: String,
+    /// Simulated seconds per real second.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    #[arg(long, value_enum, default_value = "vllm")]
+    flavor: FlavorArg,
+    #[arg(long, value_enum, default_value = "both")]
+    role: RoleArg,
+    /// `builtin` or a directory with tokenizer.json.
+    #[arg(long, default_value = "builtin")]
+    tokenizer: String,
+    /// NixlConnector engine id (default: a fresh UUID).
+    #[arg(long)]
+    engine_id: Option<String>,
+}
+
+impl Args {
+    /// The engine configuration these arguments describe.
+    pub fn to_config(&self) -> Result<SimConfig, SimError> {
+        let mut cfg = SimConfig::new(self.model.clone())
+            .with_block_size(self.block_size)
+            .with_num_blocks(self.num_blocks)
+            .with_max_num_seqs(self.max_num_seqs)
+            .with_max_model_len(self.max_model_len)
+            .with_profile(LatencyProfile::load(&self.profile)?)
+            .with_time_scale(self.time_scale)
+            .with_flavor(match self.flavor {
+                FlavorArg::Vllm => Flavor::Vllm,
+                FlavorArg::Sglang => Flavor::Sglang,
+            })
+            .with_role(match self.role {
+                RoleArg::Both => Role::Both,
+                RoleArg::Prefill => Role::Prefill,
+                RoleArg::Decode => Role::Decode,
+            });
+        if self.tokenizer != "builtin" {
+            cfg = cfg.with_tokenizer(TokenizerChoice::HfDir(PathBuf::from(&self.tokenizer)));
+        }
+        if let Some(id) = &self.engine_id {
+            cfg = cfg.with_engine_id(id.clone());
+        }
+        if let Some(ep) = &self.kv_events_endpoint {
+            let mut k = KvEventsConfig::new(ep.clone());
+            k.replay_endpoint = self.kv_events_replay.clone();
+            k.topic = self.kv_events_topic.clone().unwrap_or_else(|| format!("kv@{}@{}", self.listen, self.model));
+            k.format = match self.kv_events_format {
+                FormatArg::Map => KvEventsFormat::Map,
+                FormatArg::Array => KvEventsFormat::Array,
+            };
+            cfg = cfg.with_kv_events(k);
+        }
+        if let Some((_, port)) = self.listen.rsplit_once(':') {
+            cfg.side_channel_port = port.parse().unwrap_or(cfg.side_channel_port);
+        }
+        Ok(cfg)
+    }
+}
+
+/// Runs the binary: serve until Ctrl-C.
+pub async fn run(args: Args) -> Result<(), SimError> {
+    let cfg = args.to_config()?;
+    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(SimError::Io)?;
+    let engine = Engine::start(cfg, listener).await?;
+    tracing::info!(addr = %engine.addr(), kv = ?engine.kv_endpoints(), "kvmesh-engine-sim serving");
+    let _ = tokio::signal::ctrl_c().await;
+    engine.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! What one simulated engine is: model, flavor, role, cache geometry, latency
+//! profile, time scale, KV-event sockets and P/D settings.
+//!
+//! `SimConfig::new(model)` gives a vLLM-like default engine; the `with_*`
+//! methods change one field each so tests read as a sentence.
+
+use std::path::PathBuf;
+
+use crate::profile::LatencyProfile;
+
+/// Which engine family the simulator imitates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Flavor {
+    /// vLLM V1: `vllm:` metrics, uint64 event hashes, NixlConnector P/D.
+    #[default]
+    Vllm,
+    /// SGLang: `sglang:` metrics, signed int64 event hashes, bootstrap P/D.
+    Sglang,
+}
+
+/// The engine's part in prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Role {
+    /// Aggregated serving (also accepts P/D parameters, as vLLM `kv_both`).
+    #[default]
+    Both,
+    /// Prefill engine.
+    Prefill,
+    /// Decode engine.
+    Decode,
+}
+
+/// How `BlockStored`/`BlockRemoved`/`AllBlocksCleared` are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvEventsFormat {
+    /// Tagged map (vLLM >= 0.26, SGLang >= #37482); what vLLM 0.32 sends.
+    #[default]
+    Map,
+    /// Legacy tagged array (vLLM <= 0.23).
+    Array,
+}
+
+/// Where token ids come from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TokenizerChoice {
+    /// `kvmesh_filters::prefix::tokenize::Builtin`.
+    #[default]
+    Builtin,
+    /// A directory with `tokenizer.json` (+ chat template). Not supported yet:
+    /// starting an engine with it fails with [`crate::SimError::Tokenizer`].
+    HfDir(PathBuf),
+}
+
+/// The KV-event sockets, as vLLM's `--kv-events-config`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventsConfig {
+    /// PUB endpoint; bound when it has `*`, `::` or is `ipc://`/`inproc://`,
+    /// connected otherwise (vLLM's rule).
+    pub endpoint: String,
+    /// ROUTER replay endpoint (always bound), if any.
+    pub replay_endpoint: Option<String>,
+    /// Frame 0 of every message.
+    pub topic: String,
+    pub format: KvEventsFormat,
+    /// Force bind (`Some(true)`) or connect (`Some(false)`) instead of vLLM's
+    /// rule; SGLang's `"bind": true`. Tests bind `tcp://127.0.0.1:0`.
+    pub bind: Option<bool>,
+    /// Past batches kept for replay (vLLM `buffer_steps`).
+    pub buffer_steps: usize,
+}
+
+impl KvEventsConfig {
+    /// Events on `endpoint`, topic `kv@sim@<model>` style left to the caller.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            format: KvEventsFormat::Map,
+            bind: None,
+            buffer_steps: 10_000,
+        }
+    }
+}
+
+/// Everything one engine needs. Build with [`SimConfig::new`] and `with_*`.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Served model name (`model` in requests and responses).
+    pub model: String,
+    pub flavor: Flavor,
+    pub role: Role,
+    /// Tokens per KV block (vLLM `--block-size`, SGLang page size).
+    pub block_size: usize,
+    /// KV blocks in the pool (vLLM `num_gpu_blocks`).
+    pub num_blocks: usize,
+    /// Running-request limit (vLLM `--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Longest prompt + output (vLLM `--max-model-len`).
+    pub max_model_len: usize,
+    /// Waiting-queue limit; beyond it requests get 503 (vLLM has none by default).
+    pub max_waiting: usize,
+    /// Output length when a request gives no `max_tokens` (finish reason `stop`).
+    pub default_max_tokens: usize,
+    pub profile: LatencyProfile,
+    /// Simulated seconds per real second (10 = ten times faster than real time).
+    pub time_scale: f64,
+    pub kv_events: Option<KvEventsConfig>,
+    pub tokenizer: TokenizerChoice,
+    /// NixlConnector engine id (`remote_engine_id`); a fresh UUID when `None`.
+    pub engine_id: Option<String>,
+    /// `remote_host` a prefill engine reports.
+    pub side_channel_host: String,
+    /// `remote_port` a prefill engine reports (vLLM default 5600).
+    pub side_channel_port: u16,
+    /// Simulated seconds a prefill engine holds blocks for a decode engine
+    /// (vLLM `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s).
+    pub pd_hold_timeout_s: f64,
+    /// Simulated seconds an SGLang half waits for the other (300 s).
+    pub bootstrap_timeout_s: f64,
+    /// SGLang `--disaggregation-bootstrap-port` (8998).
+    pub bootstrap_port: u16,
+    /// Data-parallel rank stamped into event batches and metrics.
+    pub dp_rank: u32,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self::new("sim-model")
+    }
+}
+
+impl SimConfig {
+    /// A vLLM-like engine serving `model` with the `small-gpu` profile.
+    pub fn new(model: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            flavor: Flavor::Vllm,
+            role: Role::Both,
+            block_size: 16,
+            num_blocks: 4096,
+            max_num_seqs: 256,
+            max_model_len: 8192,
+            max_waiting: 8192,
+            default_max_tokens: 16,
+            profile: LatencyProfile::small_gpu(),
+            time_scale: 1.0,
+            kv_events: None,
+            tokenizer: TokenizerChoice::Builtin,
+            engine_id: None,
+            side_channel_host: "127.0.0.1".to_string(),
+            side_channel_port: 5600,
+            pd_hold_timeout_s: 480.0,
+            bootstrap_timeout_s: 300.0,
+            bootstrap_port: 8998,
+            dp_rank: 0,
+        }
+    }
+
+    pub fn with_flavor(mut self, flavor: Flavor) -> Self {
+        self.flavor = flavor;
+        self
+    }
+
+    pub fn with_role(mut self, role: Role) -> Self {
+        self.role = role;
+        self
+    }
+
+    pub fn with_block_size(mut self, block_size: usize) -> Self {
+        self.block_size = block_size;
+        self
+    }
+
+    pub fn with_num_blocks(mut self, num_blocks: usize) -> Self {
+        self.num_blocks = num_blocks;
+        self
+    }
+
+    pub fn with_max_num_seqs(mut self, max_num_seqs: usize) -> Self {
+        self.max_num_seqs = max_num_seqs;
+        self
+    }
+
+    pub fn with_max_model_len(mut self, max_model_len: usize) -> Self {
+        self.max_model_len = max_model_len;
+        self
+    }
+
+    pub fn with_profile(mut self, profile: LatencyProfile) -> Self {
+        self.profile = profile;
+        self
+    }
+
+    pub fn with_time_scale(mut self, time_scale: f64) -> Self {
+        self.time_scale = time_scale;
+        self
+    }
+
+    pub fn with_kv_events(mut self, kv_events: KvEventsConfig) -> Self {
+        self.kv_events = Some(kv_events);
+        self
+    }
+
+    pub fn with_engine_id(mut self, engine_id: impl Into<String>) -> Self {
+        self.engine_id = Some(engine_id.into());
+        self
+    }
+
+    pub fn with_tokenizer(mut self, tokenizer: TokenizerChoice) -> Self {
+        self.tokenizer = tokenizer;
+        self
+    }
+
+    /// Checks the numbers make an engine that can run.
+    pub fn validate(&self) -> Result<(), crate::SimError> {
+        let bad = |what: &str| Err(crate::SimError::Config(what.to_string()));
+        if self.model.is_empty() {
+            return bad("model name is empty");
+        }
+        if self.block_size == 0 || self.block_size > 4096 {
+            return bad("block_size must be in 1..=4096");
+        }
+        if self.num_blocks == 0 {
+            return bad("num_blocks must be at least 1");
+        }
+        if self.max_num_seqs == 0 {
+            return bad("max_num_seqs must be at least 1");
+        }
+        if self.max_model_len < 2 {
+            return bad("max_model_len must be at least 2");
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return bad("time_scale must be a positive number");
+        }
+        if self.max_waiting == 0 {
+            return bad("max_waiting must be at least 1");
+        }
+        self.profile.validate()
+    }
+}
