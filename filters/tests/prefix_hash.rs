@@ -61,8 +61,15 @@ fn vllm_sha256_cbor_vectors_reproduce_digests_and_u64s() {
             .map(|d| d.as_u64().unwrap())
             .collect();
         assert_eq!(hasher.block_hashes(&tokens, bs, salt.as_deref()), want_u64);
-        assert_eq!(digests.len(), tokens.len() / bs, "partial tail is not hashed");
-        assert!(digests.iter().zip(&want_u64).all(|(d, &u)| digest_to_u64(d) == u));
+        assert_eq!(
+            digests.len(),
+            tokens.len() / bs,
+            "partial tail is not hashed"
+        );
+        assert!(digests
+            .iter()
+            .zip(&want_u64)
+            .all(|(d, &u)| digest_to_u64(d) == u));
     }
     assert!(salted >= 1, "the salted case is covered");
 }
@@ -71,5 +78,8 @@ fn vllm_sha256_cbor_vectors_reproduce_digests_and_u64s() {
 fn a_set_seed_changes_the_root() {
     let unset = VllmCborHasher::new(None);
     assert_eq!(unset, VllmCborHasher::new(Some(VLLM_NONE_HASH_SEED)));
-    assert_ne!(unset.root_digest(), VllmCborHasher::new(Some("42")).root_digest());
+    assert_ne!(
+        unset.root_digest(),
+        VllmCborHasher::new(Some("42")).root_digest()
+    );
 }

@@ -50,7 +50,9 @@ impl LocalHasher {
     /// A hasher whose keys depend on `hash_seed` (all routers of one mesh must
     /// use the same seed; it need not match the engine's).
     pub fn new(hash_seed: &str) -> Self {
-        Self { seed: hash_seed.to_owned() }
+        Self {
+            seed: hash_seed.to_owned(),
+        }
     }
 
     /// The parent key of block 0 for `model` (or the LoRA name when the request
@@ -146,7 +148,9 @@ impl VllmCborHasher {
         let seed = python_hash_seed.unwrap_or(VLLM_NONE_HASH_SEED);
         let mut cbor = Vec::with_capacity(seed.len() + 9);
         cbor::text(&mut cbor, seed);
-        Self { root: Sha256::digest(&cbor).into() }
+        Self {
+            root: Sha256::digest(&cbor).into(),
+        }
     }
 
     /// The root digest (vLLM's `NONE_HASH`).
@@ -311,7 +315,10 @@ mod tests {
         ] {
             assert!(base.iter().zip(&other).all(|(a, b)| a != b));
         }
-        assert_eq!(LocalHasher::new("").block_keys("m", None, &tokens, 0), Vec::<u64>::new());
+        assert_eq!(
+            LocalHasher::new("").block_keys("m", None, &tokens, 0),
+            Vec::<u64>::new()
+        );
     }
 
     #[test]

@@ -2,4 +2,5 @@
 //! the prefix index.
 
 pub mod hash;
+pub mod kvevents;
 pub mod tokenize;

@@ -97,10 +97,7 @@ impl Builtin {
 
 /// Byte offset just past the character that starts at `at`.
 fn chars_end(text: &str, at: usize) -> usize {
-    text[at..]
-        .chars()
-        .next()
-        .map_or(at, |c| at + c.len_utf8())
+    text[at..].chars().next().map_or(at, |c| at + c.len_utf8())
 }
 
 impl Tokenizer for Builtin {
@@ -118,7 +115,10 @@ impl Tokenizer for Builtin {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
-        let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 6).sum();
+        let len: usize = messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len() + 6)
+            .sum();
         let mut out = String::with_capacity(len + 16);
         for m in messages {
             out.push_str("<|");
@@ -154,7 +154,10 @@ mod tests {
 
     #[test]
     fn splits_words_with_their_leading_space() {
-        assert_eq!(pieces("Hello, big world!"), ["Hello", ",", " big", " world", "!"]);
+        assert_eq!(
+            pieces("Hello, big world!"),
+            ["Hello", ",", " big", " world", "!"]
+        );
         assert_eq!(pieces("a  b\nc"), ["a", " ", " b", "\n", "c"]);
         assert_eq!(pieces("abcdefghijklmnop"), ["abcdefghijkl", "mnop"]);
         assert_eq!(pieces(" héllo"), [" héllo"]);
@@ -189,8 +192,14 @@ mod tests {
     fn chat_renders_roles_and_generation_prompt() {
         let t = Builtin;
         let msgs = [
-            ChatMessage { role: "system".into(), content: "be brief".into() },
-            ChatMessage { role: "user".into(), content: "hi".into() },
+            ChatMessage {
+                role: "system".into(),
+                content: "be brief".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            },
         ];
         let text = t.render_chat(&msgs, true).unwrap();
         assert_eq!(text, "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n");

@@ -7,7 +7,7 @@
 
 mod builtin;
 
-pub use builtin::Builtin;
+pub use builtin::{Builtin, BOS_ID, EOS_ID, FIRST_ORDINARY_ID, MAX_PIECE_CHARS, VOCAB_SIZE};
 
 /// One chat message, with multi-part content already flattened to text.
 #[derive(Debug, Clone, PartialEq, Eq)]
