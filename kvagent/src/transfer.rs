@@ -1,0 +1,249 @@
+//! Sending a transfer: validate, plan, then copy on the same node or push over a peer link, and
+//! report the path, the bytes and the time. The sender's own blocks are the client's: the agent
+//! only reads them and never frees them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::Agent;
+use crate::error::{Error, Result};
+use crate::peer::link::{self, DataJob, PeerEvent, PeerLink};
+use crate::peer::proto::Ctrl;
+use crate::planner::{plan, MemKind, Path, PlanInput};
+use crate::regions::{LeaseState, Region};
+use crate::types::{BlockLayout, TransferId};
+
+/// Most blocks in one transfer.
+pub const MAX_TRANSFER_BLOCKS: usize = 65536;
+
+/// What a client asks to send.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendArgs {
+    /// Source region id (on this agent).
+    pub region: u64,
+    /// Transfer id both ends use.
+    pub transfer: TransferId,
+    /// Source block ids, in order.
+    pub blocks: Vec<u32>,
+    /// Destination agent: `host:port`, or `local` for this node.
+    pub peer: String,
+    /// Destination region name, if the sender knows it.
+    #[serde(default)]
+    pub dst_region: Option<String>,
+}
+
+/// How a send went.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SendReport {
+    /// The path taken.
+    pub path: Path,
+    /// Why the planner chose it.
+    pub reason: String,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Wall time in microseconds.
+    pub micros: u64,
+}
+
+/// Send `args` within `deadline`.
+pub async fn send(agent: &Arc<Agent>, args: SendArgs, deadline: Duration) -> Result<SendReport> {
+    let started = Instant::now();
+    let res = send_inner(agent, &args, deadline, started).await;
+    match &res {
+        Ok(r) => {
+            agent.metrics.transfer_done(r.path, r.bytes, started.elapsed());
+            tracing::debug!(transfer = %args.transfer, path = r.path.as_str(), bytes = r.bytes, "sent");
+        }
+        Err(e) => {
+            agent.metrics.failure(e.code(), "send");
+            tracing::warn!(transfer = %args.transfer, peer = %args.peer, error = %e, "send failed");
+        }
+    }
+    res
+}
+
+async fn send_inner(agent: &Arc<Agent>, args: &SendArgs, deadline: Duration, started: Instant) -> Result<SendReport> {
+    if args.blocks.is_empty() || args.blocks.len() > MAX_TRANSFER_BLOCKS {
+        return Err(Error::BadRequest(format!("a transfer has 1..={MAX_TRANSFER_BLOCKS} blocks")));
+    }
+    let src = agent.state.lock().reg.region(args.region)?;
+    if let Some(b) = args.blocks.iter().find(|b| **b >= src.layout.blocks) {
+        return Err(Error::BadRequest(format!("block {b} outside region of {} blocks", src.layout.blocks)));
+    }
+    let same_node = args.peer == "local" || args.peer == agent.address || args.peer == agent.cfg.agent_id;
+    let until = tokio::time::Instant::now() + deadline;
+    let link = if same_node {
+        None
+    } else {
+        let l = tokio::time::timeout_at(until, link::get(agent, &args.peer))
+            .await
+            .map_err(|_| Error::Timeout(format!("connecting to {}", args.peer)))??;
+        Some(l)
+    };
+    let p = plan(&PlanInput {
+        same_node,
+        src: MemKind::Host,
+        dst: same_node.then_some(MemKind::Host),
+        local: agent.caps,
+        peer: link.as_ref().map(|l| l.caps),
+    });
+    agent.metrics.plan(p.path, p.reason);
+    tracing::info!(transfer = %args.transfer, path = p.path.as_str(), reason = p.reason, "planned");
+    let bytes = src.layout.transfer_bytes(args.blocks.len());
+    let path = match link {
+        None => {
+            copy_local(agent, &src, args).await?;
+            p.path
+        }
+        // The RDMA data path is not wired yet (see README): every remote transfer uses TCP, and
+        // agents do not announce RDMA, so the planner does not pick it between two of them.
+        Some(l) => {
+            send_tcp(agent, &l, &src, args, deadline, until).await?;
+            Path::Tcp
+        }
+    };
+    let reason = if path == p.path { p.reason.to_string() } else { format!("{} (fell back to tcp)", p.reason) };
+    Ok(SendReport { path, reason, bytes, micros: started.elapsed().as_micros() as u64 })
+}
+
+async fn copy_local(agent: &Arc<Agent>, src: &Arc<Region>, args: &SendArgs) -> Result<()> {
+    let n = args.blocks.len() as u32;
+    let expires = Instant::now() + agent.cfg.hold_ttl;
+    let (dst, dst_blocks) = {
+        let mut st = agent.state.lock();
+        st.reg.clear_failure(&args.transfer);
+        let r = st.reg.land(&args.transfer, &src.layout, n, args.dst_region.as_deref(), Some(src.id), expires);
+        agent.update_usage(&st);
+        r?
+    };
+    let (s, d, blocks) = (Arc::clone(src), Arc::clone(&dst), args.blocks.clone());
+    let dbl = dst_blocks.clone();
+    let copied = tokio::task::spawn_blocking(move || -> Result<()> {
+        let len = s.layout.block_len();
+        for layer in 0..s.layout.layers {
+            for (sb, db) in blocks.iter().zip(&dbl) {
+                s.map.copy_to(s.layout.offset(layer, *sb), &d.map, d.layout.offset(layer, *db), len)?;
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))
+    .and_then(|r| r);
+    let mut st = agent.state.lock();
+    match copied {
+        Ok(()) => {
+            st.reg.set_state(dst.id, &args.transfer, LeaseState::Arrived, expires)?;
+        }
+        Err(e) => {
+            st.reg.release(dst.id, &args.transfer);
+            st.reg.record_failure(&args.transfer, e.code(), e.to_string());
+            agent.update_usage(&st);
+            drop(st);
+            agent.notify.notify_waiters();
+            return Err(e);
+        }
+    }
+    drop(st);
+    agent.notify.notify_waiters();
+    Ok(())
+}
+
+/// Removes the transfer from the link's table however the send ends.
+struct Pending<'a> {
+    link: &'a PeerLink,
+    seq: u64,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.link.pending.lock().remove(&self.seq);
+    }
+}
+
+async fn next_event(rx: &mut mpsc::Receiver<PeerEvent>, until: tokio::time::Instant, peer: &str) -> Result<PeerEvent> {
+    match tokio::time::timeout_at(until, rx.recv()).await {
+        Ok(Some(ev)) => Ok(ev),
+        Ok(None) => Err(Error::PeerLost(format!("{peer} went away during the transfer"))),
+        Err(_) => Err(Error::Timeout("transfer deadline passed".into())),
+    }
+}
+
+async fn send_tcp(agent: &Arc<Agent>, link: &Arc<PeerLink>, src: &Arc<Region>, args: &SendArgs, deadline: Duration, until: tokio::time::Instant) -> Result<()> {
+    let seq = agent.next_id();
+    let (tx, mut rx) = mpsc::channel(4);
+    link.pending.lock().insert(seq, tx);
+    let _pending = Pending { link, seq };
+    let layout = src.layout;
+    let offer = Ctrl::Offer {
+        seq,
+        transfer: args.transfer.clone(),
+        dst_region: args.dst_region.clone(),
+        block_bytes: layout.block_bytes,
+        layers: layout.layers,
+        blocks: args.blocks.len() as u32,
+        deadline_ms: deadline.as_millis() as u64,
+    };
+    send_ctrl(link, offer, until).await?;
+    match next_event(&mut rx, until, &link.addr).await? {
+        PeerEvent::Accepted => {}
+        PeerEvent::Failed(e) => return Err(e),
+        PeerEvent::Done => return Err(Error::Protocol("done before accept".into())),
+    }
+    let cancel = CancellationToken::new();
+    let result = async {
+        for (i, job) in split(seq, src, &args.blocks, &layout, link.data_tx.len(), &cancel).into_iter().enumerate() {
+            let tx = &link.data_tx[i % link.data_tx.len()];
+            tokio::time::timeout_at(until, tx.send(job))
+                .await
+                .map_err(|_| Error::Timeout("data streams busy past the deadline".into()))?
+                .map_err(|_| Error::PeerLost(format!("{} link closed", link.addr)))?;
+        }
+        match next_event(&mut rx, until, &link.addr).await? {
+            PeerEvent::Done => Ok(()),
+            PeerEvent::Failed(e) => Err(e),
+            PeerEvent::Accepted => Err(Error::Protocol("second accept".into())),
+        }
+    }
+    .await;
+    if let Err(e) = &result {
+        cancel.cancel();
+        if !matches!(e, Error::PeerLost(_) | Error::Remote { .. }) {
+            let abort = Ctrl::Abort { seq, reason: e.to_string() };
+            let _ = link.ctrl_tx.try_send(abort);
+        }
+    }
+    result
+}
+
+async fn send_ctrl(link: &PeerLink, msg: Ctrl, until: tokio::time::Instant) -> Result<()> {
+    tokio::time::timeout_at(until, link.ctrl_tx.send(msg))
+        .await
+        .map_err(|_| Error::Timeout("control queue full past the deadline".into()))?
+        .map_err(|_| Error::PeerLost(format!("{} link closed", link.addr)))
+}
+
+/// Split a transfer's segments into contiguous runs, one per data stream.
+fn split(seq: u64, src: &Arc<Region>, blocks: &[u32], layout: &BlockLayout, streams: usize, cancel: &CancellationToken) -> Vec<DataJob> {
+    let mut segs = Vec::with_capacity(blocks.len() * layout.layers as usize);
+    for layer in 0..layout.layers {
+        for (i, b) in blocks.iter().enumerate() {
+            segs.push((i as u32, layer, *b));
+        }
+    }
+    let per = segs.len().div_ceil(streams.max(1));
+    segs.chunks(per.max(1))
+        .map(|c| DataJob {
+            seq,
+            map: Arc::clone(&src.map),
+            layout: *layout,
+            segs: c.to_vec(),
+            cancel: cancel.clone(),
+        })
+        .collect()
+}
