@@ -170,11 +170,10 @@ impl Core {
         let bs = self.cfg.block_size;
         let s = &mut self.running[i];
         let full = (s.computed / bs).min(s.blocks.len());
-        while s.hashes.len() < full {
-            let j = s.hashes.len();
-            let toks = s.tokens(j * bs, (j + 1) * bs);
-            let h = hash::block_hash(s.hashes.last().copied(), &toks, j, &s.req.extras);
-            s.hashes.push(h);
+        if s.hashes.len() < full {
+            // Output tokens filled a block: vLLM's chain needs every parent
+            // digest, so rehash the sequence (rare: once per block_size tokens).
+            s.hashes = hash::block_hashes(&s.tokens(0, full * bs), bs, &s.req.extras);
         }
         if full <= s.committed {
             return;
