@@ -2,5 +2,6 @@
 //! the prefix index.
 
 pub mod hash;
+pub mod index;
 pub mod kvevents;
 pub mod tokenize;
