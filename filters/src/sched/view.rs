@@ -1,0 +1,162 @@
+//! What the scheduler sees: one [`RequestView`] per request and one
+//! [`EndpointView`] per candidate endpoint. Both are plain data the proxy fills
+//! once (after parsing the body, and from its load and prefix state), so the
+//! plugins never parse JSON, touch a socket or read a clock.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The kind of inference call, from the request path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathKind {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+    /// Anything else the proxy decided to schedule.
+    #[default]
+    Other,
+}
+
+/// One inference request, as the schedule stage needs it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestView {
+    /// The request id (`x-request-id` or generated), for traces.
+    pub request_id: String,
+    /// The `model` field as the client sent it.
+    pub model: String,
+    /// The LoRA adapter the model name names, when it names one (vLLM serves
+    /// adapters under their own model name).
+    pub lora_adapter: Option<String>,
+    /// Completions, chat or other.
+    pub path: PathKind,
+    /// `stream: true`.
+    pub stream: bool,
+    /// `max_tokens` / `max_completion_tokens`, when given.
+    pub max_tokens: Option<u32>,
+    /// vLLM's `cache_salt`, when given (it changes every block key).
+    pub cache_salt: Option<String>,
+    /// The session key from the session header (e.g. `x-session-id`).
+    pub session_key: Option<String>,
+    /// Prompt length in tokens, exact or estimated.
+    pub prompt_tokens: u32,
+    /// Whether `prompt_tokens` came from a real tokenizer.
+    pub prompt_tokens_exact: bool,
+    /// Number of full prompt blocks (the denominator of the prefix score).
+    pub prompt_blocks: u32,
+}
+
+impl RequestView {
+    /// A request for `model` with everything else empty; fill the rest with
+    /// struct update syntax.
+    pub fn new(request_id: impl Into<String>, model: impl Into<String>) -> Self {
+        RequestView {
+            request_id: request_id.into(),
+            model: model.into(),
+            ..RequestView::default()
+        }
+    }
+
+    /// The adapter named by `model`, when `is_adapter` says the name is one of
+    /// the LoRA adapters the mesh knows; the caller stores it in `lora_adapter`.
+    pub fn adapter_from_model(model: &str, is_adapter: impl Fn(&str) -> bool) -> Option<String> {
+        is_adapter(model).then(|| model.to_owned())
+    }
+}
+
+/// The serving role of an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill only (P/D).
+    Prefill,
+    /// Decode only (P/D).
+    Decode,
+    /// Both: an ordinary aggregated engine.
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// Whether this endpoint can run a prefill leg.
+    pub fn can_prefill(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// Whether this endpoint can run a decode leg (or a whole request).
+    pub fn can_decode(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+/// The load figures of one endpoint, as last reported.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct LoadSnapshot {
+    /// Requests waiting in the engine queue.
+    pub waiting: u32,
+    /// Requests running in the engine batch.
+    pub running: u32,
+    /// Requests this mesh sent that have not finished (fresher than the two above).
+    pub in_flight: u32,
+    /// KV-cache usage, 0..=1.
+    pub kv_usage: f64,
+    /// The engine's KV block size in tokens.
+    pub block_size: u32,
+}
+
+/// How much of the current request's prefix the endpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PrefixMatch {
+    /// Consecutive blocks from block 0 the endpoint holds.
+    pub matched_blocks: u32,
+    /// Tokens per block of this match.
+    pub block_size: u32,
+}
+
+impl PrefixMatch {
+    /// Matched prefix length in tokens.
+    pub fn matched_tokens(&self) -> u64 {
+        u64::from(self.matched_blocks) * u64::from(self.block_size)
+    }
+}
+
+/// One candidate endpoint for one request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EndpointView {
+    /// Stable id, e.g. `10.0.0.5:8000`; decisions and traces name endpoints by it.
+    pub id: String,
+    /// Where to send the request (often equal to `id`).
+    pub address: String,
+    /// Prefill, decode or both.
+    pub role: Role,
+    /// Models served (base names). Empty means "not known".
+    pub models: Vec<String>,
+    /// LoRA adapters loaded now.
+    pub lora_adapters: Vec<String>,
+    /// Labels, for `label-selector-filter`.
+    pub labels: BTreeMap<String, String>,
+    /// Load snapshot.
+    pub load: LoadSnapshot,
+    /// Prefix match for the current request (from the prefix index).
+    pub prefix: PrefixMatch,
+    /// Whether the endpoint is believed healthy.
+    pub healthy: bool,
+    /// Age of the load/health data in milliseconds.
+    pub staleness_ms: u64,
+}
+
+impl EndpointView {
+    /// A healthy, fresh, idle endpoint serving both roles; fill the rest with
+    /// struct update syntax.
+    pub fn new(id: impl Into<String>) -> Self {
+        let id = id.into();
+        EndpointView {
+            address: id.clone(),
+            id,
+            healthy: true,
+            ..EndpointView::default()
+        }
+    }
+}
