@@ -145,8 +145,15 @@ impl Agent {
     pub fn start(cfg: AgentConfig, listeners: Listeners) -> Result<AgentHandle> {
         cfg.validate()?;
         let peer_addr = listeners.peer.local_addr()?;
-        let admin_addr = listeners.admin.as_ref().map(|l| l.local_addr()).transpose()?;
-        let address = cfg.advertise.clone().unwrap_or_else(|| peer_addr.to_string());
+        let admin_addr = listeners
+            .admin
+            .as_ref()
+            .map(|l| l.local_addr())
+            .transpose()?;
+        let address = cfg
+            .advertise
+            .clone()
+            .unwrap_or_else(|| peer_addr.to_string());
         let caps = Caps(Caps::TCP | crate::rdma::caps() | crate::cuda::caps());
         let agent = Arc::new(Agent {
             state: Mutex::new(State {
@@ -166,16 +173,29 @@ impl Agent {
         });
         tracing::info!(agent = %agent.cfg.agent_id, %peer_addr, caps = ?caps.names(), "kvagent started");
         let a = Arc::clone(&agent);
-        agent.tasks.spawn(crate::local::server::serve(a, listeners.local));
+        agent
+            .tasks
+            .spawn(crate::local::server::serve(a, listeners.local));
         let a = Arc::clone(&agent);
-        agent.tasks.spawn(crate::peer::server::serve(a, listeners.peer));
+        agent
+            .tasks
+            .spawn(crate::peer::server::serve(a, listeners.peer));
         let a = Arc::clone(&agent);
         agent.tasks.spawn(reaper(a));
         if let Some(l) = listeners.admin {
             let m = Arc::clone(&agent.metrics);
-            agent.tasks.spawn(crate::metrics::serve_admin(l, m, agent.stop.clone(), agent.tasks.clone()));
+            agent.tasks.spawn(crate::metrics::serve_admin(
+                l,
+                m,
+                agent.stop.clone(),
+                agent.tasks.clone(),
+            ));
         }
-        Ok(AgentHandle { agent, peer_addr, admin_addr })
+        Ok(AgentHandle {
+            agent,
+            peer_addr,
+            admin_addr,
+        })
     }
 
     /// A fresh id for connections, sessions and sequences.
@@ -190,15 +210,23 @@ impl Agent {
 
     /// Clamp a client's deadline.
     pub(crate) fn deadline(&self, ms: Option<u64>) -> Duration {
-        ms.map_or(self.cfg.default_deadline, Duration::from_millis).min(self.cfg.max_deadline)
+        ms.map_or(self.cfg.default_deadline, Duration::from_millis)
+            .min(self.cfg.max_deadline)
     }
 
     pub(crate) fn update_usage(&self, st: &State) {
-        self.metrics.set_usage(st.reg.registered_bytes(), st.reg.lease_count());
+        self.metrics
+            .set_usage(st.reg.registered_bytes(), st.reg.lease_count());
     }
 
     /// Register a client's memfd as a region.
-    pub fn register(&self, owner: u64, name: String, layout: BlockLayout, fd: OwnedFd) -> Result<Arc<Region>> {
+    pub fn register(
+        &self,
+        owner: u64,
+        name: String,
+        layout: BlockLayout,
+        fd: OwnedFd,
+    ) -> Result<Arc<Region>> {
         let len = layout.validate(self.cfg.limits.max_region_bytes)?;
         let map = Arc::new(Mapping::from_client_fd(fd, len)?);
         let mut st = self.state.lock();
@@ -211,12 +239,24 @@ impl Agent {
     /// Unregister a region; its leases end and transfers into it abort.
     pub fn unregister(&self, id: u64) -> Result<()> {
         let mut st = self.state.lock();
-        let keys: Vec<_> = st.incoming.iter().filter(|(_, i)| i.region == id).map(|(k, _)| *k).collect();
+        let keys: Vec<_> = st
+            .incoming
+            .iter()
+            .filter(|(_, i)| i.region == id)
+            .map(|(k, _)| *k)
+            .collect();
         for k in keys {
-            abort_incoming_locked(self, &mut st, k, ErrorCode::UnknownRegion, "region unregistered");
+            abort_incoming_locked(
+                self,
+                &mut st,
+                k,
+                ErrorCode::UnknownRegion,
+                "region unregistered",
+            );
         }
         for tid in st.reg.unregister(id)? {
-            st.reg.record_failure(&tid, ErrorCode::UnknownRegion, "region unregistered".into());
+            st.reg
+                .record_failure(&tid, ErrorCode::UnknownRegion, "region unregistered".into());
         }
         self.update_usage(&st);
         drop(st);
@@ -237,13 +277,20 @@ impl Agent {
         let mut st = self.state.lock();
         let expires = Instant::now() + self.cfg.lease_ttl;
         st.reg.clear_failure(tid);
-        let r = st.reg.reserve(region, tid, n, LeaseState::Reserved, expires);
+        let r = st
+            .reg
+            .reserve(region, tid, n, LeaseState::Reserved, expires);
         self.update_usage(&st);
         r
     }
 
     /// Wait until `tid`'s blocks have arrived (in `region`, or in any region).
-    pub async fn wait(&self, region: Option<u64>, tid: &TransferId, deadline: Duration) -> Result<(u64, Vec<u32>)> {
+    pub async fn wait(
+        &self,
+        region: Option<u64>,
+        tid: &TransferId,
+        deadline: Duration,
+    ) -> Result<(u64, Vec<u32>)> {
         let until = tokio::time::Instant::now() + deadline;
         loop {
             let notified = self.notify.notified();
@@ -270,7 +317,9 @@ impl Agent {
                 }
             }
             if tokio::time::timeout_at(until, notified).await.is_err() {
-                return Err(Error::Timeout(format!("blocks of {tid} did not arrive in {deadline:?}")));
+                return Err(Error::Timeout(format!(
+                    "blocks of {tid} did not arrive in {deadline:?}"
+                )));
             }
         }
     }
@@ -278,7 +327,11 @@ impl Agent {
     /// End `tid`'s lease in `region`.
     pub fn free(&self, region: u64, tid: &TransferId) -> Result<()> {
         let mut st = self.state.lock();
-        let key = st.incoming.iter().find(|(_, i)| i.region == region && &i.tid == tid).map(|(k, _)| *k);
+        let key = st
+            .incoming
+            .iter()
+            .find(|(_, i)| i.region == region && &i.tid == tid)
+            .map(|(k, _)| *k);
         if let Some(k) = key {
             abort_incoming_locked(self, &mut st, k, ErrorCode::Aborted, "freed by the client");
         } else if !st.reg.release(region, tid) {
@@ -317,8 +370,16 @@ impl Agent {
 
 /// Abort an incoming transfer: tell the sender, remember the cause for the waiter, and free its
 /// blocks now or, if a socket read is still writing into them, when the last one finishes.
-pub(crate) fn abort_incoming_locked(agent: &Agent, st: &mut State, key: (u64, u64), code: ErrorCode, why: &str) {
-    let Some(inc) = st.incoming.get_mut(&key) else { return };
+pub(crate) fn abort_incoming_locked(
+    agent: &Agent,
+    st: &mut State,
+    key: (u64, u64),
+    code: ErrorCode,
+    why: &str,
+) {
+    let Some(inc) = st.incoming.get_mut(&key) else {
+        return;
+    };
     if inc.aborted {
         return;
     }
@@ -331,10 +392,16 @@ pub(crate) fn abort_incoming_locked(agent: &Agent, st: &mut State, key: (u64, u6
         st.incoming.remove(&key);
         st.reg.release(region, &tid);
     } else {
-        let _ = st.reg.set_state(region, &tid, LeaseState::Draining, Instant::now());
+        let _ = st
+            .reg
+            .set_state(region, &tid, LeaseState::Draining, Instant::now());
     }
     if let Some(tx) = st.sessions.get(&key.0) {
-        let _ = tx.try_send(Ctrl::Failed { seq: key.1, code, message: why.to_string() });
+        let _ = tx.try_send(Ctrl::Failed {
+            seq: key.1,
+            code,
+            message: why.to_string(),
+        });
     }
     agent.update_usage(st);
     agent.notify.notify_waiters();
@@ -351,9 +418,19 @@ async fn reaper(agent: Arc<Agent>) {
         let now = Instant::now();
         let mut st = agent.state.lock();
         for (region, tid, state) in st.reg.expired(now) {
-            let key = st.incoming.iter().find(|(_, i)| i.region == region && i.tid == tid).map(|(k, _)| *k);
+            let key = st
+                .incoming
+                .iter()
+                .find(|(_, i)| i.region == region && i.tid == tid)
+                .map(|(k, _)| *k);
             match key {
-                Some(k) => abort_incoming_locked(&agent, &mut st, k, ErrorCode::Timeout, "transfer deadline passed"),
+                Some(k) => abort_incoming_locked(
+                    &agent,
+                    &mut st,
+                    k,
+                    ErrorCode::Timeout,
+                    "transfer deadline passed",
+                ),
                 None => {
                     tracing::warn!(transfer = %tid, region, ?state, "lease expired, blocks freed");
                     st.reg.release(region, &tid);

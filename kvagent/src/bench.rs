@@ -41,7 +41,16 @@ impl ChildAgent {
     pub fn spawn(exe: &Path, dir: &Path, name: &str, extra: &[&str]) -> Result<Self> {
         let socket = dir.join(format!("{name}.sock"));
         let mut child = Command::new(exe)
-            .args(["run", "--listen", "127.0.0.1:0", "--admin", "", "--ready-json", "--agent-id", name])
+            .args([
+                "run",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                "",
+                "--ready-json",
+                "--agent-id",
+                name,
+            ])
             .arg("--socket")
             .arg(&socket)
             .args(extra)
@@ -49,7 +58,10 @@ impl ChildAgent {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
-        let stdout = child.stdout.take().ok_or_else(|| Error::Io(std::io::Error::other("no stdout")))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::Io(std::io::Error::other("no stdout")))?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut line = String::new();
@@ -63,9 +75,14 @@ impl ChildAgent {
                 return Err(Error::Timeout("child agent did not report ready".into()));
             }
         };
-        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| Error::Protocol(format!("ready line {line:?}: {e}")))?;
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .map_err(|e| Error::Protocol(format!("ready line {line:?}: {e}")))?;
         let peer = v["peer"].as_str().unwrap_or_default().to_string();
-        Ok(Self { child, socket, peer })
+        Ok(Self {
+            child,
+            socket,
+            peer,
+        })
     }
 
     /// Kill the process now (SIGKILL) and reap it.
@@ -135,11 +152,22 @@ fn memcpy_ceiling(total: u64) -> f64 {
 }
 
 fn tcp_ceiling(exe: &Path, total: u64) -> Result<f64> {
-    let mut child = Command::new(exe).arg("bench-sink").stdout(Stdio::piped()).spawn()?;
-    let mut out = BufReader::new(child.stdout.take().ok_or_else(|| Error::Io(std::io::Error::other("no stdout")))?);
+    let mut child = Command::new(exe)
+        .arg("bench-sink")
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(
+        child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::Io(std::io::Error::other("no stdout")))?,
+    );
     let mut port = String::new();
     out.read_line(&mut port)?;
-    let port: u16 = port.trim().parse().map_err(|_| Error::Protocol("sink port".into()))?;
+    let port: u16 = port
+        .trim()
+        .parse()
+        .map_err(|_| Error::Protocol("sink port".into()))?;
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let buf = vec![1u8; 1 << 20];
@@ -166,9 +194,21 @@ fn region(client: &mut LocalClient, name: &str, layout: BlockLayout) -> Result<(
 
 /// Move `total` bytes in `block` blocks from `src` (through `sender`) to `peer`, collecting and
 /// freeing on `receiver`; returns bytes per second.
-fn measure(sender: &mut LocalClient, receiver: &mut LocalClient, dir: &Path, peer: &str, block: u64, total: u64, tag: &str) -> Result<f64> {
+fn measure(
+    sender: &mut LocalClient,
+    receiver: &mut LocalClient,
+    dir: &Path,
+    peer: &str,
+    block: u64,
+    total: u64,
+    tag: &str,
+) -> Result<f64> {
     let blocks = (TRANSFER_BYTES / block) as u32;
-    let layout = BlockLayout { block_bytes: block, layers: 1, blocks };
+    let layout = BlockLayout {
+        block_bytes: block,
+        layers: 1,
+        blocks,
+    };
     let (_src_map, src) = region(sender, &format!("{tag}-src-{block}"), layout)?;
     let (_dst_map, dst) = region(receiver, &format!("{tag}-dst-{block}"), layout)?;
     let _ = dir;
@@ -178,7 +218,13 @@ fn measure(sender: &mut LocalClient, receiver: &mut LocalClient, dir: &Path, pee
     let t = Instant::now();
     for i in 0..rounds {
         let tid = TransferId::new(format!("bench-{tag}-{block}-{i}"))?;
-        let args = SendArgs { region: src, transfer: tid.clone(), blocks: ids.clone(), peer: peer.to_string(), dst_region: None };
+        let args = SendArgs {
+            region: src,
+            transfer: tid.clone(),
+            blocks: ids.clone(),
+            peer: peer.to_string(),
+            dst_region: None,
+        };
         sender.send(&args, deadline)?;
         let got = receiver.wait(Some(dst), &tid, deadline)?;
         receiver.free(got.region, &tid)?;
@@ -204,23 +250,52 @@ pub fn run(json: bool, total: u64) -> Result<()> {
         let mut results = Vec::new();
         for block in BLOCK_SIZES {
             let r = measure(&mut ca, &mut cb, &dir, &b.peer, block, total, "tcp")?;
-            results.push(BenchRow { path: "tcp", block_bytes: block, throughput_bytes_per_s: r, ceiling_bytes_per_s: tcp, ratio: r / tcp });
+            results.push(BenchRow {
+                path: "tcp",
+                block_bytes: block,
+                throughput_bytes_per_s: r,
+                ceiling_bytes_per_s: tcp,
+                ratio: r / tcp,
+            });
             let r = measure(&mut ca, &mut ca2, &dir, "local", block, total, "shm")?;
-            results.push(BenchRow { path: "shm", block_bytes: block, throughput_bytes_per_s: r, ceiling_bytes_per_s: memcpy, ratio: r / memcpy });
+            results.push(BenchRow {
+                path: "shm",
+                block_bytes: block,
+                throughput_bytes_per_s: r,
+                ceiling_bytes_per_s: memcpy,
+                ratio: r / memcpy,
+            });
         }
-        Ok(BenchReport { memcpy_bytes_per_s: memcpy, tcp_loopback_bytes_per_s: tcp, results })
+        Ok(BenchReport {
+            memcpy_bytes_per_s: memcpy,
+            tcp_loopback_bytes_per_s: tcp,
+            results,
+        })
     })();
     let _ = std::fs::remove_dir_all(&dir);
     let report = report?;
     let mut out = std::io::stdout().lock();
     if json {
-        let s = serde_json::to_string_pretty(&report).map_err(|e| Error::Protocol(e.to_string()))?;
+        let s =
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Protocol(e.to_string()))?;
         writeln!(out, "{s}")?;
     } else {
         let gb = |v: f64| v / 1e9;
-        writeln!(out, "memcpy ceiling       {:8.2} GB/s", gb(report.memcpy_bytes_per_s))?;
-        writeln!(out, "tcp loopback ceiling {:8.2} GB/s", gb(report.tcp_loopback_bytes_per_s))?;
-        writeln!(out, "{:<5} {:>10} {:>12} {:>12} {:>7}", "path", "block", "GB/s", "ceiling", "ratio")?;
+        writeln!(
+            out,
+            "memcpy ceiling       {:8.2} GB/s",
+            gb(report.memcpy_bytes_per_s)
+        )?;
+        writeln!(
+            out,
+            "tcp loopback ceiling {:8.2} GB/s",
+            gb(report.tcp_loopback_bytes_per_s)
+        )?;
+        writeln!(
+            out,
+            "{:<5} {:>10} {:>12} {:>12} {:>7}",
+            "path", "block", "GB/s", "ceiling", "ratio"
+        )?;
         for r in &report.results {
             writeln!(
                 out,

@@ -87,18 +87,28 @@ impl LocalClient {
     pub fn connect(path: impl AsRef<Path>, deadline: Duration) -> Result<Self> {
         let stream = UnixStream::connect(path)?;
         stream.set_write_timeout(Some(deadline + MARGIN))?;
-        Ok(Self { stream, next_id: 1, deadline })
+        Ok(Self {
+            stream,
+            next_id: 1,
+            deadline,
+        })
     }
 
     /// Send one raw request object (adds `v`, `id`, `deadline_ms`) and return the result fields.
-    pub fn call(&mut self, mut req: Map<String, Value>, fd: Option<BorrowedFd<'_>>, deadline: Option<Duration>) -> Result<Map<String, Value>> {
+    pub fn call(
+        &mut self,
+        mut req: Map<String, Value>,
+        fd: Option<BorrowedFd<'_>>,
+        deadline: Option<Duration>,
+    ) -> Result<Map<String, Value>> {
         let deadline = deadline.unwrap_or(self.deadline);
         let id = self.next_id;
         self.next_id += 1;
         req.insert("v".into(), VERSION.into());
         req.insert("id".into(), id.into());
         req.insert("deadline_ms".into(), (deadline.as_millis() as u64).into());
-        let body = serde_json::to_vec(&Value::Object(req)).map_err(|e| Error::BadRequest(e.to_string()))?;
+        let body = serde_json::to_vec(&Value::Object(req))
+            .map_err(|e| Error::BadRequest(e.to_string()))?;
         let frame = wire::encode(&body);
         match fd {
             Some(fd) => {
@@ -120,7 +130,9 @@ impl LocalClient {
     }
 
     fn op(&mut self, v: Value, deadline: Option<Duration>) -> Result<Map<String, Value>> {
-        let Value::Object(m) = v else { return Err(Error::BadRequest("request must be an object".into())) };
+        let Value::Object(m) = v else {
+            return Err(Error::BadRequest("request must be an object".into()));
+        };
         self.call(m, None, deadline)
     }
 
@@ -135,17 +147,23 @@ impl LocalClient {
             return Err(Error::BadRequest("unreachable".into()));
         };
         let r = self.call(m, Some(fd), None)?;
-        r.get("region").and_then(Value::as_u64).ok_or_else(|| Error::Protocol("no region in reply".into()))
+        r.get("region")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| Error::Protocol("no region in reply".into()))
     }
 
     /// Unregister a region.
     pub fn unregister(&mut self, region: u64) -> Result<()> {
-        self.op(json!({"op": "unregister", "region": region}), None).map(|_| ())
+        self.op(json!({"op": "unregister", "region": region}), None)
+            .map(|_| ())
     }
 
     /// Reserve `blocks` blocks of `region` for `transfer`; returns their ids.
     pub fn reserve(&mut self, region: u64, transfer: &TransferId, blocks: u32) -> Result<Vec<u32>> {
-        let r = self.op(json!({"op": "reserve", "region": region, "transfer": transfer, "blocks": blocks}), None)?;
+        let r = self.op(
+            json!({"op": "reserve", "region": region, "transfer": transfer, "blocks": blocks}),
+            None,
+        )?;
         decode(r.get("blocks").cloned().unwrap_or_default())
     }
 
@@ -160,13 +178,25 @@ impl LocalClient {
     }
 
     /// Wait until `transfer`'s blocks have arrived (in `region`, or anywhere on this agent).
-    pub fn wait(&mut self, region: Option<u64>, transfer: &TransferId, deadline: Duration) -> Result<Arrival> {
-        decode(self.op(json!({"op": "wait", "region": region, "transfer": transfer}), Some(deadline))?)
+    pub fn wait(
+        &mut self,
+        region: Option<u64>,
+        transfer: &TransferId,
+        deadline: Duration,
+    ) -> Result<Arrival> {
+        decode(self.op(
+            json!({"op": "wait", "region": region, "transfer": transfer}),
+            Some(deadline),
+        )?)
     }
 
     /// Free `transfer`'s blocks in `region`.
     pub fn free(&mut self, region: u64, transfer: &TransferId) -> Result<()> {
-        self.op(json!({"op": "free", "region": region, "transfer": transfer}), None).map(|_| ())
+        self.op(
+            json!({"op": "free", "region": region, "transfer": transfer}),
+            None,
+        )
+        .map(|_| ())
     }
 
     /// Regions, leases and transfers.
@@ -177,7 +207,9 @@ impl LocalClient {
 
 fn timeout_or_io(e: std::io::Error) -> Error {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout("agent reply".into()),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            Error::Timeout("agent reply".into())
+        }
         _ => Error::Io(e),
     }
 }

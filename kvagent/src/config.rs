@@ -59,7 +59,11 @@ impl Default for AgentConfig {
             hold_ttl: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
-            limits: RegistryLimits { max_regions: 64, max_leases: 65536, max_region_bytes: 1 << 40 },
+            limits: RegistryLimits {
+                max_regions: 64,
+                max_leases: 65536,
+                max_region_bytes: 1 << 40,
+            },
             max_local_conns: 1024,
             max_peer_sessions: 1024,
             max_inflight: 4096,
@@ -78,7 +82,9 @@ impl AgentConfig {
             return Err(Error::BadRequest("data_streams must be 1..=16".into()));
         }
         if self.default_deadline > self.max_deadline || self.max_deadline.is_zero() {
-            return Err(Error::BadRequest("default_deadline must be within (0, max_deadline]".into()));
+            return Err(Error::BadRequest(
+                "default_deadline must be within (0, max_deadline]".into(),
+            ));
         }
         Ok(())
     }

@@ -16,7 +16,9 @@ impl IpcHandle {
     pub fn from_hex(s: &str) -> Result<Self> {
         let s = s.trim();
         if s.len() != 128 || !s.is_ascii() {
-            return Err(Error::BadRequest("a CUDA IPC handle is 128 hex digits".into()));
+            return Err(Error::BadRequest(
+                "a CUDA IPC handle is 128 hex digits".into(),
+            ));
         }
         let mut out = [0u8; 64];
         for (i, b) in out.iter_mut().enumerate() {
@@ -48,13 +50,17 @@ pub fn caps() -> u32 {
 #[cfg(not(feature = "cuda"))]
 /// Whether CUDA can be used here.
 pub fn available() -> Result<DeviceInfo> {
-    Err(Error::CudaUnavailable("this kvagent was built without the `cuda` feature".into()))
+    Err(Error::CudaUnavailable(
+        "this kvagent was built without the `cuda` feature".into(),
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
 /// Open an engine's GPU buffer (needs the `cuda` feature).
 pub fn open_ipc(_handle: &IpcHandle, _device: i32, _len: usize) -> Result<GpuRegion> {
-    Err(Error::CudaUnavailable("this kvagent was built without the `cuda` feature".into()))
+    Err(Error::CudaUnavailable(
+        "this kvagent was built without the `cuda` feature".into(),
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -68,7 +74,9 @@ pub struct GpuRegion {
 impl GpuRegion {
     /// Copy device bytes to host memory.
     pub fn copy_to_host(&self, _off: usize, _dst: &mut [u8]) -> Result<()> {
-        Err(Error::CudaUnavailable("built without the `cuda` feature".into()))
+        Err(Error::CudaUnavailable(
+            "built without the `cuda` feature".into(),
+        ))
     }
 }
 
@@ -90,7 +98,9 @@ mod with_cuda {
     pub fn available() -> Result<DeviceInfo> {
         // SAFETY: only tries to dlopen the driver library.
         if !unsafe { sys::is_culib_present() } {
-            return Err(Error::CudaUnavailable("libcuda.so (the NVIDIA driver) not found".into()));
+            return Err(Error::CudaUnavailable(
+                "libcuda.so (the NVIDIA driver) not found".into(),
+            ));
         }
         result::init().map_err(|e| driver_err("cuInit", e))?;
         let count = result::device::get_count().map_err(|e| driver_err("device count", e))?;
@@ -121,7 +131,8 @@ mod with_cuda {
         available()?;
         let dev = result::device::get(device).map_err(|e| driver_err("device", e))?;
         // SAFETY: dev is a valid device; the primary context is released on drop.
-        let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| driver_err("primary context", e))?;
+        let ctx = unsafe { result::primary_ctx::retain(dev) }
+            .map_err(|e| driver_err("primary context", e))?;
         // SAFETY: ctx was just retained.
         unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver_err("set context", e))?;
         let mut raw = sys::CUipcMemHandle_st { reserved: [0; 64] };
@@ -131,9 +142,14 @@ mod with_cuda {
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: out pointer is valid; the handle comes from another process's export.
         let rc = unsafe {
-            sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
         };
-        rc.result().map_err(|e| driver_err("cuIpcOpenMemHandle", e))?;
+        rc.result()
+            .map_err(|e| driver_err("cuIpcOpenMemHandle", e))?;
         Ok(GpuRegion { ptr, len, ctx })
     }
 
@@ -144,9 +160,11 @@ mod with_cuda {
                 return Err(Error::BadRequest("range outside the GPU region".into()));
             }
             // SAFETY: ctx is alive while self is.
-            unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| driver_err("set context", e))?;
+            unsafe { result::ctx::set_current(self.ctx) }
+                .map_err(|e| driver_err("set context", e))?;
             // SAFETY: range checked against the opened allocation.
-            unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }.map_err(|e| driver_err("memcpy", e))
+            unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }
+                .map_err(|e| driver_err("memcpy", e))
         }
     }
 
@@ -170,7 +188,11 @@ mod tests {
             assert_eq!(caps(), 0);
             let h = IpcHandle([0; 64]);
             let err = open_ipc(&h, 0, 4096).unwrap_err();
-            assert_eq!(err.code(), crate::error::ErrorCode::CudaUnavailable, "{err}");
+            assert_eq!(
+                err.code(),
+                crate::error::ErrorCode::CudaUnavailable,
+                "{err}"
+            );
         } else {
             assert_eq!(caps(), crate::planner::Caps::CUDA);
         }

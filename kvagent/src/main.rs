@@ -37,7 +37,11 @@ enum Cmd {
 #[derive(Parser)]
 struct RunArgs {
     /// Unix socket of the local API.
-    #[arg(long, env = "KVAGENT_SOCKET", default_value = "/run/kvmesh/kvagent.sock")]
+    #[arg(
+        long,
+        env = "KVAGENT_SOCKET",
+        default_value = "/run/kvmesh/kvagent.sock"
+    )]
     socket: PathBuf,
     /// Group id allowed on the socket (mode 0660); default owner only (0600).
     #[arg(long, env = "KVAGENT_SOCKET_GROUP")]
@@ -79,7 +83,9 @@ fn main() -> anyhow::Result<()> {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let rt = tokio::runtime::Runtime::new()?;
@@ -93,16 +99,28 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             advertise: args.advertise,
             data_streams: args.data_streams,
             hold_ttl: Duration::from_secs(args.hold_ttl_s),
-            faults: Faults { stall_data_after_bytes: args.fault_stall_after_bytes },
+            faults: Faults {
+                stall_data_after_bytes: args.fault_stall_after_bytes,
+            },
             ..AgentConfig::default()
         };
-        let sock = SocketConfig { path: args.socket.clone(), group: args.socket_group };
-        let local = bind_local(&sock).with_context(|| format!("binding {}", args.socket.display()))?;
-        let peer = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let sock = SocketConfig {
+            path: args.socket.clone(),
+            group: args.socket_group,
+        };
+        let local =
+            bind_local(&sock).with_context(|| format!("binding {}", args.socket.display()))?;
+        let peer = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
         let admin = if args.admin.is_empty() {
             None
         } else {
-            Some(tokio::net::TcpListener::bind(&args.admin).await.with_context(|| format!("binding {}", args.admin))?)
+            Some(
+                tokio::net::TcpListener::bind(&args.admin)
+                    .await
+                    .with_context(|| format!("binding {}", args.admin))?,
+            )
         };
         let handle = Agent::start(cfg, Listeners { local, peer, admin })?;
         if args.ready_json {
@@ -127,5 +145,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "kvagent".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "kvagent".into())
 }

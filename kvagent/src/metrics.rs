@@ -80,46 +80,95 @@ impl Metrics {
         let throughput: HistFamily = Family::new_with_constructor(throughput_hist);
         let registered = Gauge::default();
         let leases = Gauge::default();
-        registry.register("transfer_bytes", "Bytes moved by completed transfers, by path", bytes.clone());
-        registry.register("transfers", "Completed transfers, by path", transfers.clone());
-        registry.register("plans", "Planner choices, by path and reason", plans.clone());
-        registry.register("failures", "Failed transfers and calls, by cause and side", failures.clone());
-        registry.register("transfer_latency_seconds", "Transfer latency, post to completion", latency.clone());
+        registry.register(
+            "transfer_bytes",
+            "Bytes moved by completed transfers, by path",
+            bytes.clone(),
+        );
+        registry.register(
+            "transfers",
+            "Completed transfers, by path",
+            transfers.clone(),
+        );
+        registry.register(
+            "plans",
+            "Planner choices, by path and reason",
+            plans.clone(),
+        );
+        registry.register(
+            "failures",
+            "Failed transfers and calls, by cause and side",
+            failures.clone(),
+        );
+        registry.register(
+            "transfer_latency_seconds",
+            "Transfer latency, post to completion",
+            latency.clone(),
+        );
         registry.register(
             "transfer_throughput_bytes_per_second",
             "Per-transfer throughput",
             throughput.clone(),
         );
-        registry.register("registered_memory_bytes", "Bytes of registered regions", registered.clone());
+        registry.register(
+            "registered_memory_bytes",
+            "Bytes of registered regions",
+            registered.clone(),
+        );
         registry.register("leases", "Leases holding blocks", leases.clone());
-        Self { registry, bytes, transfers, plans, failures, latency, throughput, registered, leases }
+        Self {
+            registry,
+            bytes,
+            transfers,
+            plans,
+            failures,
+            latency,
+            throughput,
+            registered,
+            leases,
+        }
     }
 
     /// Count a planner choice.
     pub fn plan(&self, path: Path, reason: &str) {
-        self.plans.get_or_create(&PlanLabel { path: path.as_str().into(), reason: reason.into() }).inc();
+        self.plans
+            .get_or_create(&PlanLabel {
+                path: path.as_str().into(),
+                reason: reason.into(),
+            })
+            .inc();
     }
 
     /// Record a completed transfer.
     pub fn transfer_done(&self, path: Path, bytes: u64, elapsed: Duration) {
-        let l = PathLabel { path: path.as_str().into() };
+        let l = PathLabel {
+            path: path.as_str().into(),
+        };
         self.bytes.get_or_create(&l).inc_by(bytes);
         self.transfers.get_or_create(&l).inc();
         let secs = elapsed.as_secs_f64();
         self.latency.get_or_create(&l).observe(secs);
         if secs > 0.0 {
-            self.throughput.get_or_create(&l).observe(bytes as f64 / secs);
+            self.throughput
+                .get_or_create(&l)
+                .observe(bytes as f64 / secs);
         }
     }
 
     /// Count a failure.
     pub fn failure(&self, cause: ErrorCode, side: &str) {
-        self.failures.get_or_create(&FailLabel { cause: cause.as_str().into(), side: side.into() }).inc();
+        self.failures
+            .get_or_create(&FailLabel {
+                cause: cause.as_str().into(),
+                side: side.into(),
+            })
+            .inc();
     }
 
     /// Set the registered-memory and lease gauges.
     pub fn set_usage(&self, registered_bytes: u64, leases: usize) {
-        self.registered.set(i64::try_from(registered_bytes).unwrap_or(i64::MAX));
+        self.registered
+            .set(i64::try_from(registered_bytes).unwrap_or(i64::MAX));
         self.leases.set(i64::try_from(leases).unwrap_or(i64::MAX));
     }
 
@@ -151,7 +200,9 @@ pub async fn serve_admin(
             () = stop.cancelled() => return,
             a = listener.accept() => a,
         };
-        let Ok((mut sock, _)) = accepted else { continue };
+        let Ok((mut sock, _)) = accepted else {
+            continue;
+        };
         let metrics = std::sync::Arc::clone(&metrics);
         tasks.spawn(async move {
             let mut head = Vec::with_capacity(1024);

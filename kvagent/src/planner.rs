@@ -25,11 +25,16 @@ impl Caps {
 
     /// Names of the set bits, for logs and the status call.
     pub fn names(self) -> Vec<&'static str> {
-        [(Self::TCP, "tcp"), (Self::RDMA, "rdma"), (Self::GPU_DIRECT, "gpu_direct"), (Self::CUDA, "cuda")]
-            .into_iter()
-            .filter(|(b, _)| self.has(*b))
-            .map(|(_, n)| n)
-            .collect()
+        [
+            (Self::TCP, "tcp"),
+            (Self::RDMA, "rdma"),
+            (Self::GPU_DIRECT, "gpu_direct"),
+            (Self::CUDA, "cuda"),
+        ]
+        .into_iter()
+        .filter(|(b, _)| self.has(*b))
+        .map(|(_, n)| n)
+        .collect()
     }
 }
 
@@ -101,22 +106,41 @@ pub fn plan(input: &PlanInput) -> Plan {
     if input.same_node {
         let both_gpu = input.src == MemKind::Gpu && input.dst == Some(MemKind::Gpu);
         return if both_gpu && input.local.has(Caps::CUDA) {
-            Plan { path: Path::CudaPeer, reason: "same node, both regions in GPU memory" }
+            Plan {
+                path: Path::CudaPeer,
+                reason: "same node, both regions in GPU memory",
+            }
         } else {
-            Plan { path: Path::SameNode, reason: "same node, copy between registered regions" }
+            Plan {
+                path: Path::SameNode,
+                reason: "same node, copy between registered regions",
+            }
         };
     }
     let peer = input.peer.unwrap_or_default();
     if !input.local.has(Caps::RDMA) {
-        return Plan { path: Path::Tcp, reason: "no RDMA on this node" };
+        return Plan {
+            path: Path::Tcp,
+            reason: "no RDMA on this node",
+        };
     }
     if !peer.has(Caps::RDMA) {
-        return Plan { path: Path::Tcp, reason: "peer has no RDMA" };
+        return Plan {
+            path: Path::Tcp,
+            reason: "peer has no RDMA",
+        };
     }
-    if input.src == MemKind::Gpu && input.local.has(Caps::GPU_DIRECT) && peer.has(Caps::GPU_DIRECT) {
-        return Plan { path: Path::RdmaGpuDirect, reason: "both ends register GPU memory for RDMA" };
+    if input.src == MemKind::Gpu && input.local.has(Caps::GPU_DIRECT) && peer.has(Caps::GPU_DIRECT)
+    {
+        return Plan {
+            path: Path::RdmaGpuDirect,
+            reason: "both ends register GPU memory for RDMA",
+        };
     }
-    Plan { path: Path::RdmaHost, reason: "RDMA on both ends, staged through pinned host memory" }
+    Plan {
+        path: Path::RdmaHost,
+        reason: "RDMA on both ends, staged through pinned host memory",
+    }
 }
 
 #[cfg(test)]
@@ -124,7 +148,13 @@ mod tests {
     use super::*;
 
     fn input(same: bool, src: MemKind, local: u32, peer: Option<u32>) -> PlanInput {
-        PlanInput { same_node: same, src, dst: Some(src), local: Caps(local), peer: peer.map(Caps) }
+        PlanInput {
+            same_node: same,
+            src,
+            dst: Some(src),
+            local: Caps(local),
+            peer: peer.map(Caps),
+        }
     }
 
     #[test]
@@ -140,10 +170,25 @@ mod tests {
     #[test]
     fn remote_paths_follow_both_ends_capabilities() {
         let all = Caps::TCP | Caps::RDMA | Caps::GPU_DIRECT | Caps::CUDA;
-        assert_eq!(plan(&input(false, MemKind::Gpu, all, Some(all))).path, Path::RdmaGpuDirect);
-        assert_eq!(plan(&input(false, MemKind::Host, all, Some(all))).path, Path::RdmaHost);
-        let p = plan(&input(false, MemKind::Gpu, all, Some(Caps::TCP | Caps::RDMA)));
-        assert_eq!(p.path, Path::RdmaHost, "peer without GPU-direct stages through host");
+        assert_eq!(
+            plan(&input(false, MemKind::Gpu, all, Some(all))).path,
+            Path::RdmaGpuDirect
+        );
+        assert_eq!(
+            plan(&input(false, MemKind::Host, all, Some(all))).path,
+            Path::RdmaHost
+        );
+        let p = plan(&input(
+            false,
+            MemKind::Gpu,
+            all,
+            Some(Caps::TCP | Caps::RDMA),
+        ));
+        assert_eq!(
+            p.path,
+            Path::RdmaHost,
+            "peer without GPU-direct stages through host"
+        );
         let p = plan(&input(false, MemKind::Host, all, Some(Caps::TCP)));
         assert_eq!((p.path, p.reason), (Path::Tcp, "peer has no RDMA"));
         let p = plan(&input(false, MemKind::Host, Caps::TCP, Some(all)));

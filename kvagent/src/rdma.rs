@@ -24,13 +24,20 @@ pub struct RdmaDevice {
 #[cfg(not(feature = "rdma"))]
 /// List RDMA devices.
 pub fn devices() -> Result<Vec<RdmaDevice>> {
-    Err(Error::RdmaUnavailable("this kvagent was built without the `rdma` feature".into()))
+    Err(Error::RdmaUnavailable(
+        "this kvagent was built without the `rdma` feature".into(),
+    ))
 }
 
 #[cfg(not(feature = "rdma"))]
 /// Open a device, allocate a PD, CQ and RC QP, and register `map` (needs the `rdma` feature).
-pub fn probe_registration(_device: Option<&str>, _map: &crate::shm::Mapping) -> Result<Registration> {
-    Err(Error::RdmaUnavailable("this kvagent was built without the `rdma` feature".into()))
+pub fn probe_registration(
+    _device: Option<&str>,
+    _map: &crate::shm::Mapping,
+) -> Result<Registration> {
+    Err(Error::RdmaUnavailable(
+        "this kvagent was built without the `rdma` feature".into(),
+    ))
 }
 
 /// What a successful registration probe produced.
@@ -50,7 +57,10 @@ pub struct Registration {
 pub fn library_present() -> bool {
     // SAFETY: dlopen/dlclose of a library name; no symbols are used.
     unsafe {
-        let h = libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        let h = libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_LOCAL,
+        );
         if h.is_null() {
             false
         } else {
@@ -98,8 +108,14 @@ mod with_rdma {
             .ok_or_else(|| Error::RdmaUnavailable("no RDMA device".into()))?;
         let name = dev.name();
         let ctx = dev.open().map_err(|e| unavailable("open device", e))?;
-        let pd = ctx.alloc_pd().map_err(|e| unavailable("protection domain", e))?;
-        let cq = ctx.create_cq_builder().setup_cqe(256).build().map_err(|e| unavailable("completion queue", e))?;
+        let pd = ctx
+            .alloc_pd()
+            .map_err(|e| unavailable("protection domain", e))?;
+        let cq = ctx
+            .create_cq_builder()
+            .setup_cqe(256)
+            .build()
+            .map_err(|e| unavailable("completion queue", e))?;
         let qp = pd
             .create_qp_builder()
             .setup_qp_type(QueuePairType::ReliableConnection)
@@ -110,8 +126,14 @@ mod with_rdma {
             .map_err(|e| unavailable("RC queue pair", e))?;
         let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
         // SAFETY: the mapping outlives the memory region (both dropped at the end of this call).
-        let mr = unsafe { pd.reg_mr(map_ptr(map), map.len(), access) }.map_err(|e| unavailable("register memory", e))?;
-        Ok(Registration { device: name, lkey: mr.lkey(), rkey: mr.rkey(), qp_num: qp.qp_number() })
+        let mr = unsafe { pd.reg_mr(map_ptr(map), map.len(), access) }
+            .map_err(|e| unavailable("register memory", e))?;
+        Ok(Registration {
+            device: name,
+            lkey: mr.lkey(),
+            rkey: mr.rkey(),
+            qp_num: qp.qp_number(),
+        })
     }
 
     fn map_ptr(map: &Mapping) -> usize {
@@ -133,6 +155,10 @@ mod tests {
             Err(e) => assert_eq!(e.code(), crate::error::ErrorCode::RdmaUnavailable, "{e}"),
             Ok(r) => assert!(!r.device.is_empty(), "a device machine registers for real"),
         }
-        assert_eq!(caps(), 0, "RDMA is not announced until its data path exists");
+        assert_eq!(
+            caps(),
+            0,
+            "RDMA is not announced until its data path exists"
+        );
     }
 }

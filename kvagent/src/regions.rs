@@ -101,29 +101,61 @@ impl Registry {
     }
 
     /// Register a mapped region; names are unique.
-    pub fn register(&mut self, name: String, layout: BlockLayout, map: Arc<Mapping>, owner: u64) -> Result<Arc<Region>> {
+    pub fn register(
+        &mut self,
+        name: String,
+        layout: BlockLayout,
+        map: Arc<Mapping>,
+        owner: u64,
+    ) -> Result<Arc<Region>> {
         if self.regions.len() >= self.limits.max_regions {
-            return Err(Error::Limit(format!("{} regions registered", self.regions.len())));
+            return Err(Error::Limit(format!(
+                "{} regions registered",
+                self.regions.len()
+            )));
         }
         if name.is_empty() || name.len() > 128 {
-            return Err(Error::BadRequest("region name must be 1..=128 bytes".into()));
+            return Err(Error::BadRequest(
+                "region name must be 1..=128 bytes".into(),
+            ));
         }
         if self.regions.values().any(|e| e.region.name == name) {
-            return Err(Error::BadRequest(format!("region name {name:?} already registered")));
+            return Err(Error::BadRequest(format!(
+                "region name {name:?} already registered"
+            )));
         }
         let id = self.next_id;
         self.next_id += 1;
-        let region = Arc::new(Region { id, name, layout, map, owner });
+        let region = Arc::new(Region {
+            id,
+            name,
+            layout,
+            map,
+            owner,
+        });
         // Pop from the end hands out low block ids first.
         let free = (0..layout.blocks).rev().collect();
-        self.regions.insert(id, Entry { region: Arc::clone(&region), free });
+        self.regions.insert(
+            id,
+            Entry {
+                region: Arc::clone(&region),
+                free,
+            },
+        );
         Ok(region)
     }
 
     /// Remove a region and every lease in it; returns the transfer ids whose leases were dropped.
     pub fn unregister(&mut self, id: u64) -> Result<Vec<TransferId>> {
-        self.regions.remove(&id).ok_or_else(|| Error::UnknownRegion(id.to_string()))?;
-        let keys: Vec<_> = self.leases.keys().filter(|(r, _)| *r == id).cloned().collect();
+        self.regions
+            .remove(&id)
+            .ok_or_else(|| Error::UnknownRegion(id.to_string()))?;
+        let keys: Vec<_> = self
+            .leases
+            .keys()
+            .filter(|(r, _)| *r == id)
+            .cloned()
+            .collect();
         for k in &keys {
             self.leases.remove(k);
         }
@@ -132,7 +164,11 @@ impl Registry {
 
     /// Ids of the regions a local connection registered.
     pub fn owned_by(&self, owner: u64) -> Vec<u64> {
-        self.regions.values().filter(|e| e.region.owner == owner).map(|e| e.region.id).collect()
+        self.regions
+            .values()
+            .filter(|e| e.region.owner == owner)
+            .map(|e| e.region.id)
+            .collect()
     }
 
     /// Ids of every region.
@@ -164,11 +200,21 @@ impl Registry {
 
     /// Total registered bytes.
     pub fn registered_bytes(&self) -> u64 {
-        self.regions.values().map(|e| e.region.map.len() as u64).sum()
+        self.regions
+            .values()
+            .map(|e| e.region.map.len() as u64)
+            .sum()
     }
 
     /// Take `n` free blocks of region `id` into a new lease for `tid`.
-    pub fn reserve(&mut self, id: u64, tid: &TransferId, n: u32, state: LeaseState, expires: Instant) -> Result<Vec<u32>> {
+    pub fn reserve(
+        &mut self,
+        id: u64,
+        tid: &TransferId,
+        n: u32,
+        state: LeaseState,
+        expires: Instant,
+    ) -> Result<Vec<u32>> {
         if n == 0 {
             return Err(Error::BadRequest("a lease needs at least one block".into()));
         }
@@ -177,9 +223,14 @@ impl Registry {
         }
         let key = (id, tid.clone());
         if self.leases.contains_key(&key) {
-            return Err(Error::BadRequest(format!("transfer {tid} already holds blocks in region {id}")));
+            return Err(Error::BadRequest(format!(
+                "transfer {tid} already holds blocks in region {id}"
+            )));
         }
-        let entry = self.regions.get_mut(&id).ok_or_else(|| Error::UnknownRegion(id.to_string()))?;
+        let entry = self
+            .regions
+            .get_mut(&id)
+            .ok_or_else(|| Error::UnknownRegion(id.to_string()))?;
         let n_us = n as usize;
         if entry.free.len() < n_us {
             return Err(Error::NoRoom {
@@ -191,7 +242,15 @@ impl Registry {
         let at = entry.free.len() - n_us;
         let mut blocks = entry.free.split_off(at);
         blocks.reverse();
-        self.leases.insert(key, Lease { region: id, blocks: blocks.clone(), state, expires });
+        self.leases.insert(
+            key,
+            Lease {
+                region: id,
+                blocks: blocks.clone(),
+                state,
+                expires,
+            },
+        );
         Ok(blocks)
     }
 
@@ -199,12 +258,23 @@ impl Registry {
     ///
     /// A lease the client reserved for `tid` is used first; otherwise blocks come from the named
     /// region, or from the first compatible region with room (never `exclude`, the source region).
-    pub fn land(&mut self, tid: &TransferId, layout: &BlockLayout, n: u32, dst: Option<&str>, exclude: Option<u64>, expires: Instant) -> Result<(Arc<Region>, Vec<u32>)> {
+    pub fn land(
+        &mut self,
+        tid: &TransferId,
+        layout: &BlockLayout,
+        n: u32,
+        dst: Option<&str>,
+        exclude: Option<u64>,
+        expires: Instant,
+    ) -> Result<(Arc<Region>, Vec<u32>)> {
         let reserved = self
             .leases
             .iter()
             .find(|((r, t), l)| {
-                t == tid && Some(*r) != exclude && l.state == LeaseState::Reserved && l.blocks.len() == n as usize
+                t == tid
+                    && Some(*r) != exclude
+                    && l.state == LeaseState::Reserved
+                    && l.blocks.len() == n as usize
             })
             .map(|((r, _), _)| *r);
         if let Some(rid) = reserved {
@@ -220,12 +290,20 @@ impl Registry {
         let candidates: Vec<Arc<Region>> = match dst {
             Some(name) => vec![self.region_by_name(name)?],
             None => {
-                let mut v: Vec<_> = self.regions.values().map(|e| Arc::clone(&e.region)).filter(|r| Some(r.id) != exclude).collect();
+                let mut v: Vec<_> = self
+                    .regions
+                    .values()
+                    .map(|e| Arc::clone(&e.region))
+                    .filter(|r| Some(r.id) != exclude)
+                    .collect();
                 v.sort_by_key(|r| r.id);
                 v
             }
         };
-        let compatible: Vec<_> = candidates.into_iter().filter(|r| r.layout.compatible(layout)).collect();
+        let compatible: Vec<_> = candidates
+            .into_iter()
+            .filter(|r| r.layout.compatible(layout))
+            .collect();
         if compatible.is_empty() {
             return Err(Error::LayoutMismatch(format!(
                 "no region with block_bytes {} and {} layers",
@@ -240,7 +318,11 @@ impl Registry {
                 Err(e) => return Err(e),
             }
         }
-        Err(last.unwrap_or_else(|| Error::NoRoom { region: "any".into(), wanted: n, free: 0 }))
+        Err(last.unwrap_or_else(|| Error::NoRoom {
+            region: "any".into(),
+            wanted: n,
+            free: 0,
+        }))
     }
 
     /// The lease for `tid` in region `id`.
@@ -249,8 +331,17 @@ impl Registry {
     }
 
     /// Change a lease's state and expiry.
-    pub fn set_state(&mut self, id: u64, tid: &TransferId, state: LeaseState, expires: Instant) -> Result<()> {
-        let l = self.leases.get_mut(&(id, tid.clone())).ok_or_else(|| Error::UnknownTransfer(tid.to_string()))?;
+    pub fn set_state(
+        &mut self,
+        id: u64,
+        tid: &TransferId,
+        state: LeaseState,
+        expires: Instant,
+    ) -> Result<()> {
+        let l = self
+            .leases
+            .get_mut(&(id, tid.clone()))
+            .ok_or_else(|| Error::UnknownTransfer(tid.to_string()))?;
         l.state = state;
         l.expires = expires;
         Ok(())
@@ -277,7 +368,11 @@ impl Registry {
 
     /// Why `tid` failed, if it did recently.
     pub fn failure(&self, tid: &TransferId) -> Option<Error> {
-        self.failures.iter().rev().find(|(t, _, _)| t == tid).map(|(_, c, m)| Error::remote(*c, m.clone()))
+        self.failures
+            .iter()
+            .rev()
+            .find(|(t, _, _)| t == tid)
+            .map(|(_, c, m)| Error::remote(*c, m.clone()))
     }
 
     /// Forget a recorded failure (a new transfer reuses the id).

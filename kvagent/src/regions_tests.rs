@@ -3,11 +3,19 @@ use super::*;
 use std::time::Duration;
 
 fn reg() -> Registry {
-    Registry::new(RegistryLimits { max_regions: 4, max_leases: 8, max_region_bytes: 1 << 30 })
+    Registry::new(RegistryLimits {
+        max_regions: 4,
+        max_leases: 8,
+        max_region_bytes: 1 << 30,
+    })
 }
 
 fn region(r: &mut Registry, name: &str, blocks: u32) -> u64 {
-    let layout = BlockLayout { block_bytes: 64, layers: 2, blocks };
+    let layout = BlockLayout {
+        block_bytes: 64,
+        layers: 2,
+        blocks,
+    };
     let len = layout.validate(1 << 30).unwrap();
     let map = Arc::new(Mapping::create(name, len).unwrap());
     r.register(name.into(), layout, map, 1).unwrap().id
@@ -22,7 +30,9 @@ fn reserve_and_release_conserve_blocks() {
     let b = r.reserve(id, &t1, 3, LeaseState::Reserved, later).unwrap();
     assert_eq!(b, vec![0, 1, 2]);
     let t2 = TransferId::new("t2").unwrap();
-    let err = r.reserve(id, &t2, 2, LeaseState::Reserved, later).unwrap_err();
+    let err = r
+        .reserve(id, &t2, 2, LeaseState::Reserved, later)
+        .unwrap_err();
     assert_eq!(err.code(), ErrorCode::NoRoom, "{err}");
     assert!(r.release(id, &t1));
     assert_eq!(r.free_blocks(id), 4);
@@ -37,11 +47,19 @@ fn landing_prefers_a_reservation_then_a_compatible_region() {
     let later = Instant::now() + Duration::from_secs(60);
     let t = TransferId::new("t").unwrap();
     let reserved = r.reserve(b, &t, 2, LeaseState::Reserved, later).unwrap();
-    let layout = BlockLayout { block_bytes: 64, layers: 2, blocks: 99 };
+    let layout = BlockLayout {
+        block_bytes: 64,
+        layers: 2,
+        blocks: 99,
+    };
     let (region, blocks) = r.land(&t, &layout, 2, None, Some(a), later).unwrap();
     assert_eq!((region.id, blocks), (b, reserved));
     assert_eq!(r.lease(b, &t).unwrap().state, LeaseState::Receiving);
-    let other = BlockLayout { block_bytes: 32, layers: 2, blocks: 4 };
+    let other = BlockLayout {
+        block_bytes: 32,
+        layers: 2,
+        blocks: 4,
+    };
     let u = TransferId::new("u").unwrap();
     let err = r.land(&u, &other, 1, None, None, later).unwrap_err();
     assert_eq!(err.code(), ErrorCode::LayoutMismatch);

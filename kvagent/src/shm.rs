@@ -28,24 +28,34 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Create a new memfd of `len` bytes, sealed against shrinking, and map it.
     pub fn create(name: &str, len: usize) -> Result<Self> {
-        let cname = std::ffi::CString::new(name).map_err(|_| Error::Shm("name has a NUL".into()))?;
+        let cname =
+            std::ffi::CString::new(name).map_err(|_| Error::Shm("name has a NUL".into()))?;
         // SAFETY: valid C string; flags are constants.
         let raw = unsafe {
             libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
         };
         if raw < 0 {
-            return Err(Error::Shm(format!("memfd_create: {}", std::io::Error::last_os_error())));
+            return Err(Error::Shm(format!(
+                "memfd_create: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         // SAFETY: `raw` is a fresh fd we own.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let size = libc::off_t::try_from(len).map_err(|_| Error::Shm("size too large".into()))?;
         // SAFETY: fd is valid.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(Error::Shm(format!("ftruncate: {}", std::io::Error::last_os_error())));
+            return Err(Error::Shm(format!(
+                "ftruncate: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         // SAFETY: fd is valid; F_ADD_SEALS takes an int.
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
-            return Err(Error::Shm(format!("seal: {}", std::io::Error::last_os_error())));
+            return Err(Error::Shm(format!(
+                "seal: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         Self::map(fd, len)
     }
@@ -64,11 +74,16 @@ impl Mapping {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd valid, st is writable.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(Error::Shm(format!("fstat: {}", std::io::Error::last_os_error())));
+            return Err(Error::Shm(format!(
+                "fstat: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         let size = usize::try_from(st.st_size).unwrap_or(0);
         if size < len {
-            return Err(Error::Shm(format!("fd holds {size} bytes, the layout needs {len}")));
+            return Err(Error::Shm(format!(
+                "fd holds {size} bytes, the layout needs {len}"
+            )));
         }
         Self::map(fd, len)
     }
@@ -89,9 +104,13 @@ impl Mapping {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(Error::Shm(format!("mmap: {}", std::io::Error::last_os_error())));
+            return Err(Error::Shm(format!(
+                "mmap: {}",
+                std::io::Error::last_os_error()
+            )));
         }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::Shm("mmap gave null".into()))?;
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::Shm("mmap gave null".into()))?;
         Ok(Self { ptr, len, fd })
     }
 
@@ -113,7 +132,10 @@ impl Mapping {
     fn check(&self, off: usize, len: usize) -> Result<()> {
         match off.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::Shm(format!("range {off}+{len} outside {} bytes", self.len))),
+            _ => Err(Error::Shm(format!(
+                "range {off}+{len} outside {} bytes",
+                self.len
+            ))),
         }
     }
 
@@ -121,7 +143,9 @@ impl Mapping {
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         self.check(off, dst.len())?;
         // SAFETY: range checked; dst is a distinct Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 
@@ -129,7 +153,9 @@ impl Mapping {
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
         // SAFETY: range checked; src is a distinct Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
+        };
         Ok(())
     }
 
@@ -139,7 +165,11 @@ impl Mapping {
         dst.check(dst_off, len)?;
         // SAFETY: both ranges checked; `copy` tolerates overlap when both are the same mapping.
         unsafe {
-            std::ptr::copy(self.ptr.as_ptr().add(src_off), dst.ptr.as_ptr().add(dst_off), len)
+            std::ptr::copy(
+                self.ptr.as_ptr().add(src_off),
+                dst.ptr.as_ptr().add(dst_off),
+                len,
+            )
         };
         Ok(())
     }
@@ -189,7 +219,10 @@ mod tests {
         let mut out = [0u8; 5];
         b.read(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
-        assert!(a.write(8190, b"xyz").is_err(), "out of range write must fail");
+        assert!(
+            a.write(8190, b"xyz").is_err(),
+            "out of range write must fail"
+        );
     }
 
     #[test]

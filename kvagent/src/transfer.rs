@@ -56,7 +56,9 @@ pub async fn send(agent: &Arc<Agent>, args: SendArgs, deadline: Duration) -> Res
     let res = send_inner(agent, &args, deadline, started).await;
     match &res {
         Ok(r) => {
-            agent.metrics.transfer_done(r.path, r.bytes, started.elapsed());
+            agent
+                .metrics
+                .transfer_done(r.path, r.bytes, started.elapsed());
             tracing::debug!(transfer = %args.transfer, path = r.path.as_str(), bytes = r.bytes, "sent");
         }
         Err(e) => {
@@ -67,15 +69,26 @@ pub async fn send(agent: &Arc<Agent>, args: SendArgs, deadline: Duration) -> Res
     res
 }
 
-async fn send_inner(agent: &Arc<Agent>, args: &SendArgs, deadline: Duration, started: Instant) -> Result<SendReport> {
+async fn send_inner(
+    agent: &Arc<Agent>,
+    args: &SendArgs,
+    deadline: Duration,
+    started: Instant,
+) -> Result<SendReport> {
     if args.blocks.is_empty() || args.blocks.len() > MAX_TRANSFER_BLOCKS {
-        return Err(Error::BadRequest(format!("a transfer has 1..={MAX_TRANSFER_BLOCKS} blocks")));
+        return Err(Error::BadRequest(format!(
+            "a transfer has 1..={MAX_TRANSFER_BLOCKS} blocks"
+        )));
     }
     let src = agent.state.lock().reg.region(args.region)?;
     if let Some(b) = args.blocks.iter().find(|b| **b >= src.layout.blocks) {
-        return Err(Error::BadRequest(format!("block {b} outside region of {} blocks", src.layout.blocks)));
+        return Err(Error::BadRequest(format!(
+            "block {b} outside region of {} blocks",
+            src.layout.blocks
+        )));
     }
-    let same_node = args.peer == "local" || args.peer == agent.address || args.peer == agent.cfg.agent_id;
+    let same_node =
+        args.peer == "local" || args.peer == agent.address || args.peer == agent.cfg.agent_id;
     let until = tokio::time::Instant::now() + deadline;
     let link = if same_node {
         None
@@ -107,8 +120,17 @@ async fn send_inner(agent: &Arc<Agent>, args: &SendArgs, deadline: Duration, sta
             Path::Tcp
         }
     };
-    let reason = if path == p.path { p.reason.to_string() } else { format!("{} (fell back to tcp)", p.reason) };
-    Ok(SendReport { path, reason, bytes, micros: started.elapsed().as_micros() as u64 })
+    let reason = if path == p.path {
+        p.reason.to_string()
+    } else {
+        format!("{} (fell back to tcp)", p.reason)
+    };
+    Ok(SendReport {
+        path,
+        reason,
+        bytes,
+        micros: started.elapsed().as_micros() as u64,
+    })
 }
 
 async fn copy_local(agent: &Arc<Agent>, src: &Arc<Region>, args: &SendArgs) -> Result<()> {
@@ -117,7 +139,14 @@ async fn copy_local(agent: &Arc<Agent>, src: &Arc<Region>, args: &SendArgs) -> R
     let (dst, dst_blocks) = {
         let mut st = agent.state.lock();
         st.reg.clear_failure(&args.transfer);
-        let r = st.reg.land(&args.transfer, &src.layout, n, args.dst_region.as_deref(), Some(src.id), expires);
+        let r = st.reg.land(
+            &args.transfer,
+            &src.layout,
+            n,
+            args.dst_region.as_deref(),
+            Some(src.id),
+            expires,
+        );
         agent.update_usage(&st);
         r?
     };
@@ -127,7 +156,12 @@ async fn copy_local(agent: &Arc<Agent>, src: &Arc<Region>, args: &SendArgs) -> R
         let len = s.layout.block_len();
         for layer in 0..s.layout.layers {
             for (sb, db) in blocks.iter().zip(&dbl) {
-                s.map.copy_to(s.layout.offset(layer, *sb), &d.map, d.layout.offset(layer, *db), len)?;
+                s.map.copy_to(
+                    s.layout.offset(layer, *sb),
+                    &d.map,
+                    d.layout.offset(layer, *db),
+                    len,
+                )?;
             }
         }
         Ok(())
@@ -138,11 +172,13 @@ async fn copy_local(agent: &Arc<Agent>, src: &Arc<Region>, args: &SendArgs) -> R
     let mut st = agent.state.lock();
     match copied {
         Ok(()) => {
-            st.reg.set_state(dst.id, &args.transfer, LeaseState::Arrived, expires)?;
+            st.reg
+                .set_state(dst.id, &args.transfer, LeaseState::Arrived, expires)?;
         }
         Err(e) => {
             st.reg.release(dst.id, &args.transfer);
-            st.reg.record_failure(&args.transfer, e.code(), e.to_string());
+            st.reg
+                .record_failure(&args.transfer, e.code(), e.to_string());
             agent.update_usage(&st);
             drop(st);
             agent.notify.notify_waiters();
@@ -166,15 +202,28 @@ impl Drop for Pending<'_> {
     }
 }
 
-async fn next_event(rx: &mut mpsc::Receiver<PeerEvent>, until: tokio::time::Instant, peer: &str) -> Result<PeerEvent> {
+async fn next_event(
+    rx: &mut mpsc::Receiver<PeerEvent>,
+    until: tokio::time::Instant,
+    peer: &str,
+) -> Result<PeerEvent> {
     match tokio::time::timeout_at(until, rx.recv()).await {
         Ok(Some(ev)) => Ok(ev),
-        Ok(None) => Err(Error::PeerLost(format!("{peer} went away during the transfer"))),
+        Ok(None) => Err(Error::PeerLost(format!(
+            "{peer} went away during the transfer"
+        ))),
         Err(_) => Err(Error::Timeout("transfer deadline passed".into())),
     }
 }
 
-async fn send_tcp(agent: &Arc<Agent>, link: &Arc<PeerLink>, src: &Arc<Region>, args: &SendArgs, deadline: Duration, until: tokio::time::Instant) -> Result<()> {
+async fn send_tcp(
+    agent: &Arc<Agent>,
+    link: &Arc<PeerLink>,
+    src: &Arc<Region>,
+    args: &SendArgs,
+    deadline: Duration,
+    until: tokio::time::Instant,
+) -> Result<()> {
     let seq = agent.next_id();
     let (tx, mut rx) = mpsc::channel(4);
     link.pending.lock().insert(seq, tx);
@@ -197,7 +246,10 @@ async fn send_tcp(agent: &Arc<Agent>, link: &Arc<PeerLink>, src: &Arc<Region>, a
     }
     let cancel = CancellationToken::new();
     let result = async {
-        for (i, job) in split(seq, src, &args.blocks, &layout, link.data_tx.len(), &cancel).into_iter().enumerate() {
+        for (i, job) in split(seq, src, &args.blocks, &layout, link.data_tx.len(), &cancel)
+            .into_iter()
+            .enumerate()
+        {
             let tx = &link.data_tx[i % link.data_tx.len()];
             tokio::time::timeout_at(until, tx.send(job))
                 .await
@@ -214,7 +266,10 @@ async fn send_tcp(agent: &Arc<Agent>, link: &Arc<PeerLink>, src: &Arc<Region>, a
     if let Err(e) = &result {
         cancel.cancel();
         if !matches!(e, Error::PeerLost(_) | Error::Remote { .. }) {
-            let abort = Ctrl::Abort { seq, reason: e.to_string() };
+            let abort = Ctrl::Abort {
+                seq,
+                reason: e.to_string(),
+            };
             let _ = link.ctrl_tx.try_send(abort);
         }
     }
@@ -229,7 +284,14 @@ async fn send_ctrl(link: &PeerLink, msg: Ctrl, until: tokio::time::Instant) -> R
 }
 
 /// Split a transfer's segments into contiguous runs, one per data stream.
-fn split(seq: u64, src: &Arc<Region>, blocks: &[u32], layout: &BlockLayout, streams: usize, cancel: &CancellationToken) -> Vec<DataJob> {
+fn split(
+    seq: u64,
+    src: &Arc<Region>,
+    blocks: &[u32],
+    layout: &BlockLayout,
+    streams: usize,
+    cancel: &CancellationToken,
+) -> Vec<DataJob> {
     let mut segs = Vec::with_capacity(blocks.len() * layout.layers as usize);
     for layer in 0..layout.layers {
         for (i, b) in blocks.iter().enumerate() {

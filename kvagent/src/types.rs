@@ -33,7 +33,9 @@ impl TransferId {
             )));
         }
         if !id.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(Error::BadRequest("transfer id must be printable ASCII without spaces".into()));
+            return Err(Error::BadRequest(
+                "transfer id must be printable ASCII without spaces".into(),
+            ));
         }
         Ok(Self(id))
     }
@@ -90,10 +92,14 @@ impl BlockLayout {
             )));
         }
         if self.layers == 0 || self.layers > MAX_LAYERS {
-            return Err(Error::BadRequest(format!("layers must be 1..={MAX_LAYERS}")));
+            return Err(Error::BadRequest(format!(
+                "layers must be 1..={MAX_LAYERS}"
+            )));
         }
         if self.blocks == 0 || self.blocks > MAX_BLOCKS {
-            return Err(Error::BadRequest(format!("blocks must be 1..={MAX_BLOCKS}")));
+            return Err(Error::BadRequest(format!(
+                "blocks must be 1..={MAX_BLOCKS}"
+            )));
         }
         let total = self
             .block_bytes
@@ -133,12 +139,20 @@ mod tests {
 
     #[test]
     fn layout_offsets_are_layer_major_and_bounded() {
-        let l = BlockLayout { block_bytes: 16, layers: 2, blocks: 4 };
+        let l = BlockLayout {
+            block_bytes: 16,
+            layers: 2,
+            blocks: 4,
+        };
         assert_eq!(l.validate(1 << 20).unwrap(), 128);
         assert_eq!(l.offset(0, 3), 48);
         assert_eq!(l.offset(1, 0), 64);
         assert!(l.validate(100).is_err(), "over the region limit");
-        let zero = BlockLayout { block_bytes: 0, layers: 1, blocks: 1 };
+        let zero = BlockLayout {
+            block_bytes: 0,
+            layers: 1,
+            blocks: 1,
+        };
         assert!(zero.validate(1 << 20).is_err());
     }
 

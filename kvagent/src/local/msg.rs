@@ -84,7 +84,8 @@ pub struct Envelope {
 
 /// Parse a frame. On error, also return the id if one could be read, for the reply.
 pub fn parse(frame: &[u8]) -> std::result::Result<Envelope, (u64, Error)> {
-    let value: Value = serde_json::from_slice(frame).map_err(|e| (0, Error::BadRequest(format!("not JSON: {e}"))))?;
+    let value: Value = serde_json::from_slice(frame)
+        .map_err(|e| (0, Error::BadRequest(format!("not JSON: {e}"))))?;
     let Value::Object(mut obj) = value else {
         return Err((0, Error::BadRequest("a request is a JSON object".into())));
     };
@@ -93,16 +94,37 @@ pub fn parse(frame: &[u8]) -> std::result::Result<Envelope, (u64, Error)> {
     match v {
         Some(v) if v == u64::from(VERSION) => {}
         Some(v) => {
-            return Err((id, Error::UnsupportedVersion { got: u32::try_from(v).unwrap_or(u32::MAX), want: VERSION }));
+            return Err((
+                id,
+                Error::UnsupportedVersion {
+                    got: u32::try_from(v).unwrap_or(u32::MAX),
+                    want: VERSION,
+                },
+            ));
         }
-        None => return Err((id, Error::BadRequest("missing \"v\" (the API version)".into()))),
+        None => {
+            return Err((
+                id,
+                Error::BadRequest("missing \"v\" (the API version)".into()),
+            ))
+        }
     }
     let deadline_ms = match obj.remove("deadline_ms") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().ok_or_else(|| (id, Error::BadRequest("deadline_ms must be an integer".into())))?),
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
+            (
+                id,
+                Error::BadRequest("deadline_ms must be an integer".into()),
+            )
+        })?),
     };
-    let req = serde_json::from_value(Value::Object(obj)).map_err(|e| (id, Error::BadRequest(e.to_string())))?;
-    Ok(Envelope { id, deadline_ms, req })
+    let req = serde_json::from_value(Value::Object(obj))
+        .map_err(|e| (id, Error::BadRequest(e.to_string())))?;
+    Ok(Envelope {
+        id,
+        deadline_ms,
+        req,
+    })
 }
 
 /// Build a success reply.
@@ -128,21 +150,28 @@ pub fn err_reply(id: u64, e: &Error) -> Vec<u8> {
 
 /// Read a reply (client side): the result object, or the agent's error.
 pub fn read_reply(frame: &[u8], want_id: u64) -> Result<Map<String, Value>> {
-    let value: Value = serde_json::from_slice(frame).map_err(|e| Error::Protocol(format!("bad reply: {e}")))?;
+    let value: Value =
+        serde_json::from_slice(frame).map_err(|e| Error::Protocol(format!("bad reply: {e}")))?;
     let Value::Object(obj) = value else {
         return Err(Error::Protocol("reply is not an object".into()));
     };
     let id = obj.get("id").and_then(Value::as_u64).unwrap_or(0);
     if obj.get("ok").and_then(Value::as_bool) == Some(true) {
         if id != want_id {
-            return Err(Error::Protocol(format!("reply id {id}, expected {want_id}")));
+            return Err(Error::Protocol(format!(
+                "reply id {id}, expected {want_id}"
+            )));
         }
         return Ok(obj);
     }
     let err = obj.get("error").cloned().unwrap_or_default();
     let code = serde_json::from_value(err.get("code").cloned().unwrap_or_default())
         .map_err(|_| Error::Protocol("error reply without a known code".into()))?;
-    let message = err.get("message").and_then(Value::as_str).unwrap_or("").to_string();
+    let message = err
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
     Err(Error::remote(code, message))
 }
 
@@ -154,7 +183,8 @@ mod tests {
 
     #[test]
     fn parses_requests_and_names_what_is_wrong() {
-        let env = parse(br#"{"v":1,"id":7,"op":"reserve","region":1,"transfer":"r1","blocks":2}"#).unwrap();
+        let env = parse(br#"{"v":1,"id":7,"op":"reserve","region":1,"transfer":"r1","blocks":2}"#)
+            .unwrap();
         assert_eq!(env.id, 7);
         assert!(matches!(env.req, Request::Reserve { blocks: 2, .. }));
         let (id, e) = parse(br#"{"v":2,"id":3,"op":"status"}"#).unwrap_err();
@@ -170,8 +200,15 @@ mod tests {
     #[test]
     fn replies_round_trip_through_the_client_reader() {
         let ok = ok_reply(5, serde_json::json!({"blocks": [1, 2]}));
-        assert_eq!(read_reply(&ok, 5).unwrap()["blocks"], serde_json::json!([1, 2]));
-        let e = Error::NoRoom { region: "d".into(), wanted: 4, free: 1 };
+        assert_eq!(
+            read_reply(&ok, 5).unwrap()["blocks"],
+            serde_json::json!([1, 2])
+        );
+        let e = Error::NoRoom {
+            region: "d".into(),
+            wanted: 4,
+            free: 1,
+        };
         let err = read_reply(&err_reply(5, &e), 5).unwrap_err();
         assert_eq!(err.code(), ErrorCode::NoRoom);
         assert!(err.to_string().contains("4 blocks wanted"), "{err}");

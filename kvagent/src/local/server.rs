@@ -54,8 +54,14 @@ async fn connection(agent: &Arc<Agent>, mut stream: UnixStream, conn: u64) -> Re
             Ok(Some(f)) => match msg::parse(&f) {
                 Ok(env) => {
                     let deadline = agent.deadline(env.deadline_ms);
-                    let res = tokio::time::timeout(deadline, dispatch(agent, conn, env.req, &mut reader, deadline)).await;
-                    let res = res.unwrap_or_else(|_| Err(Error::Timeout(format!("call took over {deadline:?}"))));
+                    let res = tokio::time::timeout(
+                        deadline,
+                        dispatch(agent, conn, env.req, &mut reader, deadline),
+                    )
+                    .await;
+                    let res = res.unwrap_or_else(|_| {
+                        Err(Error::Timeout(format!("call took over {deadline:?}")))
+                    });
                     match res {
                         Ok(v) => msg::ok_reply(env.id, v),
                         Err(e) => {
@@ -74,7 +80,11 @@ async fn connection(agent: &Arc<Agent>, mut stream: UnixStream, conn: u64) -> Re
             Err(e) => {
                 // The framing is broken: say why, then close (we cannot find the next frame).
                 agent.metrics.failure(e.code(), "local");
-                let _ = tokio::time::timeout(io, stream.write_all(&wire::encode(&msg::err_reply(0, &e)))).await;
+                let _ = tokio::time::timeout(
+                    io,
+                    stream.write_all(&wire::encode(&msg::err_reply(0, &e))),
+                )
+                .await;
                 return Err(e);
             }
         };
@@ -84,17 +94,22 @@ async fn connection(agent: &Arc<Agent>, mut stream: UnixStream, conn: u64) -> Re
     }
 }
 
-async fn dispatch(agent: &Arc<Agent>, conn: u64, req: Request, reader: &mut FrameReader, deadline: std::time::Duration) -> Result<serde_json::Value> {
+async fn dispatch(
+    agent: &Arc<Agent>,
+    conn: u64,
+    req: Request,
+    reader: &mut FrameReader,
+    deadline: std::time::Duration,
+) -> Result<serde_json::Value> {
     Ok(match req {
         Request::Hello {} => json!({
             "agent_id": agent.cfg.agent_id, "address": agent.address,
             "caps": agent.caps.names(), "version": wire::VERSION,
         }),
         Request::Register { name, layout } => {
-            let fd = reader
-                .fds
-                .pop_front()
-                .ok_or_else(|| Error::BadRequest("register needs a memfd sent with SCM_RIGHTS".into()))?;
+            let fd = reader.fds.pop_front().ok_or_else(|| {
+                Error::BadRequest("register needs a memfd sent with SCM_RIGHTS".into())
+            })?;
             let region = agent.register(conn, name, layout, fd)?;
             json!({"region": region.id, "bytes": region.map.len()})
         }
@@ -102,7 +117,11 @@ async fn dispatch(agent: &Arc<Agent>, conn: u64, req: Request, reader: &mut Fram
             agent.unregister(region)?;
             json!({})
         }
-        Request::Reserve { region, transfer, blocks } => {
+        Request::Reserve {
+            region,
+            transfer,
+            blocks,
+        } => {
             json!({"blocks": agent.reserve(region, &transfer, blocks)?})
         }
         Request::Send(args) => serde_json::to_value(transfer::send(agent, args, deadline).await?)
@@ -115,6 +134,8 @@ async fn dispatch(agent: &Arc<Agent>, conn: u64, req: Request, reader: &mut Fram
             agent.free(region, &transfer)?;
             json!({})
         }
-        Request::Status {} => serde_json::to_value(agent.status()).map_err(|e| Error::Protocol(e.to_string()))?,
+        Request::Status {} => {
+            serde_json::to_value(agent.status()).map_err(|e| Error::Protocol(e.to_string()))?
+        }
     })
 }

@@ -23,10 +23,17 @@ pub const MAX_PENDING_FDS: usize = 4;
 pub const VERSION: u32 = 1;
 
 /// Receive bytes and any SCM_RIGHTS descriptors into `fds` (closing those over the bound).
-pub fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> std::io::Result<usize> {
+pub fn recv_with_fds(
+    fd: RawFd,
+    buf: &mut [u8],
+    fds: &mut VecDeque<OwnedFd>,
+) -> std::io::Result<usize> {
     const SPACE: usize = 256;
     let mut cmsg = [0u64; SPACE / 8];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
     // SAFETY: zeroed msghdr is valid; we fill the pointers below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -44,7 +51,8 @@ pub fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> 
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
                 for i in 0..count {
                     let owned = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
                     if fds.len() < MAX_PENDING_FDS {
@@ -59,9 +67,16 @@ pub fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> 
 }
 
 /// Send `data` with `fd` attached (blocking socket).
-pub fn send_with_fd(sock: BorrowedFd<'_>, data: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
+pub fn send_with_fd(
+    sock: BorrowedFd<'_>,
+    data: &[u8],
+    fd: BorrowedFd<'_>,
+) -> std::io::Result<usize> {
     let mut cmsg = [0u64; 8];
-    let mut iov = libc::iovec { iov_base: data.as_ptr().cast_mut().cast(), iov_len: data.len() };
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr().cast_mut().cast(),
+        iov_len: data.len(),
+    };
     // SAFETY: zeroed msghdr is valid; pointers set below stay live during the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -109,7 +124,10 @@ impl Default for FrameReader {
 impl FrameReader {
     /// A reader with an empty buffer.
     pub fn new() -> Self {
-        Self { buf: Vec::with_capacity(4096), fds: VecDeque::new() }
+        Self {
+            buf: Vec::with_capacity(4096),
+            fds: VecDeque::new(),
+        }
     }
 
     fn take_frame(&mut self) -> Result<Option<Vec<u8>>> {
@@ -118,7 +136,9 @@ impl FrameReader {
         }
         let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
         if len == 0 || len > MAX_FRAME {
-            return Err(Error::BadRequest(format!("frame length {len} outside 1..={MAX_FRAME}")));
+            return Err(Error::BadRequest(format!(
+                "frame length {len} outside 1..={MAX_FRAME}"
+            )));
         }
         if self.buf.len() < 4 + len {
             return Ok(None);
@@ -137,9 +157,13 @@ impl FrameReader {
             }
             let mid_frame = !self.buf.is_empty();
             let fds = &mut self.fds;
-            let read = stream.async_io(Interest::READABLE, || recv_with_fds(stream.as_raw_fd(), &mut chunk, fds));
+            let read = stream.async_io(Interest::READABLE, || {
+                recv_with_fds(stream.as_raw_fd(), &mut chunk, fds)
+            });
             let n = if mid_frame {
-                tokio::time::timeout(io, read).await.map_err(|_| Error::Timeout("rest of a frame".into()))??
+                tokio::time::timeout(io, read)
+                    .await
+                    .map_err(|_| Error::Timeout("rest of a frame".into()))??
             } else {
                 read.await?
             };

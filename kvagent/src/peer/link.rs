@@ -72,23 +72,39 @@ impl PeerLink {
 }
 
 /// Open a connection and exchange hellos; a version mismatch is [`Error::VersionMismatch`].
-pub async fn handshake(addr: &str, kind: u8, caps: Caps, session: u64, timeout: Duration) -> Result<(TcpStream, Hello)> {
+pub async fn handshake(
+    addr: &str,
+    kind: u8,
+    caps: Caps,
+    session: u64,
+    timeout: Duration,
+) -> Result<(TcpStream, Hello)> {
     let fut = async {
         let mut s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
-        let hello = Hello { version: proto::VERSION, kind, caps: caps.0, session };
+        let hello = Hello {
+            version: proto::VERSION,
+            kind,
+            caps: caps.0,
+            session,
+        };
         s.write_all(&hello.encode()).await?;
         let mut buf = [0u8; proto::HELLO_LEN];
         s.read_exact(&mut buf).await?;
         let reply = Hello::decode(&buf)?;
         if reply.version != proto::VERSION || reply.kind == proto::ST_VERSION {
-            return Err(Error::VersionMismatch { ours: proto::VERSION, theirs: reply.version });
+            return Err(Error::VersionMismatch {
+                ours: proto::VERSION,
+                theirs: reply.version,
+            });
         }
         match reply.kind {
             proto::ST_OK => Ok((s, reply)),
             proto::ST_SESSION => Err(Error::Protocol("peer does not know our session".into())),
             proto::ST_LIMIT => Err(Error::Limit("peer is at its session limit".into())),
-            other => Err(Error::Protocol(format!("peer refused the hello (status {other})"))),
+            other => Err(Error::Protocol(format!(
+                "peer refused the hello (status {other})"
+            ))),
         }
     };
     match tokio::time::timeout(timeout, fut).await {
@@ -118,7 +134,11 @@ async fn connect(agent: &Arc<Agent>, addr: &str) -> Result<Arc<PeerLink>> {
     let (ctrl, reply) = handshake(addr, proto::KIND_CONTROL, agent.caps, 0, t).await?;
     let mut data = Vec::with_capacity(agent.cfg.data_streams);
     for _ in 0..agent.cfg.data_streams {
-        data.push(handshake(addr, proto::KIND_DATA, agent.caps, reply.session, t).await?.0);
+        data.push(
+            handshake(addr, proto::KIND_DATA, agent.caps, reply.session, t)
+                .await?
+                .0,
+        );
     }
     let (ctrl_tx, ctrl_rx) = mpsc::channel(1024);
     let mut data_tx = Vec::with_capacity(data.len());
@@ -140,16 +160,28 @@ async fn connect(agent: &Arc<Agent>, addr: &str) -> Result<Arc<PeerLink>> {
     });
     tracing::info!(peer = addr, session = reply.session, caps = ?link.caps.names(), "peer link open");
     let (rd, wr) = ctrl.into_split();
-    agent.tasks.spawn(ctrl_writer(Arc::clone(&link), wr, ctrl_rx));
+    agent
+        .tasks
+        .spawn(ctrl_writer(Arc::clone(&link), wr, ctrl_rx));
     agent.tasks.spawn(ctrl_reader(Arc::clone(&link), rd));
     for (stream, rx) in data.into_iter().zip(data_rx) {
         let stall = agent.cfg.faults.stall_data_after_bytes;
-        agent.tasks.spawn(data_writer(Arc::clone(&link), stream, rx, stall, agent.cfg.io_timeout));
+        agent.tasks.spawn(data_writer(
+            Arc::clone(&link),
+            stream,
+            rx,
+            stall,
+            agent.cfg.io_timeout,
+        ));
     }
     Ok(link)
 }
 
-async fn ctrl_writer(link: Arc<PeerLink>, mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Ctrl>) {
+async fn ctrl_writer(
+    link: Arc<PeerLink>,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Ctrl>,
+) {
     loop {
         let msg = tokio::select! {
             () = link.dead.cancelled() => return,
@@ -195,7 +227,13 @@ async fn ctrl_reader(link: Arc<PeerLink>, mut rd: tokio::net::tcp::OwnedReadHalf
     }
 }
 
-async fn data_writer(link: Arc<PeerLink>, stream: TcpStream, mut rx: mpsc::Receiver<DataJob>, stall: Option<u64>, io: Duration) {
+async fn data_writer(
+    link: Arc<PeerLink>,
+    stream: TcpStream,
+    mut rx: mpsc::Receiver<DataJob>,
+    stall: Option<u64>,
+    io: Duration,
+) {
     // Large segments bypass the buffer (BufWriter writes them straight through); small ones and
     // headers are coalesced into 256 KiB writes.
     let mut w = BufWriter::with_capacity(256 * 1024, stream);
@@ -212,7 +250,13 @@ async fn data_writer(link: Arc<PeerLink>, stream: TcpStream, mut rx: mpsc::Recei
     }
 }
 
-async fn write_job(link: &PeerLink, w: &mut BufWriter<TcpStream>, job: &DataJob, stall: Option<u64>, io: Duration) -> Result<()> {
+async fn write_job(
+    link: &PeerLink,
+    w: &mut BufWriter<TcpStream>,
+    job: &DataJob,
+    stall: Option<u64>,
+    io: Duration,
+) -> Result<()> {
     let len = job.layout.block_len();
     let mut sent = 0u64;
     for &(idx, layer, block) in &job.segs {
@@ -230,7 +274,13 @@ async fn write_job(link: &PeerLink, w: &mut BufWriter<TcpStream>, job: &DataJob,
         let off = job.layout.offset(layer, block);
         // SAFETY: the bytes are only copied to the socket (see `Mapping::slice`).
         let payload = unsafe { job.map.slice(off, len)? };
-        let hdr = DataHeader { seq: job.seq, block: idx, layer, offset: 0, len: len as u32 };
+        let hdr = DataHeader {
+            seq: job.seq,
+            block: idx,
+            layer,
+            offset: 0,
+            len: len as u32,
+        };
         let write = async {
             w.write_all(&hdr.encode()).await?;
             w.write_all(payload).await
@@ -240,6 +290,8 @@ async fn write_job(link: &PeerLink, w: &mut BufWriter<TcpStream>, job: &DataJob,
             .map_err(|_| Error::Timeout("data write stalled".into()))??;
         sent += len as u64;
     }
-    tokio::time::timeout(io, w.flush()).await.map_err(|_| Error::Timeout("data flush stalled".into()))??;
+    tokio::time::timeout(io, w.flush())
+        .await
+        .map_err(|_| Error::Timeout("data flush stalled".into()))??;
     Ok(())
 }

@@ -69,7 +69,10 @@ impl Hello {
     /// Decode; a wrong magic is a protocol error (something that is not an agent).
     pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self> {
         if b[0..4] != MAGIC {
-            return Err(Error::Protocol(format!("bad magic {:02x?} (not a kvagent)", &b[0..4])));
+            return Err(Error::Protocol(format!(
+                "bad magic {:02x?} (not a kvagent)",
+                &b[0..4]
+            )));
         }
         Ok(Self {
             version: u16::from_be_bytes([b[4], b[5]]),
@@ -199,11 +202,15 @@ pub async fn read_ctrl<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Re
     }
     let len = u32::from_be_bytes(len) as usize;
     if len > MAX_CTRL_FRAME {
-        return Err(Error::Protocol(format!("control frame of {len} bytes (max {MAX_CTRL_FRAME})")));
+        return Err(Error::Protocol(format!(
+            "control frame of {len} bytes (max {MAX_CTRL_FRAME})"
+        )));
     }
     buf.resize(len, 0);
     r.read_exact(buf).await?;
-    serde_json::from_slice(buf).map(Some).map_err(|e| Error::Protocol(format!("bad control frame: {e}")))
+    serde_json::from_slice(buf)
+        .map(Some)
+        .map_err(|e| Error::Protocol(format!("bad control frame: {e}")))
 }
 
 #[cfg(test)]
@@ -213,18 +220,33 @@ mod tests {
 
     #[test]
     fn hello_and_header_round_trip() {
-        let h = Hello { version: VERSION, kind: KIND_DATA, caps: 5, session: 77 };
+        let h = Hello {
+            version: VERSION,
+            kind: KIND_DATA,
+            caps: 5,
+            session: 77,
+        };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let mut bad = h.encode();
         bad[0] = b'X';
         assert!(Hello::decode(&bad).is_err());
-        let d = DataHeader { seq: 9, block: 3, layer: 2, offset: 4096, len: 65536 };
+        let d = DataHeader {
+            seq: 9,
+            block: 3,
+            layer: 2,
+            offset: 4096,
+            len: 65536,
+        };
         assert_eq!(DataHeader::decode(&d.encode()), d);
     }
 
     #[tokio::test]
     async fn control_frames_round_trip_and_bound() {
-        let msg = Ctrl::Reject { seq: 4, code: ErrorCode::NoRoom, message: "full".into() };
+        let msg = Ctrl::Reject {
+            seq: 4,
+            code: ErrorCode::NoRoom,
+            message: "full".into(),
+        };
         let mut wire = Vec::new();
         write_ctrl(&mut wire, &msg).await.unwrap();
         let mut buf = Vec::new();
@@ -232,6 +254,9 @@ mod tests {
         assert_eq!(got, Some(msg));
         let huge = (MAX_CTRL_FRAME as u32 + 1).to_be_bytes();
         assert!(read_ctrl(&mut huge.as_slice(), &mut buf).await.is_err());
-        assert_eq!(read_ctrl(&mut [0u8; 0].as_slice(), &mut buf).await.unwrap(), None);
+        assert_eq!(
+            read_ctrl(&mut [0u8; 0].as_slice(), &mut buf).await.unwrap(),
+            None
+        );
     }
 }

@@ -41,7 +41,12 @@ pub(crate) async fn serve(agent: Arc<Agent>, listener: TcpListener) {
 }
 
 async fn reply(sock: &mut TcpStream, status: u8, caps: u32, session: u64) -> Result<()> {
-    let h = Hello { version: proto::VERSION, kind: status, caps, session };
+    let h = Hello {
+        version: proto::VERSION,
+        kind: status,
+        caps,
+        session,
+    };
     sock.write_all(&h.encode()).await?;
     Ok(())
 }
@@ -61,9 +66,14 @@ async fn handle(agent: &Arc<Agent>, mut sock: TcpStream) -> Result<()> {
     };
     let caps = agent.caps.0;
     if hello.version != proto::VERSION {
-        agent.metrics.failure(ErrorCode::UnsupportedVersion, "receive");
+        agent
+            .metrics
+            .failure(ErrorCode::UnsupportedVersion, "receive");
         let _ = reply(&mut sock, proto::ST_VERSION, caps, 0).await;
-        return Err(Error::VersionMismatch { ours: proto::VERSION, theirs: hello.version });
+        return Err(Error::VersionMismatch {
+            ours: proto::VERSION,
+            theirs: hello.version,
+        });
     }
     match hello.kind {
         proto::KIND_CONTROL => {
@@ -90,7 +100,10 @@ async fn handle(agent: &Arc<Agent>, mut sock: TcpStream) -> Result<()> {
         proto::KIND_DATA => {
             if !agent.state.lock().sessions.contains_key(&hello.session) {
                 let _ = reply(&mut sock, proto::ST_SESSION, caps, 0).await;
-                return Err(Error::Protocol(format!("data stream for unknown session {}", hello.session)));
+                return Err(Error::Protocol(format!(
+                    "data stream for unknown session {}",
+                    hello.session
+                )));
             }
             reply(&mut sock, proto::ST_OK, caps, hello.session).await?;
             data(agent, sock, hello.session).await
@@ -105,13 +118,29 @@ async fn handle(agent: &Arc<Agent>, mut sock: TcpStream) -> Result<()> {
 fn end_session(agent: &Agent, session: u64) {
     let mut st = agent.state.lock();
     st.sessions.remove(&session);
-    let keys: Vec<_> = st.incoming.keys().filter(|(s, _)| *s == session).copied().collect();
+    let keys: Vec<_> = st
+        .incoming
+        .keys()
+        .filter(|(s, _)| *s == session)
+        .copied()
+        .collect();
     for k in keys {
-        abort_incoming_locked(agent, &mut st, k, ErrorCode::PeerLost, "sending agent disconnected");
+        abort_incoming_locked(
+            agent,
+            &mut st,
+            k,
+            ErrorCode::PeerLost,
+            "sending agent disconnected",
+        );
     }
 }
 
-async fn control(agent: &Arc<Agent>, sock: TcpStream, session: u64, mut rx: mpsc::Receiver<Ctrl>) -> Result<()> {
+async fn control(
+    agent: &Arc<Agent>,
+    sock: TcpStream,
+    session: u64,
+    mut rx: mpsc::Receiver<Ctrl>,
+) -> Result<()> {
     let (mut rd, mut wr) = sock.into_split();
     let stop = agent.stop.child_token();
     let writer_stop = stop.clone();
@@ -136,10 +165,34 @@ async fn control(agent: &Arc<Agent>, sock: TcpStream, session: u64, mut rx: mpsc
             m = proto::read_ctrl(&mut rd, &mut buf) => m?,
         };
         match msg {
-            None => return Err(Error::PeerLost("sender closed the control connection".into())),
-            Some(Ctrl::Offer { seq, transfer, dst_region, block_bytes, layers, blocks, deadline_ms }) => {
-                let layout = BlockLayout { block_bytes, layers, blocks };
-                let answer = offer(agent, session, seq, transfer, dst_region, layout, deadline_ms);
+            None => {
+                return Err(Error::PeerLost(
+                    "sender closed the control connection".into(),
+                ))
+            }
+            Some(Ctrl::Offer {
+                seq,
+                transfer,
+                dst_region,
+                block_bytes,
+                layers,
+                blocks,
+                deadline_ms,
+            }) => {
+                let layout = BlockLayout {
+                    block_bytes,
+                    layers,
+                    blocks,
+                };
+                let answer = offer(
+                    agent,
+                    session,
+                    seq,
+                    transfer,
+                    dst_region,
+                    layout,
+                    deadline_ms,
+                );
                 let tx = agent.state.lock().sessions.get(&session).cloned();
                 if let Some(tx) = tx {
                     let _ = tokio::time::timeout(agent.cfg.io_timeout, tx.send(answer)).await;
@@ -147,20 +200,46 @@ async fn control(agent: &Arc<Agent>, sock: TcpStream, session: u64, mut rx: mpsc
             }
             Some(Ctrl::Abort { seq, reason }) => {
                 let mut st = agent.state.lock();
-                abort_incoming_locked(agent, &mut st, (session, seq), ErrorCode::Aborted, &format!("sender aborted: {reason}"));
+                abort_incoming_locked(
+                    agent,
+                    &mut st,
+                    (session, seq),
+                    ErrorCode::Aborted,
+                    &format!("sender aborted: {reason}"),
+                );
             }
-            Some(other) => return Err(Error::Protocol(format!("unexpected {other:?} from a sender"))),
+            Some(other) => {
+                return Err(Error::Protocol(format!(
+                    "unexpected {other:?} from a sender"
+                )))
+            }
         }
     }
 }
 
-fn offer(agent: &Agent, session: u64, seq: u64, tid: crate::types::TransferId, dst: Option<String>, layout: BlockLayout, deadline_ms: u64) -> Ctrl {
+fn offer(
+    agent: &Agent,
+    session: u64,
+    seq: u64,
+    tid: crate::types::TransferId,
+    dst: Option<String>,
+    layout: BlockLayout,
+    deadline_ms: u64,
+) -> Ctrl {
     let reject = |e: Error| {
         agent.metrics.failure(e.code(), "receive");
         tracing::info!(transfer = %tid, error = %e, "offer rejected");
-        Ctrl::Reject { seq, code: e.code(), message: e.to_string() }
+        Ctrl::Reject {
+            seq,
+            code: e.code(),
+            message: e.to_string(),
+        }
     };
-    if layout.blocks == 0 || layout.blocks > MAX_BLOCKS || layout.block_bytes == 0 || layout.block_bytes > u64::from(u32::MAX) {
+    if layout.blocks == 0
+        || layout.blocks > MAX_BLOCKS
+        || layout.block_bytes == 0
+        || layout.block_bytes > u64::from(u32::MAX)
+    {
         return reject(Error::BadRequest("offer out of bounds".into()));
     }
     let deadline = Duration::from_millis(deadline_ms).min(agent.cfg.max_deadline);
@@ -174,7 +253,14 @@ fn offer(agent: &Agent, session: u64, seq: u64, tid: crate::types::TransferId, d
         return reject(Error::Protocol(format!("sequence {seq} reused")));
     }
     st.reg.clear_failure(&tid);
-    let landed = st.reg.land(&tid, &layout, layout.blocks, dst.as_deref(), None, Instant::now() + deadline);
+    let landed = st.reg.land(
+        &tid,
+        &layout,
+        layout.blocks,
+        dst.as_deref(),
+        None,
+        Instant::now() + deadline,
+    );
     match landed {
         Ok((region, blocks)) => {
             let expected = region.layout.transfer_bytes(blocks.len());
@@ -204,27 +290,41 @@ fn offer(agent: &Agent, session: u64, seq: u64, tid: crate::types::TransferId, d
 }
 
 /// Where a data frame lands, or None when its transfer is gone (the payload is discarded).
-fn begin_write(agent: &Agent, session: u64, h: &DataHeader) -> Result<Option<(Arc<crate::shm::Mapping>, usize)>> {
+fn begin_write(
+    agent: &Agent,
+    session: u64,
+    h: &DataHeader,
+) -> Result<Option<(Arc<crate::shm::Mapping>, usize)>> {
     let mut st = agent.state.lock();
-    let Some(inc) = st.incoming.get_mut(&(session, h.seq)) else { return Ok(None) };
+    let Some(inc) = st.incoming.get_mut(&(session, h.seq)) else {
+        return Ok(None);
+    };
     if inc.aborted {
         return Ok(None);
     }
     let end = u64::from(h.offset) + u64::from(h.len);
     let Some(&block) = inc.blocks.get(h.block as usize) else {
-        return Err(Error::Protocol(format!("block index {} out of range", h.block)));
+        return Err(Error::Protocol(format!(
+            "block index {} out of range",
+            h.block
+        )));
     };
     if h.layer >= inc.layout.layers || end > inc.layout.block_bytes {
         return Err(Error::Protocol("segment out of range".into()));
     }
     inc.writers += 1;
-    Ok(Some((Arc::clone(&inc.map), inc.layout.offset(h.layer, block) + h.offset as usize)))
+    Ok(Some((
+        Arc::clone(&inc.map),
+        inc.layout.offset(h.layer, block) + h.offset as usize,
+    )))
 }
 
 fn end_write(agent: &Agent, session: u64, seq: u64, len: u64, ok: bool) {
     let mut st = agent.state.lock();
     let key = (session, seq);
-    let Some(inc) = st.incoming.get_mut(&key) else { return };
+    let Some(inc) = st.incoming.get_mut(&key) else {
+        return;
+    };
     inc.writers -= 1;
     if ok {
         inc.received += len;
@@ -239,13 +339,28 @@ fn end_write(agent: &Agent, session: u64, seq: u64, len: u64, ok: bool) {
         return;
     }
     if !ok {
-        abort_incoming_locked(agent, &mut st, key, ErrorCode::PeerLost, "data stream broke mid-payload");
+        abort_incoming_locked(
+            agent,
+            &mut st,
+            key,
+            ErrorCode::PeerLost,
+            "data stream broke mid-payload",
+        );
         return;
     }
     if inc.received >= inc.expected && inc.writers == 0 {
-        let Some(done) = st.incoming.remove(&key) else { return };
-        let _ = st.reg.set_state(done.region, &done.tid, LeaseState::Arrived, Instant::now() + agent.cfg.hold_ttl);
-        agent.metrics.transfer_done(Path::Tcp, done.expected, done.started.elapsed());
+        let Some(done) = st.incoming.remove(&key) else {
+            return;
+        };
+        let _ = st.reg.set_state(
+            done.region,
+            &done.tid,
+            LeaseState::Arrived,
+            Instant::now() + agent.cfg.hold_ttl,
+        );
+        agent
+            .metrics
+            .transfer_done(Path::Tcp, done.expected, done.started.elapsed());
         if let Some(tx) = st.sessions.get(&session) {
             let _ = tx.try_send(Ctrl::Done { seq });
         }
@@ -274,7 +389,9 @@ async fn data(agent: &Arc<Agent>, mut sock: TcpStream, session: u64) -> Result<(
                 // SAFETY: the lease gives this frame's range to this reader alone (the sender
                 // sends each segment once) and the slice ends with the read.
                 let read = match unsafe { map.slice_mut(off, h.len as usize) } {
-                    Ok(dst) => tokio::time::timeout(io, sock.read_exact(dst)).await.is_ok_and(|r| r.is_ok()),
+                    Ok(dst) => tokio::time::timeout(io, sock.read_exact(dst))
+                        .await
+                        .is_ok_and(|r| r.is_ok()),
                     Err(_) => false,
                 };
                 end_write(agent, session, h.seq, u64::from(h.len), read);

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use kvmesh_kvagent::agent::AgentHandle;
 use kvmesh_kvagent::shm::Mapping;
-use kvmesh_kvagent::{bind_local, Agent, AgentConfig, BlockLayout, Listeners, LocalClient, SocketConfig};
+use kvmesh_kvagent::{
+    bind_local, Agent, AgentConfig, BlockLayout, Listeners, LocalClient, SocketConfig,
+};
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_kvmesh-kvagent");
 
@@ -22,19 +24,44 @@ pub struct InProc {
 
 impl InProc {
     pub fn start(dir: &Path, name: &str, tweak: impl FnOnce(&mut AgentConfig)) -> Self {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         let socket = dir.join(format!("{name}.sock"));
-        let mut cfg = AgentConfig { agent_id: name.into(), ..AgentConfig::default() };
+        let mut cfg = AgentConfig {
+            agent_id: name.into(),
+            ..AgentConfig::default()
+        };
         tweak(&mut cfg);
         let handle = rt.block_on(async {
-            let local = bind_local(&SocketConfig { path: socket.clone(), group: None }).unwrap();
+            let local = bind_local(&SocketConfig {
+                path: socket.clone(),
+                group: None,
+            })
+            .unwrap();
             let peer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            Agent::start(cfg, Listeners { local, peer, admin: Some(admin) }).unwrap()
+            Agent::start(
+                cfg,
+                Listeners {
+                    local,
+                    peer,
+                    admin: Some(admin),
+                },
+            )
+            .unwrap()
         });
         let peer = handle.peer_addr.to_string();
         let admin = handle.admin_addr.unwrap().to_string();
-        Self { rt, handle: Some(handle), socket, peer, admin }
+        Self {
+            rt,
+            handle: Some(handle),
+            socket,
+            peer,
+            admin,
+        }
     }
 
     pub fn client(&self) -> LocalClient {
@@ -51,7 +78,12 @@ impl Drop for InProc {
 }
 
 /// A memfd region registered with `client`, filled with a pattern from `seed`.
-pub fn region(client: &mut LocalClient, name: &str, layout: BlockLayout, seed: u64) -> (Mapping, u64) {
+pub fn region(
+    client: &mut LocalClient,
+    name: &str,
+    layout: BlockLayout,
+    seed: u64,
+) -> (Mapping, u64) {
     let len = layout.validate(u64::MAX).unwrap();
     let map = Mapping::create(name, len).unwrap();
     let mut bytes = vec![0u8; len];
@@ -82,10 +114,21 @@ pub fn block_sum(map: &Mapping, layout: &BlockLayout, block: u32) -> u64 {
 }
 
 /// Assert that `dst` blocks hold exactly `src` blocks' bytes.
-pub fn assert_same(src: &Mapping, sl: &BlockLayout, sb: &[u32], dst: &Mapping, dl: &BlockLayout, db: &[u32]) {
+pub fn assert_same(
+    src: &Mapping,
+    sl: &BlockLayout,
+    sb: &[u32],
+    dst: &Mapping,
+    dl: &BlockLayout,
+    db: &[u32],
+) {
     assert_eq!(sb.len(), db.len());
     for (s, d) in sb.iter().zip(db) {
-        assert_eq!(block_sum(src, sl, *s), block_sum(dst, dl, *d), "block {s} -> {d} differs");
+        assert_eq!(
+            block_sum(src, sl, *s),
+            block_sum(dst, dl, *d),
+            "block {s} -> {d} differs"
+        );
     }
 }
 
