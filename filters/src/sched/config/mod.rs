@@ -342,6 +342,11 @@ fn parse_raw(text: &str, file: &str) -> Result<RawConfig, ConfigError> {
             Some(p) => message[..p].to_owned(),
             None => message,
         };
+        // serde_yaml_ng may also prefix the path, which Display adds anyway.
+        let message = match message.strip_prefix(&format!("{path}: ")) {
+            Some(m) => m.to_owned(),
+            None => message,
+        };
         let fallback = locate::locate(text, &path);
         ConfigError {
             file: file.to_owned(),
