@@ -4,4 +4,5 @@
 pub mod hash;
 pub mod index;
 pub mod kvevents;
+mod lru;
 pub mod tokenize;

@@ -28,7 +28,8 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::prefix::hash::{extend_keys, BlockKey, LocalHasher};
 use crate::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use shard::{map_bytes, MixMap, Shard};
+use shard::Shard;
+pub(crate) use shard::{map_bytes, MixMap};
 
 /// Number of global shards (a power of two).
 pub const SHARDS: usize = 64;

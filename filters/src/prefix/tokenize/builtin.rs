@@ -140,6 +140,14 @@ impl Tokenizer for Builtin {
     fn decode_token(&self, id: u32) -> String {
         format!(" {}", WORDS[(id % 64) as usize])
     }
+
+    fn split_points(&self) -> &[String] {
+        // `<` is always a piece of its own and ends any run before it, so the
+        // template's `<|role|>` markers are safe cut points.
+        static SPLITS: std::sync::LazyLock<[String; 1]> =
+            std::sync::LazyLock::new(|| ["<|".to_owned()]);
+        &*SPLITS
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,12 @@
 //! simulated fleet and its routers agree exactly without any model files.
 
 mod builtin;
+mod cache;
+mod hf;
 
 pub use builtin::{Builtin, BOS_ID, EOS_ID, FIRST_ORDINARY_ID, MAX_PIECE_CHARS, VOCAB_SIZE};
+pub use cache::{CacheStats, CachedTokenizer, CappedIds, TokenCacheConfig};
+pub use hf::HfTokenizer;
 
 /// One chat message, with multi-part content already flattened to text.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +50,14 @@ pub trait Tokenizer: Send + Sync {
     /// The text of one token, for engines that synthesise output.
     fn decode_token(&self, id: u32) -> String;
 
+    /// Strings before which a text may be cut, each piece encoded alone (the
+    /// first with special tokens as asked, the rest without) and the ids
+    /// concatenated, with the same result as encoding it whole. The token
+    /// prefix cache uses them; an empty list (the default) disables it.
+    fn split_points(&self) -> &[String] {
+        &[]
+    }
+
     /// Token ids of a chat request: render, then encode the way the engine does.
     fn encode_chat(
         &self,
@@ -56,3 +68,29 @@ pub trait Tokenizer: Send + Sync {
         self.encode(&text, !self.chat_template_adds_bos())
     }
 }
+
+/// A shared tokenizer is a tokenizer (so wrappers such as [`CachedTokenizer`]
+/// can hold a `&T`, an `Arc<T>` or a `Box<dyn Tokenizer>`).
+macro_rules! forward_tokenizer {
+    ($($ty:ty),*) => {$(
+        impl<T: Tokenizer + ?Sized> Tokenizer for $ty {
+            fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+                (**self).encode(text, add_special_tokens)
+            }
+            fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizeError> {
+                (**self).render_chat(messages, add_generation_prompt)
+            }
+            fn chat_template_adds_bos(&self) -> bool {
+                (**self).chat_template_adds_bos()
+            }
+            fn decode_token(&self, id: u32) -> String {
+                (**self).decode_token(id)
+            }
+            fn split_points(&self) -> &[String] {
+                (**self).split_points()
+            }
+        }
+    )*};
+}
+
+forward_tokenizer!(&T, std::sync::Arc<T>, Box<T>);

@@ -1,0 +1,490 @@
+//! A Hugging Face tokenizer plus the model's chat template, tokenizing the way
+//! vLLM does: a completion prompt is encoded with special tokens (BOS first);
+//! chat messages are rendered with the template (Jinja, run by minijinja with
+//! the Hugging Face settings: `trim_blocks`, `lstrip_blocks`, `bos_token`,
+//! `add_generation_prompt`, `raise_exception`, `strftime_now`, a
+//! Python-compatible `tojson` and the common Python string/dict methods), then
+//! encoded without adding special tokens when the template already emits BOS.
+//!
+//! Constructed from bytes (the crate does no I/O): the caller reads
+//! `tokenizer.json`, `tokenizer_config.json` and, if present,
+//! `chat_template.jinja` from the model directory.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{context, Environment, Error, ErrorKind, State, Value};
+
+use super::{ChatMessage, TokenizeError, Tokenizer};
+
+const TEMPLATE: &str = "chat";
+
+/// A Hugging Face `tokenizer.json` with the model's chat template.
+pub struct HfTokenizer {
+    tok: tokenizers::Tokenizer,
+    env: Option<Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+    template_adds_bos: bool,
+    /// Special added tokens that strip no whitespace: the tokenizer splits the
+    /// text at each of them before anything else, so text can be tokenized in
+    /// pieces cut right before one of them with identical ids.
+    boundaries: Vec<String>,
+    /// Unix seconds `strftime_now` formats (templates that print the date);
+    /// set by the caller, since this crate reads no clock.
+    now_unix: Arc<AtomicI64>,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("vocab", &self.tok.get_vocab_size(true))
+            .field("chat_template", &self.env.is_some())
+            .field("template_adds_bos", &self.template_adds_bos)
+            .finish()
+    }
+}
+
+fn tok_err(e: impl std::fmt::Display) -> TokenizeError {
+    TokenizeError::Tokenizer(e.to_string())
+}
+
+fn tpl_err(e: impl std::fmt::Display) -> TokenizeError {
+    TokenizeError::Template(e.to_string())
+}
+
+/// A token in `tokenizer_config.json`: a string or an `AddedToken` object.
+fn config_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
+    match cfg.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `chat_template` is a string or a list of `{name, template}` (use `default`).
+fn config_template(cfg: &serde_json::Value) -> Option<String> {
+    match cfg.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+        _ => None,
+    }
+}
+
+impl HfTokenizer {
+    /// Builds from the bytes of `tokenizer.json`, the text of
+    /// `tokenizer_config.json` (tokens and maybe the template) and of a
+    /// separate `chat_template.jinja` (which wins when both exist).
+    pub fn from_parts(
+        tokenizer_json: &[u8],
+        tokenizer_config_json: Option<&str>,
+        chat_template: Option<&str>,
+    ) -> Result<Self, TokenizeError> {
+        let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(tok_err)?;
+        let cfg: serde_json::Value = match tokenizer_config_json {
+            Some(text) => serde_json::from_str(text).map_err(tok_err)?,
+            None => serde_json::Value::Null,
+        };
+        let bos_token = config_token(&cfg, "bos_token").unwrap_or_default();
+        let eos_token = config_token(&cfg, "eos_token").unwrap_or_default();
+        let source = chat_template
+            .map(str::to_owned)
+            .or_else(|| config_template(&cfg));
+        let now_unix = Arc::new(AtomicI64::new(0));
+        let env = match source {
+            Some(src) => Some(build_env(src, now_unix.clone())?),
+            None => None,
+        };
+        let mut added: Vec<(u32, tokenizers::AddedToken)> =
+            tok.get_added_tokens_decoder().into_iter().collect();
+        added.sort_by_key(|(id, _)| *id);
+        let boundaries = added
+            .into_iter()
+            .filter(|(_, t)| {
+                t.special && !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty()
+            })
+            .map(|(_, t)| t.content)
+            .collect();
+        let mut me = Self {
+            tok,
+            env,
+            bos_token,
+            eos_token,
+            template_adds_bos: false,
+            boundaries,
+            now_unix,
+        };
+        me.template_adds_bos = me.probe_template_bos();
+        Ok(me)
+    }
+
+    /// Whether the rendered template starts with BOS (vLLM then encodes chat
+    /// prompts without adding special tokens).
+    fn probe_template_bos(&self) -> bool {
+        if self.bos_token.is_empty() || self.env.is_none() {
+            return false;
+        }
+        let probe = [
+            ChatMessage {
+                role: "system".into(),
+                content: "s".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "u".into(),
+            },
+        ];
+        match self.render_chat(&probe, true) {
+            Ok(text) => text.starts_with(&self.bos_token),
+            Err(_) => false,
+        }
+    }
+
+    /// Whether a chat template was configured.
+    pub fn has_chat_template(&self) -> bool {
+        self.env.is_some()
+    }
+
+    /// Special tokens before which text may be cut without changing its ids.
+    pub fn boundary_tokens(&self) -> &[String] {
+        &self.boundaries
+    }
+
+    /// Sets the time `strftime_now` formats, in Unix seconds (UTC).
+    pub fn set_now_unix(&self, secs: i64) {
+        self.now_unix.store(secs, Ordering::Relaxed);
+    }
+}
+
+impl Tokenizer for HfTokenizer {
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self
+            .tok
+            .encode_fast(text, add_special_tokens)
+            .map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        let env = self
+            .env
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|m| context! { role => m.role.as_str(), content => m.content.as_str() })
+            .collect();
+        let tpl = env.get_template(TEMPLATE).map_err(tpl_err)?;
+        tpl.render(context! {
+            messages => msgs,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        })
+        .map_err(tpl_err)
+    }
+
+    fn chat_template_adds_bos(&self) -> bool {
+        self.template_adds_bos
+    }
+
+    fn decode_token(&self, id: u32) -> String {
+        self.tok.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn split_points(&self) -> &[String] {
+        &self.boundaries
+    }
+}
+
+fn build_env(
+    source: String,
+    now_unix: Arc<AtomicI64>,
+) -> Result<Environment<'static>, TokenizeError> {
+    let mut env = Environment::new();
+    // Hugging Face renders with trim_blocks and lstrip_blocks on.
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
+        Err(Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", move |fmt: String| -> String {
+        strftime(now_unix.load(Ordering::Relaxed), &fmt)
+    });
+    env.add_filter("tojson", tojson);
+    env.set_unknown_method_callback(pycompat);
+    env.add_template_owned(TEMPLATE, source).map_err(tpl_err)?;
+    Ok(env)
+}
+
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent)` as Hugging Face's
+/// `tojson` filter does (keys in insertion order).
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    dump(&value, indent, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn dump(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> Result<(), Error> {
+    if depth > 64 {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "tojson: nested too deeply",
+        ));
+    }
+    let newline = |out: &mut String, d: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * d));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => out.push_str(&v.to_string()),
+        ValueKind::String => {
+            let s = serde_json::to_string(v.as_str().unwrap_or_default())
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            out.push_str(&s);
+        }
+        ValueKind::Map => {
+            out.push('{');
+            let mut first = true;
+            for k in v.try_iter()? {
+                if !first {
+                    out.push_str(sep);
+                }
+                first = false;
+                newline(out, depth + 1);
+                dump(&Value::from(k.to_string()), None, depth + 1, out)?;
+                out.push_str(": ");
+                dump(&v.get_item(&k)?, indent, depth + 1, out)?;
+            }
+            if !first {
+                newline(out, depth);
+            }
+            out.push('}');
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            let mut first = true;
+            for item in v.try_iter()? {
+                if !first {
+                    out.push_str(sep);
+                }
+                first = false;
+                newline(out, depth + 1);
+                dump(&item, indent, depth + 1, out)?;
+            }
+            if !first {
+                newline(out, depth);
+            }
+            out.push(']');
+        }
+        _ => dump(&Value::from(v.to_string()), indent, depth, out)?,
+    }
+    Ok(())
+}
+
+/// The Python `str` and `dict` methods chat templates call.
+fn pycompat(_: &State, v: &Value, name: &str, args: &[Value]) -> Result<Value, Error> {
+    let arg = |i: usize| args.get(i).and_then(|a| a.as_str()).map(str::to_owned);
+    if let Some(s) = v.as_str() {
+        let chars: Option<Vec<char>> = arg(0).map(|c| c.chars().collect());
+        let trim = |c: char| {
+            chars
+                .as_ref()
+                .map_or(c.is_whitespace(), |set| set.contains(&c))
+        };
+        return Ok(match name {
+            "strip" => Value::from(s.trim_matches(trim)),
+            "lstrip" => Value::from(s.trim_start_matches(trim)),
+            "rstrip" => Value::from(s.trim_end_matches(trim)),
+            "upper" => Value::from(s.to_uppercase()),
+            "lower" => Value::from(s.to_lowercase()),
+            "title" | "capitalize" => {
+                let mut c = s.chars();
+                Value::from(c.next().map_or(String::new(), |f| {
+                    f.to_uppercase()
+                        .chain(c.flat_map(char::to_lowercase))
+                        .collect()
+                }))
+            }
+            "startswith" => Value::from(arg(0).is_some_and(|p| s.starts_with(p.as_str()))),
+            "endswith" => Value::from(arg(0).is_some_and(|p| s.ends_with(p.as_str()))),
+            "replace" => match (arg(0), arg(1)) {
+                (Some(a), Some(b)) => Value::from(s.replace(a.as_str(), &b)),
+                _ => return Err(Error::new(ErrorKind::MissingArgument, "replace(old, new)")),
+            },
+            "split" => match arg(0) {
+                Some(sep) => {
+                    Value::from(s.split(sep.as_str()).map(Value::from).collect::<Vec<_>>())
+                }
+                None => Value::from(s.split_whitespace().map(Value::from).collect::<Vec<_>>()),
+            },
+            _ => return Err(Error::new(ErrorKind::UnknownMethod, format!("str.{name}"))),
+        });
+    }
+    if v.kind() == ValueKind::Map {
+        return Ok(match name {
+            "items" => Value::from(
+                v.try_iter()?
+                    .map(|k| Ok(Value::from(vec![k.clone(), v.get_item(&k)?])))
+                    .collect::<Result<Vec<_>, Error>>()?,
+            ),
+            "keys" => Value::from(v.try_iter()?.collect::<Vec<_>>()),
+            "values" => Value::from(
+                v.try_iter()?
+                    .map(|k| v.get_item(&k))
+                    .collect::<Result<Vec<_>, Error>>()?,
+            ),
+            "get" => {
+                let key = args.first().cloned().unwrap_or_default();
+                match v.get_item(&key) {
+                    Ok(x) if !x.is_undefined() => x,
+                    _ => args.get(1).cloned().unwrap_or_default(),
+                }
+            }
+            _ => return Err(Error::new(ErrorKind::UnknownMethod, format!("dict.{name}"))),
+        });
+    }
+    Err(Error::new(ErrorKind::UnknownMethod, name.to_owned()))
+}
+
+/// A small `strftime` over a Unix time in UTC: `%d %m %Y %y %b %B %a %A %H %M
+/// %S %j %%`; other directives are kept verbatim.
+fn strftime(unix: i64, fmt: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = unix.div_euclid(86_400);
+    let secs = unix.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = CUM[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::with_capacity(fmt.len() + 16);
+    let mut it = fmt.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_formats_utc_dates() {
+        // 2024-07-26 13:05:09 UTC, a Friday, day 208 of a leap year.
+        assert_eq!(
+            strftime(1_722_000_309, "%d %b %Y %H:%M:%S %A %j %y %B %%"),
+            "26 Jul 2024 13:25:09 Friday 208 24 July %"
+        );
+        assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
+    }
+
+    fn tok(template: &str) -> HfTokenizer {
+        let json = br#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1},"unk_token":"[UNK]"}}"#;
+        HfTokenizer::from_parts(
+            json,
+            Some(r#"{"bos_token":{"content":"<s>"}}"#),
+            Some(template),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn templates_get_hf_helpers() {
+        let msgs = [
+            ChatMessage {
+                role: "system".into(),
+                content: "  be brief \n".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            },
+        ];
+        let t = tok("{{ bos_token }}{% for m in messages %}{{ m['content'].strip() | upper }}|{{ m | tojson }}\n{% endfor %}{% if add_generation_prompt %}GO{% endif %}");
+        assert!(t.chat_template_adds_bos());
+        assert_eq!(
+            t.render_chat(&msgs, true).unwrap(),
+            "<s>BE BRIEF|{\"role\": \"system\", \"content\": \"  be brief \\n\"}\nHI|{\"role\": \"user\", \"content\": \"hi\"}\nGO"
+        );
+        let t = tok("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok");
+        let err = t.render_chat(&msgs, false).unwrap_err().to_string();
+        assert!(err.contains("user first"), "{err}");
+        assert!(!t.chat_template_adds_bos());
+        let t = tok("{{ strftime_now('%Y') }}");
+        t.set_now_unix(1_722_000_309);
+        assert_eq!(t.render_chat(&msgs, false).unwrap(), "2024");
+    }
+}

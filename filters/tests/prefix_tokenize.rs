@@ -1,0 +1,170 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! The Hugging Face tokenizer and chat template give vLLM's own `/tokenize`
+//! ids for the fixture model, and the token prefix cache never changes them.
+
+use std::sync::OnceLock;
+
+use kvmesh_filters::prefix::hash::VllmCborHasher;
+use kvmesh_filters::prefix::tokenize::{
+    CachedTokenizer, ChatMessage, HfTokenizer, TokenCacheConfig, Tokenizer,
+};
+use proptest::prelude::*;
+
+fn fixtures() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
+}
+
+fn hf() -> &'static HfTokenizer {
+    static TOK: OnceLock<HfTokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let dir = fixtures().join("tiny-llama");
+        let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+        let cfg = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+        let tpl = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();
+        HfTokenizer::from_parts(&json, Some(&cfg), Some(&tpl)).unwrap()
+    })
+}
+
+/// (request body, token ids vLLM returned) from both fixture files.
+fn cases() -> Vec<(serde_json::Value, Vec<u32>)> {
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut out = Vec::new();
+    let hv: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("vllm-cpu/hash_vectors.json")).unwrap(),
+    )
+    .unwrap();
+    for v in hv["vectors"].as_array().unwrap() {
+        out.push((v["request"].clone(), ids(&v["token_ids"])));
+    }
+    let reqs =
+        std::fs::read_to_string(fixtures().join("vllm-cpu/capture-1/requests.jsonl")).unwrap();
+    for line in reqs.lines() {
+        let r: serde_json::Value = serde_json::from_str(line).unwrap();
+        if r["step"]["path"] == "/tokenize" {
+            let resp: serde_json::Value =
+                serde_json::from_str(r["response"].as_str().unwrap()).unwrap();
+            out.push((r["step"]["body"].clone(), ids(&resp["tokens"])));
+        }
+    }
+    out
+}
+
+fn encode_request(t: &dyn Tokenizer, body: &serde_json::Value) -> Vec<u32> {
+    if let Some(prompt) = body["prompt"].as_str() {
+        return t.encode(prompt, true).unwrap();
+    }
+    let msgs: Vec<ChatMessage> = body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| ChatMessage {
+            role: m["role"].as_str().unwrap().into(),
+            content: m["content"].as_str().unwrap().into(),
+        })
+        .collect();
+    let gen = body["add_generation_prompt"].as_bool().unwrap_or(true);
+    t.encode_chat(&msgs, gen).unwrap()
+}
+
+#[test]
+fn ids_equal_vllm_tokenize_for_completions_and_chat() {
+    let t = hf();
+    assert!(t.chat_template_adds_bos());
+    let cases = cases();
+    let (chats, prompts) = cases.iter().fold((0, 0), |(c, p), (b, _)| {
+        if b.get("messages").is_some() {
+            (c + 1, p)
+        } else {
+            (c, p + 1)
+        }
+    });
+    assert!(
+        chats >= 4 && prompts >= 3,
+        "{chats} chat, {prompts} completion cases"
+    );
+    for (body, want) in &cases {
+        assert_eq!(
+            &encode_request(t, body),
+            want,
+            "{}",
+            &body.to_string()[..80]
+        );
+    }
+}
+
+#[test]
+fn tokenize_then_hash_gives_the_published_block_hashes() {
+    let hv: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("vllm-cpu/hash_vectors.json")).unwrap(),
+    )
+    .unwrap();
+    for v in hv["vectors"].as_array().unwrap() {
+        let ids = encode_request(hf(), &v["request"]);
+        let salt = v["request"]["cache_salt"].as_str();
+        let want: Vec<u64> = v["block_hashes_u64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        assert_eq!(VllmCborHasher::new(None).block_hashes(&ids, 32, salt), want);
+    }
+}
+
+#[test]
+fn the_prefix_cache_gives_identical_ids_and_reuses_the_shared_part() {
+    let c = CachedTokenizer::new(
+        hf(),
+        TokenCacheConfig {
+            max_bytes: 1 << 20,
+            min_piece_bytes: 64,
+        },
+    );
+    for _ in 0..2 {
+        for (body, want) in &cases() {
+            assert_eq!(&encode_request(&c, body), want);
+        }
+    }
+    let s = c.stats();
+    assert!(s.reused_bytes > s.tokenized_bytes / 2, "{s:?}");
+    assert_eq!(hf().boundary_tokens().len(), 6);
+}
+
+fn piece() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("<|eot_id|>".to_owned()),
+        Just("<|start_header_id|>".to_owned()),
+        Just("<|end_header_id|>".to_owned()),
+        Just("<|begin_of_text|>".to_owned()),
+        Just("<|".to_owned()),
+        Just("\n\n".to_owned()),
+        Just(" ".to_owned()),
+        Just("  ".to_owned()),
+        Just("\t".to_owned()),
+        "[a-zA-Z0-9 .,'!?]{0,40}",
+        "\\PC{0,8}",
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Cutting before special tokens never changes the ids, whatever surrounds them.
+    #[test]
+    fn cached_ids_equal_whole_text_ids(pieces in proptest::collection::vec(piece(), 1..40), special in any::<bool>()) {
+        let c = CachedTokenizer::new(hf(), TokenCacheConfig { max_bytes: 1 << 16, min_piece_bytes: 1 });
+        let text: String = pieces.concat();
+        let want = hf().encode(&text, special).unwrap();
+        prop_assert_eq!(&c.encode(&text, special).unwrap(), &want);
+        // Again, now from the cache, and a variant sharing its prefix.
+        prop_assert_eq!(&c.encode(&text, special).unwrap(), &want);
+        let longer = format!("{text}<|eot_id|> tail");
+        prop_assert_eq!(c.encode(&longer, special).unwrap(), hf().encode(&longer, special).unwrap());
+    }
+}
