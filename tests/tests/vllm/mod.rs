@@ -1,0 +1,96 @@
+//! Harness for the end-to-end suite against real, unmodified vLLM (CPU build, tiny-llama).
+//!
+//! * [`setup`]: finds the cached vLLM venv, running `scripts/setup-vllm` when it is missing, so the
+//!   suite never skips silently.
+//! * [`engine`]: starts `vllm serve` on loopback ports with the flags a case needs, waits for `/health`
+//!   and always stops the whole process group.
+//! * [`http`]: the few HTTP calls the cases make, each with a deadline.
+//! * [`metrics`]: reads vLLM's Prometheus text.
+//! * [`pyclient`]: runs the OpenAI Python client from the venv.
+//! * [`report`]: prints how long set-up and each case took, visible even when output is captured.
+//!
+//! Engines are heavy (3-4.5 GB of RAM, ~35 s to start on one core): a test function starts them once
+//! for a group of cases, and [`engines_lock`] keeps two groups from running at once, so no more than two
+//! engines ever run together.
+
+#![allow(dead_code)]
+
+pub mod case_hashes;
+pub mod case_openai;
+pub mod case_pd;
+pub mod engine;
+pub mod events;
+pub mod http;
+pub mod metrics;
+pub mod pyclient;
+pub mod report;
+pub mod setup;
+pub mod sidecar;
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+/// The name vLLM serves the model under, and the name clients send.
+pub const MODEL: &str = "tiny-llama";
+
+/// vLLM's prefix-cache block size used by every case (a multiple of 32, as the CPU backend requires).
+pub const BLOCK_SIZE: usize = 32;
+
+static ENGINES: Mutex<()> = Mutex::new(());
+
+/// Serialises the test functions of this binary that start engines. A failed (panicked) group must not
+/// stop the next one, so a poisoned lock is taken anyway.
+pub fn engines_lock() -> MutexGuard<'static, ()> {
+    ENGINES.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The repository root (this crate lives in `<root>/tests`).
+pub fn repo_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// The tiny-llama model directory: the copy in the repository (self-contained), else the shared
+/// fixture beside the clone.
+pub fn model_dir() -> PathBuf {
+    let in_repo = repo_root().join("tests/fixtures/tiny-llama");
+    if in_repo.join("config.json").is_file() {
+        return in_repo;
+    }
+    repo_root().join("../shared/fixtures/tiny-llama")
+}
+
+/// A loopback TCP port that was free a moment ago. vLLM takes a port number, not a socket, so there is
+/// a small window in which another process can take it; [`engine::Engine::start`] retries once.
+pub fn free_port() -> std::io::Result<u16> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A prompt of `words` words of varied English text, starting with `[tag]` so that prompts with
+/// different tags share no cached block.
+pub fn long_prompt(tag: &str, words: usize) -> String {
+    const TEXT: &str = "the sidecar routes every request to the pod that already holds its prefix and \
+        has room for it while peers share what they know about load and cached blocks so that a fleet \
+        of engines behaves like one cache with many doors and no central router to fail";
+    let vocab: Vec<&str> = TEXT.split_whitespace().collect();
+    let mut out = format!("[{tag}]");
+    for i in 0..words {
+        out.push(' ');
+        out.push_str(vocab[(i * 7 + i / vocab.len()) % vocab.len()]);
+    }
+    out
+}
+
+/// The engine's Prometheus text.
+pub async fn scrape(http: &http::Http, engine: &engine::Engine) -> anyhow::Result<String> {
+    let reply = http.get(&format!("{}/metrics", engine.base_url)).await?;
+    anyhow::ensure!(reply.status.is_success(), "GET /metrics: HTTP {}", reply.status);
+    Ok(reply.text())
+}
+
+/// One counter (summed over the series matching `labels`); an error when vLLM does not export it.
+pub fn counter(text: &str, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
+    use anyhow::Context;
+    metrics::sum(text, name, labels).with_context(|| format!("vLLM exports no {name}{labels:?}"))
+}
