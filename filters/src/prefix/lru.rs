@@ -97,6 +97,16 @@ impl<V> Lru<V> {
         evicted
     }
 
+    /// Live keys, least recently used first.
+    pub(crate) fn keys_oldest_first(&self) -> Vec<u64> {
+        self.order
+            .iter()
+            .filter(|(k, t)| self.map.get(k).is_some_and(|s| s.tick == *t))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    #[cfg(test)]
     pub(crate) fn remove(&mut self, key: u64) -> Option<V> {
         let s = self.map.remove(&key)?;
         self.weight -= s.weight;
