@@ -46,8 +46,9 @@ pub enum TokenizerChoice {
     /// `kvmesh_filters::prefix::tokenize::Builtin`.
     #[default]
     Builtin,
-    /// A directory with `tokenizer.json` (+ chat template). Not supported yet:
-    /// starting an engine with it fails with [`crate::SimError::Tokenizer`].
+    /// A model directory with `tokenizer.json` (and `tokenizer_config.json`,
+    /// `chat_template.jinja`): `kvmesh_filters::prefix::tokenize::HfTokenizer`,
+    /// which tokenizes as vLLM's `/tokenize` does.
     HfDir(PathBuf),
 }
 

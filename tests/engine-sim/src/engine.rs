@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::net::SocketAddr;
 
-use kvmesh_filters::prefix::tokenize::{Builtin, Tokenizer};
+use kvmesh_filters::prefix::tokenize::{Builtin, HfTokenizer, Tokenizer};
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -48,12 +48,7 @@ impl Engine {
         config.validate()?;
         let tokenizer: Arc<dyn Tokenizer> = match &config.tokenizer {
             TokenizerChoice::Builtin => Arc::new(Builtin),
-            TokenizerChoice::HfDir(dir) => {
-                return Err(SimError::Tokenizer(format!(
-                    "{}: HF tokenizers are not available in this build yet; use the builtin tokenizer",
-                    dir.display()
-                )))
-            }
+            TokenizerChoice::HfDir(dir) => Arc::new(load_hf(dir)?),
         };
         let addr = listener.local_addr().map_err(SimError::Io)?;
         let cancel = CancellationToken::new();
@@ -95,6 +90,18 @@ impl Engine {
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(SimError::Io)?;
         Self::start(config, listener).await
     }
+}
+
+/// `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`) of a
+/// model directory.
+fn load_hf(dir: &std::path::Path) -> Result<HfTokenizer, SimError> {
+    let read = |name: &str| std::fs::read(dir.join(name));
+    let json = read("tokenizer.json")
+        .map_err(|e| SimError::Tokenizer(format!("{}/tokenizer.json: {e}", dir.display())))?;
+    let config = read("tokenizer_config.json").ok().and_then(|b| String::from_utf8(b).ok());
+    let template = read("chat_template.jinja").ok().and_then(|b| String::from_utf8(b).ok());
+    HfTokenizer::from_parts(&json, config.as_deref(), template.as_deref())
+        .map_err(|e| SimError::Tokenizer(format!("{}: {e}", dir.display())))
 }
 
 impl SimHandle {
