@@ -229,10 +229,13 @@ fn write_array_event(
             // vLLM <= 0.23 order: tag, hashes, parent, tokens, block_size,
             // lora_id, medium, lora_name; trailing defaults omitted, so
             // extra_keys only appears when a block has some.
+            // SGLang's salted variant (BlockStoredWithMetadata) appends a
+            // `{"cache_salt": S}` metadata map.
             let has_extra = extra_keys.iter().any(Option::is_some);
+            let salt = extra_keys.first().and_then(|e| e.as_ref()).and_then(|k| k.first());
             let n = match flavor {
                 Flavor::Vllm => 8 + u32::from(has_extra),
-                Flavor::Sglang => 7,
+                Flavor::Sglang => 7 + u32::from(salt.is_some()),
             };
             encode::write_array_len(w, n)?;
             encode::write_str(w, "BlockStored")?;
@@ -247,6 +250,10 @@ fn write_array_event(
                 if has_extra {
                     write_extra_keys(w, extra_keys)?;
                 }
+            } else if let Some(salt) = salt {
+                encode::write_map_len(w, 1)?;
+                encode::write_str(w, "cache_salt")?;
+                encode::write_str(w, salt)?;
             }
         }
         KvEvent::BlockRemoved { block_hashes } => {
