@@ -21,7 +21,10 @@ fn assert_err(body: &str, kind: ConfigErrorKind, line: usize, path: &str) -> Str
     assert_eq!(e.kind, kind, "{shown}");
     assert_eq!(e.path, path, "{shown}");
     assert_eq!(e.line, Some(line), "{shown}");
-    assert!(shown.starts_with(&format!("filters.yaml:{line}:")), "{shown}");
+    assert!(
+        shown.starts_with(&format!("filters.yaml:{line}:")),
+        "{shown}"
+    );
     assert!(shown.contains(path), "{shown}");
     shown
 }
@@ -56,9 +59,16 @@ fn pool() -> Vec<EndpointView> {
 #[test]
 fn every_example_loads_and_schedules() {
     let all = examples();
-    for want in ["default", "precise-prefix", "pd-disaggregated", "round-robin", "least-queue"] {
+    for want in [
+        "default",
+        "precise-prefix",
+        "pd-disaggregated",
+        "round-robin",
+        "least-queue",
+    ] {
         assert!(
-            all.iter().any(|(n, _)| *n == format!("filters-{want}.yaml")),
+            all.iter()
+                .any(|(n, _)| *n == format!("filters-{want}.yaml")),
             "missing example filters-{want}.yaml"
         );
     }
@@ -70,7 +80,9 @@ fn every_example_loads_and_schedules() {
             prompt_blocks: 312,
             ..RequestView::new("r1", "m")
         };
-        let d = sched.schedule(&req, &pool(), 0, 7).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let d = sched
+            .schedule(&req, &pool(), 0, 7)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(!d.trace.profiles.is_empty(), "{name}");
     }
 }
@@ -78,21 +90,31 @@ fn every_example_loads_and_schedules() {
 #[test]
 fn default_example_is_the_builtin_default() {
     let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/filters-default.yaml"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/examples/filters-default.yaml"),
     )
     .unwrap();
     let file = FilterConfig::from_yaml(&text, "filters-default.yaml").unwrap();
     let builtin = FilterConfig::builtin_default();
     assert_eq!(file.profiles, builtin.profiles);
     assert_eq!(file.handler, builtin.handler);
-    let names = |c: &FilterConfig| c.plugins.iter().map(|p| (p.name.clone(), p.kind)).collect::<Vec<_>>();
+    let names = |c: &FilterConfig| {
+        c.plugins
+            .iter()
+            .map(|p| (p.name.clone(), p.kind))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(names(&file), names(&builtin));
     Scheduler::new(&builtin).unwrap();
 }
 
 #[test]
 fn pd_example_disaggregates_long_uncached_prompts() {
-    let text = examples().into_iter().find(|(n, _)| n == "filters-pd-disaggregated.yaml").unwrap().1;
+    let text = examples()
+        .into_iter()
+        .find(|(n, _)| n == "filters-pd-disaggregated.yaml")
+        .unwrap()
+        .1;
     let sched = Scheduler::new(&FilterConfig::from_yaml(&text, "pd.yaml").unwrap()).unwrap();
     let req = RequestView {
         prompt_tokens: 5000,
@@ -129,7 +151,10 @@ fn defaults_are_filled_in() {
     assert_eq!(p.filters, vec!["decode-filter"]);
     assert_eq!(
         p.scorers,
-        vec![("queue-scorer".to_owned(), 1.0), ("kv-cache-utilization-scorer".to_owned(), 1.0)]
+        vec![
+            ("queue-scorer".to_owned(), 1.0),
+            ("kv-cache-utilization-scorer".to_owned(), 1.0)
+        ]
     );
     assert_eq!(p.picker, "max-score-picker");
     assert_eq!(cfg.handler, "single-profile-handler");
@@ -160,7 +185,12 @@ schedulingProfiles:
       - pluginRef: foo
         weight: 2
 ";
-    let shown = assert_err(body, ConfigErrorKind::DanglingRef, 10, "schedulingProfiles[0].plugins[1].pluginRef");
+    let shown = assert_err(
+        body,
+        ConfigErrorKind::DanglingRef,
+        10,
+        "schedulingProfiles[0].plugins[1].pluginRef",
+    );
     assert_eq!(
         shown,
         "filters.yaml:10:9: schedulingProfiles[0].plugins[1].pluginRef: no plugin named \"foo\""
@@ -169,16 +199,36 @@ schedulingProfiles:
 
 #[test]
 fn syntax_and_shape_errors() {
-    assert_err("plugins:\n  - type: \"unterminated\n", ConfigErrorKind::Syntax, 5, "plugins[0].type");
-    assert_err("plugins: []\nflowControl: {}\n", ConfigErrorKind::UnknownField, 4, "flowControl");
-    assert_err("plugins:\n  - type: queue-scorer\n    params: {}\n", ConfigErrorKind::UnknownField, 5, "plugins[0].params");
+    assert_err(
+        "plugins:\n  - type: \"unterminated\n",
+        ConfigErrorKind::Syntax,
+        5,
+        "plugins[0].type",
+    );
+    assert_err(
+        "plugins: []\nflowControl: {}\n",
+        ConfigErrorKind::UnknownField,
+        4,
+        "flowControl",
+    );
+    assert_err(
+        "plugins:\n  - type: queue-scorer\n    params: {}\n",
+        ConfigErrorKind::UnknownField,
+        5,
+        "plugins[0].params",
+    );
     assert_err(
         "plugins:\n  - type: queue-scorer\nschedulingProfiles:\n  - name: p\n    plugins:\n      - pluginRef: queue-scorer\n        weight: heavy\n",
         ConfigErrorKind::WrongType,
         9,
         "schedulingProfiles[0].plugins[0].weight",
     );
-    assert_err("plugins:\n  - name: x\n", ConfigErrorKind::MissingField, 4, "plugins[0]");
+    assert_err(
+        "plugins:\n  - name: x\n",
+        ConfigErrorKind::MissingField,
+        4,
+        "plugins[0]",
+    );
     let e = FilterConfig::from_yaml("kind: EndpointPickerConfig\n", "f.yaml").unwrap_err();
     assert_eq!(e.kind, ConfigErrorKind::MissingField);
     assert!(e.message.contains("apiVersion"), "{e}");
@@ -186,10 +236,18 @@ fn syntax_and_shape_errors() {
 
 #[test]
 fn api_version_and_kind() {
-    let e = FilterConfig::from_yaml("apiVersion: v9\nkind: EndpointPickerConfig\n", "f.yaml").unwrap_err();
-    assert_eq!((e.kind, e.line, e.path.as_str()), (ConfigErrorKind::UnknownValue, Some(1), "apiVersion"));
-    let e = FilterConfig::from_yaml("apiVersion: llm-d.ai/v1alpha1\nkind: Pod\n", "f.yaml").unwrap_err();
-    assert_eq!((e.kind, e.line, e.path.as_str()), (ConfigErrorKind::UnknownValue, Some(2), "kind"));
+    let e = FilterConfig::from_yaml("apiVersion: v9\nkind: EndpointPickerConfig\n", "f.yaml")
+        .unwrap_err();
+    assert_eq!(
+        (e.kind, e.line, e.path.as_str()),
+        (ConfigErrorKind::UnknownValue, Some(1), "apiVersion")
+    );
+    let e = FilterConfig::from_yaml("apiVersion: llm-d.ai/v1alpha1\nkind: Pod\n", "f.yaml")
+        .unwrap_err();
+    assert_eq!(
+        (e.kind, e.line, e.path.as_str()),
+        (ConfigErrorKind::UnknownValue, Some(2), "kind")
+    );
 }
 
 #[test]
@@ -268,13 +326,17 @@ fn profile_errors() {
     let p = "plugins:\n  - type: decode-filter\n  - type: queue-scorer\n  - type: max-score-picker\n  - type: round-robin-picker\n  - type: prefix-based-pd-decider\nschedulingProfiles:\n";
     // Line numbers: the header is 2 lines, `p` is 7; profiles start on line 10.
     assert_err(
-        &format!("{p}  - name: a\n    plugins:\n      - pluginRef: decode-filter\n        weight: 1\n"),
+        &format!(
+            "{p}  - name: a\n    plugins:\n      - pluginRef: decode-filter\n        weight: 1\n"
+        ),
         ConfigErrorKind::Invalid,
         13,
         "schedulingProfiles[0].plugins[0].weight",
     );
     assert_err(
-        &format!("{p}  - name: a\n    plugins:\n      - pluginRef: queue-scorer\n        weight: -1\n"),
+        &format!(
+            "{p}  - name: a\n    plugins:\n      - pluginRef: queue-scorer\n        weight: -1\n"
+        ),
         ConfigErrorKind::Invalid,
         13,
         "schedulingProfiles[0].plugins[0].weight",
@@ -327,7 +389,9 @@ fn handler_errors() {
     );
     // Two handlers.
     assert_err(
-        &format!("{base}  - type: single-profile-handler\n  - type: disagg-profile-handler\n{profiles}"),
+        &format!(
+            "{base}  - type: single-profile-handler\n  - type: disagg-profile-handler\n{profiles}"
+        ),
         ConfigErrorKind::Duplicate,
         7,
         "plugins[3].type",

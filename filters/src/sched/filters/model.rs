@@ -49,7 +49,7 @@ impl ModelFilter {
         if ep.models.is_empty() && ep.lora_adapters.is_empty() {
             return self.params.pass_unknown;
         }
-        if ep.models.iter().any(|m| *m == req.model) {
+        if ep.models.contains(&req.model) {
             return true;
         }
         req.lora_adapter
