@@ -7,6 +7,7 @@
 //! [`Caps::RDMA`](crate::planner::Caps) and every remote transfer uses TCP
 //! (`scripts/kvagent-device-check` exercises what exists on a machine with a device).
 
+#[cfg(not(feature = "rdma"))]
 use crate::error::{Error, Result};
 
 /// Capability bits from RDMA (0 until the RDMA data path is wired; see the module doc).
