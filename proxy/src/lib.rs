@@ -1,1 +1,36 @@
-//! placeholder; replaced by the crate's owner.
+//! kvmesh-proxy: the sidecar beside each vLLM/SGLang pod.
+//!
+//! A reverse proxy for the OpenAI API whose request path ([`path::handle`])
+//! reads top to bottom: classify, prefix, schedule, execute, observe, each
+//! stage in its own file. Start one in-process with [`Sidecar::start`]; the
+//! binary is a thin shell over [`cli`].
+//!
+//! Module map: [`config`] (proxy.yaml), [`path`] (the request path),
+//! [`error`] and [`respond`] (what failed, and the one mapping to a client
+//! response), [`body`] (relaying bodies under deadlines), `server` (accept,
+//! TLS, graceful drain), `admin` (health, readiness, metrics, config),
+//! [`metrics`], [`headers`], [`upstream`] (the pooled client).
+
+mod admin;
+mod app;
+pub mod body;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod fleet;
+pub mod headers;
+pub mod logging;
+pub mod metrics;
+pub mod path;
+mod ready;
+pub mod respond;
+mod server;
+mod shutdown;
+mod sidecar;
+pub mod tls;
+pub mod upstream;
+
+pub use config::Config;
+pub use error::{Culprit, ProxyError, Retry};
+pub use shutdown::Shutdown;
+pub use sidecar::{Sidecar, SidecarHandle, StartError};

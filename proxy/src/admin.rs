@@ -1,0 +1,83 @@
+//! The admin port: `/health` (the sidecar is up), `/ready` (the local engine
+//! answers its health check), `/metrics` (Prometheus text) and `/config` (the
+//! effective config as JSON: paths of TLS files, never key material).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use crate::app::App;
+use crate::body::ResponseBody;
+use crate::server::Handler;
+
+#[derive(Clone)]
+pub struct Admin {
+    app: Arc<App>,
+    config_json: Bytes,
+}
+
+impl Admin {
+    pub fn new(app: Arc<App>) -> Self {
+        let config_json = serde_json::to_vec_pretty(&*app.config)
+            .map(Bytes::from)
+            .unwrap_or_else(|e| Bytes::from(format!("{{\"error\":\"{e}\"}}")));
+        Self { app, config_json }
+    }
+
+    fn answer(&self, path: &str) -> Response<ResponseBody> {
+        match path {
+            "/health" => reply(StatusCode::OK, "text/plain", Bytes::from_static(b"ok\n")),
+            "/ready" => {
+                if self.app.engine_ready.load(Ordering::Acquire) {
+                    reply(
+                        StatusCode::OK,
+                        "application/json",
+                        Bytes::from_static(b"{\"ready\":true}\n"),
+                    )
+                } else {
+                    let body = format!(
+                        "{{\"ready\":false,\"reason\":\"the engine at {} has not answered {}\"}}\n",
+                        self.app.config.engine.url, self.app.config.engine.health_path
+                    );
+                    reply(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "application/json",
+                        Bytes::from(body),
+                    )
+                }
+            }
+            "/metrics" => reply(
+                StatusCode::OK,
+                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                Bytes::from(self.app.metrics.encode()),
+            ),
+            "/config" => reply(StatusCode::OK, "application/json", self.config_json.clone()),
+            _ => reply(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config\n"),
+            ),
+        }
+    }
+}
+
+impl Handler for Admin {
+    fn handle(
+        self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'static {
+        let resp = self.answer(req.uri().path());
+        async move { resp }
+    }
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<ResponseBody> {
+    let mut r = Response::new(ResponseBody::full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}

@@ -1,0 +1,254 @@
+//! Bodies on both sides of the proxy.
+//!
+//! [`ResponseBody`] is what the client receives: either a whole buffer (errors,
+//! admin answers) or a [`Relay`] of the upstream's body, forwarded frame by
+//! frame as it arrives (never buffered whole) under the idle and overall
+//! deadlines, observing TTFT and inter-chunk gaps on streams. When the upstream
+//! fails after the stream started, an SSE response ends with an error event and
+//! a clean end; other responses are cut, so the client sees a truncated body
+//! rather than a silently short one. Dropping a `ResponseBody` (client gone)
+//! drops the upstream body, which cancels the upstream request.
+//!
+//! [`UpstreamBody`] is what the upstream receives: the client's bytes, whole
+//! (inference calls, already read for classification) or streamed (passthrough).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{Full, Limited};
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::error::{ProxyError, UpstreamName};
+use crate::metrics::{InFlight, Metrics, Route};
+use crate::respond::sse_error_tail;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The response body the client receives.
+pub struct ResponseBody {
+    kind: Kind,
+    /// Keeps the request counted as in flight until the body ends or is dropped.
+    _in_flight: Option<InFlight>,
+}
+
+enum Kind {
+    Full(Option<Bytes>),
+    Relay(Box<Relay>),
+}
+
+/// What a relay needs to know about its request.
+pub struct RelayParams {
+    pub upstream: UpstreamName,
+    pub route: Route,
+    pub metrics: Arc<Metrics>,
+    /// When the request arrived (TTFT is measured from here).
+    pub started: Instant,
+    pub stream_idle: Duration,
+    pub overall: Duration,
+    /// Whether the response is `text/event-stream`.
+    pub sse: bool,
+    pub request_id: String,
+}
+
+/// An upstream body being forwarded to the client.
+pub struct Relay {
+    inner: Incoming,
+    p: RelayParams,
+    deadline: Pin<Box<Sleep>>,
+    overall_at: Instant,
+    last_chunk: Option<Instant>,
+    /// The last forwarded bytes did not end an SSE event.
+    mid_event: bool,
+    done: bool,
+}
+
+/// The request body sent upstream.
+pub enum UpstreamBody {
+    Full(Full<Bytes>),
+    Stream(Limited<Incoming>),
+}
+
+impl ResponseBody {
+    pub fn full(b: impl Into<Bytes>) -> Self {
+        Self {
+            kind: Kind::Full(Some(b.into())),
+            _in_flight: None,
+        }
+    }
+
+    pub fn empty() -> Self {
+        Self {
+            kind: Kind::Full(None),
+            _in_flight: None,
+        }
+    }
+
+    pub fn relay(inner: Incoming, p: RelayParams) -> Self {
+        let now = Instant::now();
+        let overall_at = p.started + p.overall;
+        let deadline = Box::pin(tokio::time::sleep_until(
+            (now + p.stream_idle).min(overall_at),
+        ));
+        Self {
+            kind: Kind::Relay(Box::new(Relay {
+                inner,
+                p,
+                deadline,
+                overall_at,
+                last_chunk: None,
+                mid_event: false,
+                done: false,
+            })),
+            _in_flight: None,
+        }
+    }
+
+    pub fn with_in_flight(mut self, guard: InFlight) -> Self {
+        self._in_flight = Some(guard);
+        self
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match &mut self.kind {
+            Kind::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Kind::Relay(r) => r.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Full(b) => b.is_none(),
+            Kind::Relay(r) => r.done,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            Kind::Full(None) => SizeHint::with_exact(0),
+            // An SSE relay may append an error event, so it promises no length.
+            Kind::Relay(r) if r.p.sse => SizeHint::default(),
+            Kind::Relay(r) => r.inner.size_hint(),
+        }
+    }
+}
+
+impl Relay {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.observe(data);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let err = ProxyError::UpstreamDied {
+                    upstream: self.p.upstream.clone(),
+                    reason: e.to_string(),
+                };
+                Poll::Ready(Some(self.fail(err)))
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    let err = if Instant::now() >= self.overall_at {
+                        ProxyError::OverallTimeout {
+                            upstream: self.p.upstream.clone(),
+                            after: self.p.overall,
+                        }
+                    } else {
+                        ProxyError::IdleTimeout {
+                            upstream: self.p.upstream.clone(),
+                            after: self.p.stream_idle,
+                        }
+                    };
+                    Poll::Ready(Some(self.fail(err)))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn observe(&mut self, data: &Bytes) {
+        if data.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let m = &self.p.metrics;
+        m.bytes_out(self.p.route, data.len() as u64);
+        if self.p.sse {
+            match self.last_chunk {
+                None => m.ttft(self.p.route, (now - self.p.started).as_secs_f64()),
+                Some(prev) => m.itl(self.p.route, (now - prev).as_secs_f64()),
+            }
+            self.mid_event = !(data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n"));
+        }
+        self.last_chunk = Some(now);
+        let next = (now + self.p.stream_idle).min(self.overall_at);
+        self.deadline.as_mut().reset(next);
+    }
+
+    /// Ends the body after an upstream failure: an SSE error event and a clean
+    /// end for streams, a cut connection otherwise.
+    fn fail(&mut self, err: ProxyError) -> Result<Frame<Bytes>, BoxError> {
+        self.done = true;
+        tracing::warn!(request_id = %self.p.request_id, culprit = ?err.culprit(), error = %err, "response failed after it started");
+        if self.p.sse {
+            let tail = sse_error_tail(&err, self.mid_event);
+            self.p.metrics.bytes_out(self.p.route, tail.len() as u64);
+            Ok(Frame::data(tail))
+        } else {
+            Err(Box::new(err))
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            Self::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+            Self::Stream(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Self::Full(b) => b.is_end_stream(),
+            Self::Stream(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Self::Full(b) => b.size_hint(),
+            Self::Stream(b) => b.size_hint(),
+        }
+    }
+}

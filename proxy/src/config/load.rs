@@ -1,0 +1,252 @@
+//! Reading `proxy.yaml`: strict decode with the path and line of the first bad
+//! field, then the validation pass for rules that span fields.
+
+use std::fmt;
+use std::path::Path;
+
+use super::Config;
+
+/// A config file that cannot be used, located as precisely as the parser allows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file (or `<inline>`/`<flags>` for configs that did not come from a file).
+    pub file: String,
+    /// 1-based line and column, when known.
+    pub line: Option<usize>,
+    pub column: Option<usize>,
+    /// Dotted path of the offending field (`timeouts.connect`); empty for the whole document.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file)?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+            if let Some(col) = self.column {
+                write!(f, ":{col}")?;
+            }
+        }
+        let field = if self.field.is_empty() {
+            "<document>"
+        } else {
+            &self.field
+        };
+        write!(f, ": {field}: {}", self.message)
+    }
+}
+
+/// Reads, decodes and validates a config file.
+pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+    let origin = path.display().to_string();
+    let src = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: origin.clone(),
+        line: None,
+        column: None,
+        field: String::new(),
+        message: format!("cannot read: {e}"),
+    })?;
+    from_yaml_str(&src, &origin)
+}
+
+/// Decodes and validates YAML text; `origin` names it in errors.
+pub fn from_yaml_str(src: &str, origin: &str) -> Result<Config, ConfigError> {
+    let config = decode(src, origin)?;
+    validate(&config).map_err(|(field, message)| {
+        let (line, column) = locate(src, &field).unzip();
+        ConfigError {
+            file: origin.to_owned(),
+            line,
+            column,
+            field,
+            message,
+        }
+    })?;
+    Ok(config)
+}
+
+fn decode(src: &str, origin: &str) -> Result<Config, ConfigError> {
+    // An empty file (or one with only comments) means "all defaults".
+    if src
+        .lines()
+        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+    {
+        return Ok(Config::default());
+    }
+    let de = serde_yaml_ng::Deserializer::from_str(src);
+    serde_path_to_error::deserialize::<_, Config>(de).map_err(|err| {
+        let field = err.path().to_string();
+        let field = if field == "." { String::new() } else { field };
+        let inner = err.into_inner();
+        let location = inner.location();
+        // serde_yaml_ng appends "at line L column C" to its messages; the
+        // location is printed by us, in front, so strip the duplicate.
+        let mut message = inner.to_string();
+        if let Some(pos) = message.find(" at line ") {
+            message.truncate(pos);
+        }
+        let message = message
+            .strip_prefix(&format!("{field}: "))
+            .map(str::to_owned)
+            .unwrap_or(message);
+        ConfigError {
+            file: origin.to_owned(),
+            line: location.as_ref().map(|l| l.line()),
+            column: location.as_ref().map(|l| l.column()),
+            field,
+            message,
+        }
+    })
+}
+
+/// Rules that one field's type cannot express. Returns the dotted field and why.
+pub fn validate(c: &Config) -> Result<(), (String, String)> {
+    let err = |field: &str, msg: String| Err((field.to_owned(), msg));
+    if c.listeners.client.port() != 0 && c.listeners.client == c.listeners.admin {
+        return err(
+            "listeners.admin",
+            format!(
+                "the admin listener {} is the same address as the client listener",
+                c.listeners.admin
+            ),
+        );
+    }
+    for (field, path) in [
+        ("engine.health_path", &c.engine.health_path),
+        ("engine.metrics_path", &c.engine.metrics_path),
+    ] {
+        if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+            return err(
+                field,
+                format!("{path:?} must be a URL path starting with '/'"),
+            );
+        }
+    }
+    let t = &c.timeouts;
+    for (field, d) in [
+        ("timeouts.first_byte", t.first_byte),
+        ("timeouts.stream_idle", t.stream_idle),
+        ("timeouts.connect", t.connect),
+    ] {
+        if d > t.overall {
+            return err(
+                field,
+                format!(
+                    "{d} is longer than timeouts.overall ({}), so it could never fire",
+                    t.overall
+                ),
+            );
+        }
+    }
+    if c.upstream.max_idle_per_host == 0 {
+        // Zero would disable pooling and cost a TCP handshake per request.
+        return err(
+            "upstream.max_idle_per_host",
+            "must be at least 1".to_owned(),
+        );
+    }
+    if c.limits.max_connections == 0 {
+        return err("limits.max_connections", "must be at least 1".to_owned());
+    }
+    if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&c.logging.level) {
+        return err(
+            "logging.level",
+            format!("{:?} is not a log filter: {e}", c.logging.level),
+        );
+    }
+    Ok(())
+}
+
+/// Finds the line and column of a dotted field in block-style YAML, for errors
+/// found after decoding (when the parser's position is gone). Returns `None`
+/// when the key is not written in the file (a default was used).
+pub fn locate(src: &str, field: &str) -> Option<(usize, usize)> {
+    let mut want = field.split('.').peekable();
+    let mut key = want.next()?;
+    // Indentation of the mapping we are inside; keys must be deeper than this.
+    let mut parent_indent: Option<usize> = None;
+    for (i, line) in src.lines().enumerate() {
+        let body = line.trim_start();
+        if body.is_empty() || body.starts_with('#') {
+            continue;
+        }
+        let indent = line.len() - body.len();
+        if let Some(p) = parent_indent {
+            if indent <= p {
+                return None; // left the section without finding the key
+            }
+        }
+        let Some(rest) = body.strip_prefix(key) else {
+            continue;
+        };
+        if !rest.trim_start().starts_with(':') {
+            continue;
+        }
+        if want.peek().is_none() {
+            return Some((i + 1, indent + 1));
+        }
+        parent_indent = Some(indent);
+        key = want.next()?;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn unknown_field_names_line_and_path() {
+        let e = from_yaml_str("timeouts:\n  connect: 1s\n  conect: 2s\n", "p.yaml").unwrap_err();
+        assert_eq!(e.field, "timeouts.conect");
+        assert_eq!(e.line, Some(3));
+        assert!(e.message.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn bad_value_names_line_and_path() {
+        let e = from_yaml_str(
+            "engine:\n  url: http://127.0.0.1:1\nlimits:\n  max_body_bytes: 0\n",
+            "p.yaml",
+        )
+        .unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.line),
+            ("limits.max_body_bytes", Some(4))
+        );
+        assert_eq!(
+            e.to_string(),
+            "p.yaml:4:19: limits.max_body_bytes: size must be greater than zero"
+        );
+    }
+
+    #[test]
+    fn wrong_type_is_rejected() {
+        let e = from_yaml_str("upstream:\n  http2: maybe\n", "p.yaml").unwrap_err();
+        assert_eq!((e.field.as_str(), e.line), ("upstream.http2", Some(2)));
+    }
+
+    #[test]
+    fn cross_field_rule_is_located() {
+        let src = "# c\ntimeouts:\n  overall: 10s\n  first_byte: 20s\n";
+        let e = from_yaml_str(src, "p.yaml").unwrap_err();
+        assert_eq!((e.field.as_str(), e.line), ("timeouts.first_byte", Some(4)));
+    }
+
+    #[test]
+    fn empty_file_is_defaults() {
+        assert_eq!(
+            from_yaml_str("# nothing\n", "p").unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn locate_respects_sections() {
+        let src = "a:\n  x: 1\nb:\n  x: 2\n";
+        assert_eq!(locate(src, "b.x"), Some((4, 3)));
+        assert_eq!(locate(src, "a.y"), None);
+    }
+}

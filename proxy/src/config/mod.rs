@@ -1,0 +1,200 @@
+//! `proxy.yaml`: the sidecar's configuration as validated types.
+//!
+//! Loading follows one order (style habit 3): strict decode (`deny_unknown_fields`,
+//! typed values such as [`Duration`] that reject bad input while the parser still
+//! knows the line), then defaults (every default lives in this file, in the
+//! `Default` impls), then a validation pass for rules that span fields
+//! ([`load`]). Every error names the file, line and dotted field.
+//!
+//! Extension points: later stages add their own top-level sections here (`mesh`,
+//! `pd`, `filters`, engine `kv_events`), each as one struct with its defaults
+//! beside it and its checks in [`load::validate`].
+
+pub mod load;
+mod units;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+pub use load::{from_yaml_str, load_file, ConfigError};
+pub use units::{ByteSize, Duration, EngineUrl};
+
+/// The whole `proxy.yaml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub listeners: Listeners,
+    pub engine: Engine,
+    pub upstream: Upstream,
+    pub timeouts: Timeouts,
+    pub limits: Limits,
+    pub logging: Logging,
+}
+
+/// Where the sidecar listens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Listeners {
+    /// The OpenAI-compatible port clients use (HTTP/1.1, h2c, or TLS when `tls` is set).
+    pub client: SocketAddr,
+    /// Health, readiness, metrics and the effective config.
+    pub admin: SocketAddr,
+    /// TLS on the client port; absent means plain HTTP.
+    pub tls: Option<Tls>,
+}
+
+/// PEM files for TLS on the client port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    /// Certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// Private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// The local engine this sidecar stands beside.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Engine {
+    /// Base URL, `http://host:port` (the engine listens on localhost only).
+    pub url: EngineUrl,
+    pub kind: EngineKind,
+    /// Polled for readiness; any 2xx means the engine is up.
+    pub health_path: String,
+    pub health_interval: Duration,
+    /// Where the engine's Prometheus metrics are scraped by the load stage.
+    pub metrics_path: String,
+}
+
+/// Which engine speaks on `engine.url`; it decides metric names and P/D protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+}
+
+/// Connection pooling towards the engine and peer sidecars.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Upstream {
+    /// Speak HTTP/2 prior knowledge (h2c) to upstreams instead of HTTP/1.1.
+    pub http2: bool,
+    /// Idle keep-alive connections kept per upstream.
+    pub max_idle_per_host: usize,
+    /// An idle pooled connection is closed after this long.
+    pub idle_timeout: Duration,
+}
+
+/// Every network wait has one of these deadlines.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// TCP connect to an upstream.
+    pub connect: Duration,
+    /// From sending the request to the upstream's response head.
+    pub first_byte: Duration,
+    /// Longest silence between two chunks of a response body.
+    pub stream_idle: Duration,
+    /// Whole request, from accept of the request to the end of the response.
+    pub overall: Duration,
+    /// TLS handshake with a client.
+    pub tls_handshake: Duration,
+    /// How long shutdown waits for in-flight requests before cutting them.
+    pub shutdown_drain: Duration,
+}
+
+/// Sizes and counts with a stated policy when exceeded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body; larger ones get 413.
+    pub max_body_bytes: ByteSize,
+    /// Concurrent client connections; further accepts wait for a slot.
+    pub max_connections: usize,
+}
+
+/// Structured logs with `tracing`; `RUST_LOG`, when set, overrides `level`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Logging {
+    /// An `EnvFilter` directive: `info`, `kvmesh_proxy=debug,info`, ...
+    pub level: String,
+    pub format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+// ---- defaults: the only place they are written ----
+
+impl Default for Listeners {
+    fn default() -> Self {
+        Self {
+            client: SocketAddr::from(([0, 0, 0, 0], 8000)),
+            admin: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            tls: None,
+        }
+    }
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self {
+            url: EngineUrl::local(8200),
+            kind: EngineKind::Vllm,
+            health_path: "/health".to_owned(),
+            health_interval: Duration::from_millis(1000),
+            metrics_path: "/metrics".to_owned(),
+        }
+    }
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self {
+            http2: false,
+            max_idle_per_host: 256,
+            idle_timeout: Duration::from_secs(90),
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(2),
+            first_byte: Duration::from_secs(300),
+            stream_idle: Duration::from_secs(60),
+            overall: Duration::from_secs(1800),
+            tls_handshake: Duration::from_secs(10),
+            shutdown_drain: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: ByteSize(32 * 1024 * 1024),
+            max_connections: 10_000,
+        }
+    }
+}
+
+impl Default for Logging {
+    fn default() -> Self {
+        Self {
+            level: "info".to_owned(),
+            format: LogFormat::Text,
+        }
+    }
+}

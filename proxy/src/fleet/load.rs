@@ -1,0 +1,191 @@
+//! An engine's load, read from its Prometheus `/metrics` text.
+//!
+//! Only the few series the scheduler uses are read (protocols.md §3.3, the
+//! same set llm-d's EPP scrapes): queue, running, KV usage, and the cache
+//! geometry (block size, number of blocks). Values are summed over label sets
+//! (several DP ranks or TP ranks report separately); unknown lines are skipped
+//! and a malformed value is ignored, so a newer engine never breaks the scrape.
+
+use serde::Serialize;
+
+use crate::config::EngineKind;
+
+/// What one engine reported about its load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct EngineLoad {
+    pub waiting: u32,
+    pub running: u32,
+    /// KV cache usage, 0..1.
+    pub kv_usage: f64,
+    /// Tokens per KV block (0: not reported).
+    pub block_size: u32,
+    /// KV blocks in the engine's cache (0: not reported).
+    pub num_blocks: u32,
+}
+
+/// Reads an engine's load from its metrics text; `None` when the text holds
+/// none of the load series (not an engine of that kind, or not metrics at all).
+pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> {
+    let names = Names::of(kind);
+    let mut load = EngineLoad::default();
+    let (mut waiting, mut running, mut usage_sum, mut usage_n) = (0.0, 0.0, 0.0, 0u32);
+    let mut seen = false;
+    for line in text.lines() {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let Some((series, value)) = split_sample(line) else {
+            continue;
+        };
+        let (name, labels) = match series.find('{') {
+            Some(i) => (&series[..i], &series[i..]),
+            None => (series, ""),
+        };
+        if name == names.waiting {
+            waiting += value;
+            seen = true;
+        } else if name == names.running {
+            running += value;
+            seen = true;
+        } else if name == names.kv_usage || (kind == EngineKind::Vllm && name == LEGACY_VLLM_USAGE) {
+            usage_sum += value;
+            usage_n += 1;
+            seen = true;
+        } else if kind == EngineKind::Vllm && name == "vllm:cache_config_info" {
+            load.block_size = label_u32(labels, "block_size").unwrap_or(load.block_size);
+            load.num_blocks = label_u32(labels, "num_gpu_blocks").unwrap_or(load.num_blocks);
+        } else if kind == EngineKind::Sglang && name == "sglang:cache_config_info" {
+            load.block_size = label_u32(labels, "page_size").unwrap_or(load.block_size);
+            load.num_blocks = label_u32(labels, "num_pages").unwrap_or(load.num_blocks);
+        } else if kind == EngineKind::Sglang && name == "sglang:page_size" {
+            load.block_size = to_u32(value);
+        } else if kind == EngineKind::Sglang && name == "sglang:num_pages" {
+            load.num_blocks = to_u32(value);
+        }
+    }
+    if !seen {
+        return None;
+    }
+    load.waiting = to_u32(waiting);
+    load.running = to_u32(running);
+    if usage_n > 0 {
+        load.kv_usage = (usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
+    }
+    Some(load)
+}
+
+/// Before vLLM renamed it (protocols.md §3.1); still served by old engines.
+const LEGACY_VLLM_USAGE: &str = "vllm:gpu_cache_usage_perc";
+
+struct Names {
+    waiting: &'static str,
+    running: &'static str,
+    kv_usage: &'static str,
+}
+
+impl Names {
+    fn of(kind: EngineKind) -> Self {
+        match kind {
+            EngineKind::Vllm => Self {
+                waiting: "vllm:num_requests_waiting",
+                running: "vllm:num_requests_running",
+                kv_usage: "vllm:kv_cache_usage_perc",
+            },
+            EngineKind::Sglang => Self {
+                waiting: "sglang:num_queue_reqs",
+                running: "sglang:num_running_reqs",
+                kv_usage: "sglang:token_usage",
+            },
+        }
+    }
+}
+
+/// `name{labels} value [timestamp]` into the series and its value.
+fn split_sample(line: &str) -> Option<(&str, f64)> {
+    // Label values may hold spaces, so split after the closing brace if any.
+    let end_of_series = match line.rfind('}') {
+        Some(i) => i + 1,
+        None => line.find(' ')?,
+    };
+    let (series, rest) = line.split_at(end_of_series);
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    value.is_finite().then_some((series, value))
+}
+
+/// The value of `key="..."` inside a `{...}` label block, as a u32.
+fn label_u32(labels: &str, key: &str) -> Option<u32> {
+    let mut rest = labels.trim_start_matches('{');
+    while let Some(eq) = rest.find("=\"") {
+        let name = rest[..eq].trim_start_matches(',').trim();
+        let after = &rest[eq + 2..];
+        let close = after.find('"')?;
+        if name == key {
+            return after[..close].parse().ok();
+        }
+        rest = &after[close + 1..];
+    }
+    None
+}
+
+fn to_u32(v: f64) -> u32 {
+    if v <= 0.0 {
+        0
+    } else if v >= f64::from(u32::MAX) {
+        u32::MAX
+    } else {
+        // Rounded and in range: the cast is exact.
+        v.round() as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = include_str!("../../../tests/fixtures/metrics/vllm-0.32.txt");
+    const SGLANG: &str = include_str!("../../../tests/fixtures/metrics/sglang-0.5.23.txt");
+
+    #[test]
+    fn reads_a_real_vllm_scrape() {
+        let load = parse_engine_metrics(EngineKind::Vllm, VLLM).unwrap();
+        assert_eq!(load.block_size, 128);
+        assert_eq!(load.num_blocks, 4096);
+        assert_eq!((load.waiting, load.running), (0, 0));
+    }
+
+    #[test]
+    fn reads_a_real_sglang_scrape() {
+        let load = parse_engine_metrics(EngineKind::Sglang, SGLANG).unwrap();
+        assert_eq!(load.block_size, 1);
+        assert_eq!(load.num_blocks, 4096);
+    }
+
+    #[test]
+    fn sums_ranks_and_averages_usage() {
+        let text = "vllm:num_requests_waiting{engine=\"0\"} 3\n\
+                    vllm:num_requests_waiting{engine=\"1\"} 4.0\n\
+                    vllm:num_requests_running{engine=\"0\"} 2\n\
+                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.2\n\
+                    vllm:kv_cache_usage_perc{engine=\"1\"} 0.4\n";
+        let load = parse_engine_metrics(EngineKind::Vllm, text).unwrap();
+        assert_eq!((load.waiting, load.running), (7, 2));
+        assert!((load.kv_usage - 0.3).abs() < 1e-9);
+    }
+
+    #[test]
+    fn garbage_and_foreign_text_yield_nothing_and_never_panic() {
+        assert_eq!(parse_engine_metrics(EngineKind::Vllm, "<html>nope</html>"), None);
+        assert_eq!(parse_engine_metrics(EngineKind::Sglang, VLLM), None);
+        let odd = "vllm:num_requests_waiting{a=\"}\"} NaN\nvllm:num_requests_running 1e99\n{\n=\"";
+        let load = parse_engine_metrics(EngineKind::Vllm, odd).unwrap();
+        assert_eq!(load.running, u32::MAX);
+    }
+
+    #[test]
+    fn label_values_with_spaces_and_commas_parse() {
+        let line = "vllm:cache_config_info{a=\"x, y\",block_size=\"32\",num_gpu_blocks=\"40\"} 1.0";
+        let text = format!("{line}\nvllm:num_requests_waiting 0\n");
+        let load = parse_engine_metrics(EngineKind::Vllm, &text).unwrap();
+        assert_eq!((load.block_size, load.num_blocks), (32, 40));
+    }
+}

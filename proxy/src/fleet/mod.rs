@@ -1,0 +1,288 @@
+//! The fleet: every pod this sidecar can send work to, as it knows them now.
+//!
+//! One entry per pod, keyed by the pod's identity (its sidecar's advertised
+//! client address, `host:port`). The local pod is always present; peers are
+//! added and removed by the mesh. Each entry holds what the scheduler needs:
+//! who the pod is (role, models, adapters, labels), its engine's last load
+//! report and how old it is, and the requests in flight towards it, counted
+//! by this sidecar (exactly, with guards) and by every peer (as they publish).
+//!
+//! The schedule stage turns the fleet into `kvmesh_filters` endpoint views with
+//! [`Fleet::endpoints`]; nothing here does I/O.
+
+mod load;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use kvmesh_filters::sched::view::{EndpointView, LoadSnapshot, PrefixMatch, Role};
+use parking_lot::RwLock;
+use serde::Serialize;
+use tokio::time::Instant;
+
+pub use load::{parse_engine_metrics, EngineLoad};
+
+/// Most pods one sidecar tracks (local included); further peers are refused.
+pub const MAX_PODS: usize = 4096;
+
+/// Who a pod is: what it announces about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PodInfo {
+    /// The pod's identity: its sidecar's advertised client address.
+    pub id: String,
+    /// Where to forward requests for this pod; `None` for the local pod.
+    pub sidecar_addr: Option<SocketAddr>,
+    pub role: Role,
+    pub models: Vec<String>,
+    pub lora_adapters: Vec<String>,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// One pod as the fleet sees it, for admin output.
+#[derive(Debug, Clone, Serialize)]
+pub struct PodSnapshot {
+    pub info: PodInfo,
+    pub load: EngineLoad,
+    /// Milliseconds since the load was last reported (`None`: never).
+    pub load_age_ms: Option<u64>,
+    pub healthy: bool,
+    pub in_flight_local: u32,
+    pub in_flight_mesh: u32,
+}
+
+struct PodState {
+    info: PodInfo,
+    load: EngineLoad,
+    load_at: Option<Instant>,
+    healthy: bool,
+    /// Requests this sidecar has outstanding to the pod (guards count them).
+    in_flight: Arc<AtomicU32>,
+}
+
+/// Every pod this sidecar can route to.
+pub struct Fleet {
+    local_id: String,
+    pods: RwLock<BTreeMap<String, PodState>>,
+    /// In-flight counts published by peers: reporter -> (target -> count).
+    remote_in_flight: RwLock<HashMap<String, HashMap<String, u32>>>,
+}
+
+/// Counts one request in flight towards a pod until dropped.
+#[derive(Debug)]
+pub struct InFlightGuard(Arc<AtomicU32>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Why a pod could not be added.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FleetError {
+    #[error("the fleet already tracks {MAX_PODS} pods")]
+    Full,
+    #[error("pod {0} is this sidecar's own identity")]
+    Local(String),
+}
+
+impl Fleet {
+    /// A fleet holding only the local pod.
+    pub fn new(local: PodInfo) -> Self {
+        let local_id = local.id.clone();
+        let mut pods = BTreeMap::new();
+        pods.insert(local_id.clone(), PodState::new(local));
+        Self {
+            local_id,
+            pods: RwLock::new(pods),
+            remote_in_flight: RwLock::new(HashMap::new()),
+        }
+    }
+
+    pub fn local_id(&self) -> &str {
+        &self.local_id
+    }
+
+    /// Adds a peer or refreshes what it announced; its load and health stay.
+    pub fn upsert_peer(&self, info: PodInfo) -> Result<(), FleetError> {
+        if info.id == self.local_id {
+            return Err(FleetError::Local(info.id));
+        }
+        let mut pods = self.pods.write();
+        if let Some(state) = pods.get_mut(&info.id) {
+            state.info = info;
+            return Ok(());
+        }
+        if pods.len() >= MAX_PODS {
+            return Err(FleetError::Full);
+        }
+        pods.insert(info.id.clone(), PodState::new(info));
+        Ok(())
+    }
+
+    /// Forgets a peer (the local pod stays); returns whether it was known.
+    pub fn remove_peer(&self, id: &str) -> bool {
+        if id == self.local_id {
+            return false;
+        }
+        self.remote_in_flight.write().remove(id);
+        self.pods.write().remove(id).is_some()
+    }
+
+    /// Records a pod's engine load, as scraped (local) or published (peers).
+    pub fn set_load(&self, id: &str, load: EngineLoad, now: Instant) {
+        if let Some(state) = self.pods.write().get_mut(id) {
+            state.load = load;
+            state.load_at = Some(now);
+        }
+    }
+
+    pub fn set_healthy(&self, id: &str, healthy: bool) {
+        if let Some(state) = self.pods.write().get_mut(id) {
+            state.healthy = healthy;
+        }
+    }
+
+    /// Replaces what `reporter` last published about its in-flight requests.
+    pub fn set_remote_in_flight(&self, reporter: &str, counts: HashMap<String, u32>) {
+        if reporter == self.local_id || !self.pods.read().contains_key(reporter) {
+            return;
+        }
+        self.remote_in_flight
+            .write()
+            .insert(reporter.to_owned(), counts);
+    }
+
+    /// Counts a request towards `id` until the guard drops (`None`: unknown pod).
+    pub fn begin(&self, id: &str) -> Option<InFlightGuard> {
+        let pods = self.pods.read();
+        let counter = pods.get(id)?.in_flight.clone();
+        counter.fetch_add(1, Ordering::Relaxed);
+        Some(InFlightGuard(counter))
+    }
+
+    /// This sidecar's own in-flight counts per target, for publishing to peers.
+    pub fn local_in_flight(&self) -> HashMap<String, u32> {
+        self.pods
+            .read()
+            .iter()
+            .map(|(id, s)| (id.clone(), s.in_flight.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Where requests for `id` go: `None` for the local engine or an unknown pod.
+    pub fn sidecar_addr(&self, id: &str) -> Option<SocketAddr> {
+        self.pods.read().get(id).and_then(|s| s.info.sidecar_addr)
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.pods.read().contains_key(id)
+    }
+
+    /// Whether `addr` is a known peer's sidecar: only those may be forwarded to.
+    pub fn is_peer_addr(&self, addr: SocketAddr) -> bool {
+        self.pods
+            .read()
+            .values()
+            .any(|s| s.info.sidecar_addr == Some(addr))
+    }
+
+    /// The pods as scheduler endpoint views, with `matched_blocks(pod id)` as
+    /// each pod's prefix match for the request at hand.
+    pub fn endpoints(
+        &self,
+        now: Instant,
+        block_size: u32,
+        matched_blocks: impl Fn(&str) -> u32,
+    ) -> Vec<EndpointView> {
+        let mesh = self.mesh_in_flight();
+        self.pods
+            .read()
+            .iter()
+            .map(|(id, s)| {
+                let local = s.in_flight.load(Ordering::Relaxed);
+                let load_block_size = if s.load.block_size > 0 {
+                    s.load.block_size
+                } else {
+                    block_size
+                };
+                EndpointView {
+                    id: id.clone(),
+                    address: s
+                        .info
+                        .sidecar_addr
+                        .map_or_else(|| id.clone(), |a| a.to_string()),
+                    role: s.info.role,
+                    models: s.info.models.clone(),
+                    lora_adapters: s.info.lora_adapters.clone(),
+                    labels: s.info.labels.clone(),
+                    load: LoadSnapshot {
+                        waiting: s.load.waiting,
+                        running: s.load.running,
+                        in_flight: local.saturating_add(mesh.get(id).copied().unwrap_or(0)),
+                        kv_usage: s.load.kv_usage,
+                        block_size: load_block_size,
+                    },
+                    prefix: PrefixMatch {
+                        matched_blocks: matched_blocks(id),
+                        block_size: load_block_size,
+                    },
+                    healthy: s.healthy,
+                    staleness_ms: s.load_age_ms(now).unwrap_or(u64::MAX),
+                }
+            })
+            .collect()
+    }
+
+    /// Every pod, for the admin port.
+    pub fn snapshot(&self, now: Instant) -> Vec<PodSnapshot> {
+        let mesh = self.mesh_in_flight();
+        self.pods
+            .read()
+            .iter()
+            .map(|(id, s)| PodSnapshot {
+                info: s.info.clone(),
+                load: s.load,
+                load_age_ms: s.load_age_ms(now),
+                healthy: s.healthy,
+                in_flight_local: s.in_flight.load(Ordering::Relaxed),
+                in_flight_mesh: mesh.get(id).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+
+    /// Peers' published in-flight counts, summed per target.
+    fn mesh_in_flight(&self) -> HashMap<String, u32> {
+        let mut sum: HashMap<String, u32> = HashMap::new();
+        for counts in self.remote_in_flight.read().values() {
+            for (target, n) in counts {
+                let slot = sum.entry(target.clone()).or_default();
+                *slot = slot.saturating_add(*n);
+            }
+        }
+        sum
+    }
+}
+
+impl PodState {
+    fn new(info: PodInfo) -> Self {
+        Self {
+            info,
+            load: EngineLoad::default(),
+            load_at: None,
+            healthy: true,
+            in_flight: Arc::new(AtomicU32::new(0)),
+        }
+    }
+
+    fn load_age_ms(&self, now: Instant) -> Option<u64> {
+        self.load_at
+            .map(|at| u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,95 @@
+use super::*;
+
+fn pod(id: &str, addr: Option<&str>, role: Role) -> PodInfo {
+    PodInfo {
+        id: id.to_owned(),
+        sidecar_addr: addr.map(|a| a.parse().unwrap()),
+        role,
+        models: vec!["m".to_owned()],
+        lora_adapters: Vec::new(),
+        labels: BTreeMap::new(),
+    }
+}
+
+fn fleet() -> Fleet {
+    let f = Fleet::new(pod("10.0.0.1:8000", None, Role::Both));
+    f.upsert_peer(pod("10.0.0.2:8000", Some("10.0.0.2:8000"), Role::Decode))
+        .unwrap();
+    f
+}
+
+#[test]
+fn the_local_pod_is_always_there_and_cannot_be_removed_or_spoofed() {
+    let f = fleet();
+    assert!(!f.remove_peer("10.0.0.1:8000"));
+    assert!(f.contains("10.0.0.1:8000"));
+    assert_eq!(
+        f.upsert_peer(pod("10.0.0.1:8000", Some("10.9.9.9:1"), Role::Both)),
+        Err(FleetError::Local("10.0.0.1:8000".to_owned()))
+    );
+    assert_eq!(f.sidecar_addr("10.0.0.1:8000"), None);
+}
+
+#[test]
+fn only_known_peers_are_forwarding_targets() {
+    let f = fleet();
+    assert!(f.is_peer_addr("10.0.0.2:8000".parse().unwrap()));
+    assert!(!f.is_peer_addr("10.0.0.3:8000".parse().unwrap()));
+    assert!(f.remove_peer("10.0.0.2:8000"));
+    assert!(!f.is_peer_addr("10.0.0.2:8000".parse().unwrap()));
+}
+
+#[test]
+fn in_flight_counts_local_guards_and_peer_reports() {
+    let f = fleet();
+    let g1 = f.begin("10.0.0.2:8000").unwrap();
+    let _g2 = f.begin("10.0.0.2:8000").unwrap();
+    assert!(f.begin("nowhere:1").is_none());
+    assert_eq!(f.local_in_flight().get("10.0.0.2:8000"), Some(&2));
+    f.set_remote_in_flight(
+        "10.0.0.2:8000",
+        HashMap::from([("10.0.0.2:8000".to_owned(), 5), ("10.0.0.1:8000".to_owned(), 1)]),
+    );
+    // An unknown reporter is ignored: only peers publish.
+    f.set_remote_in_flight("x:1", HashMap::from([("10.0.0.2:8000".to_owned(), 100)]));
+    drop(g1);
+    let now = Instant::now();
+    let views = f.endpoints(now, 16, |_| 0);
+    let peer = views.iter().find(|v| v.id == "10.0.0.2:8000").unwrap();
+    assert_eq!(peer.load.in_flight, 1 + 5);
+    let local = views.iter().find(|v| v.id == "10.0.0.1:8000").unwrap();
+    assert_eq!(local.load.in_flight, 1);
+}
+
+#[test]
+fn endpoint_views_carry_load_role_prefix_and_staleness() {
+    let f = fleet();
+    let now = Instant::now();
+    f.set_load(
+        "10.0.0.2:8000",
+        EngineLoad { waiting: 3, running: 2, kv_usage: 0.5, block_size: 32, num_blocks: 100 },
+        now,
+    );
+    let later = now + std::time::Duration::from_millis(250);
+    let views = f.endpoints(later, 16, |id| if id == "10.0.0.2:8000" { 7 } else { 0 });
+    let peer = views.iter().find(|v| v.id == "10.0.0.2:8000").unwrap();
+    assert_eq!(peer.role, Role::Decode);
+    assert_eq!((peer.load.waiting, peer.load.running), (3, 2));
+    assert_eq!(peer.prefix, PrefixMatch { matched_blocks: 7, block_size: 32 });
+    assert_eq!(peer.staleness_ms, 250);
+    assert_eq!(peer.address, "10.0.0.2:8000");
+    let local = views.iter().find(|v| v.id == "10.0.0.1:8000").unwrap();
+    // Never reported: as stale as can be, and the request's block size applies.
+    assert_eq!(local.staleness_ms, u64::MAX);
+    assert_eq!(local.prefix.block_size, 16);
+}
+
+#[test]
+fn removing_a_peer_drops_what_it_published() {
+    let f = fleet();
+    f.set_remote_in_flight("10.0.0.2:8000", HashMap::from([("10.0.0.1:8000".to_owned(), 9)]));
+    f.remove_peer("10.0.0.2:8000");
+    let views = f.endpoints(Instant::now(), 16, |_| 0);
+    assert_eq!(views.len(), 1);
+    assert_eq!(views[0].load.in_flight, 0);
+}

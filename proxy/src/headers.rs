@@ -1,0 +1,93 @@
+//! Header rules of a reverse proxy: hop-by-hop headers end at each hop (RFC 9110
+//! section 7.6.1), and every request carries an `X-Request-Id`, kept from the
+//! client or generated, so the engine's logs and ours line up.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Kept from the client or generated; sent upstream and back to the client.
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Session affinity key a client may send.
+pub const SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+/// Set by a sidecar forwarding to a peer's sidecar: the peer must not route again.
+pub const ROUTED: HeaderName = HeaderName::from_static("x-kvmesh-routed");
+
+/// Longest client request id we keep; longer ones are replaced.
+const MAX_REQUEST_ID: usize = 128;
+
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including any the `Connection` header names.
+/// `Transfer-Encoding` goes too: hyper frames each hop itself.
+pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Names listed in Connection are hop-by-hop as well; collect them first.
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        h.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        h.remove(name);
+    }
+    h.remove(header::TRANSFER_ENCODING);
+}
+
+/// The client's `X-Request-Id` when it is usable, else a fresh UUID v4.
+pub fn request_id(h: &HeaderMap) -> HeaderValue {
+    if let Some(v) = h.get(&REQUEST_ID) {
+        let ok = !v.is_empty()
+            && v.len() <= MAX_REQUEST_ID
+            && v.as_bytes().iter().all(|b| b.is_ascii_graphic());
+        if ok {
+            return v.clone();
+        }
+    }
+    let id = uuid::Uuid::new_v4();
+    let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let s = id.hyphenated().encode_lower(&mut buf);
+    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn strips_listed_and_standard_hop_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn request_id_kept_or_generated() {
+        let mut h = HeaderMap::new();
+        assert_eq!(request_id(&h).len(), 36);
+        h.insert(REQUEST_ID, HeaderValue::from_static("abc-1"));
+        assert_eq!(request_id(&h), "abc-1");
+        h.insert(REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_ne!(request_id(&h), "has space");
+    }
+}

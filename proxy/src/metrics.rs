@@ -1,0 +1,202 @@
+//! The sidecar's own Prometheus metrics, as the proxy observed them: requests
+//! by route and status, in flight, upstream latency to the response head, and on
+//! streams the time to first token and the gaps between chunks.
+//!
+//! Label values come from closed sets ([`Route`], HTTP status codes), so the
+//! number of series is bounded.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// Which part of the API a request used; the metric label and the classify key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    Completions,
+    ChatCompletions,
+    Embeddings,
+    Models,
+    /// Any other path: passed through untouched.
+    Other,
+}
+
+impl EncodeLabelValue for Route {
+    fn encode(&self, enc: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        enc.write_str(match self {
+            Self::Completions => "completions",
+            Self::ChatCompletions => "chat_completions",
+            Self::Embeddings => "embeddings",
+            Self::Models => "models",
+            Self::Other => "other",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StatusLabels {
+    route: Route,
+    status: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    route: Route,
+}
+
+/// All metric handles; cheap to share behind an `Arc`.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<StatusLabels, Counter>,
+    in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
+    upstream_latency: Family<RouteLabels, Histogram>,
+    ttft: Family<RouteLabels, Histogram>,
+    itl: Family<RouteLabels, Histogram>,
+    bytes_in: Family<RouteLabels, Counter<u64, AtomicU64>>,
+    bytes_out: Family<RouteLabels, Counter<u64, AtomicU64>>,
+}
+
+/// Decrements the in-flight gauge when the response body is finished or dropped.
+pub struct InFlight {
+    gauge: Gauge<i64, std::sync::atomic::AtomicI64>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~65 s, doubling: covers a fast fake engine and a long prefill.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvmesh");
+        let requests = Family::<StatusLabels, Counter>::default();
+        let in_flight = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        let upstream_latency = Family::<RouteLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        let ttft = Family::<RouteLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        let itl = Family::<RouteLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        let bytes_in = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
+        let bytes_out = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
+        registry.register(
+            "requests",
+            "Requests answered by the sidecar, by route and HTTP status",
+            requests.clone(),
+        );
+        registry.register(
+            "requests_in_flight",
+            "Requests whose response has not finished",
+            in_flight.clone(),
+        );
+        registry.register_with_unit(
+            "upstream_latency",
+            "Time from sending a request upstream to its response head",
+            Unit::Seconds,
+            upstream_latency.clone(),
+        );
+        registry.register_with_unit(
+            "time_to_first_token",
+            "Streams: time from the request's arrival to the first body chunk sent to the client",
+            Unit::Seconds,
+            ttft.clone(),
+        );
+        registry.register_with_unit(
+            "inter_token_latency",
+            "Streams: time between consecutive body chunks sent to the client",
+            Unit::Seconds,
+            itl.clone(),
+        );
+        registry.register_with_unit(
+            "request",
+            "Request body bytes received from clients",
+            Unit::Bytes,
+            bytes_in.clone(),
+        );
+        registry.register_with_unit(
+            "response",
+            "Response body bytes sent to clients",
+            Unit::Bytes,
+            bytes_out.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            in_flight,
+            upstream_latency,
+            ttft,
+            itl,
+            bytes_in,
+            bytes_out,
+        }
+    }
+
+    /// Prometheus text format (0.0.4).
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail; an Err would only drop the tail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn in_flight(&self) -> InFlight {
+        self.in_flight.inc();
+        InFlight {
+            gauge: self.in_flight.clone(),
+        }
+    }
+
+    pub fn request_done(&self, route: Route, status: u16) {
+        self.requests
+            .get_or_create(&StatusLabels { route, status })
+            .inc();
+    }
+
+    pub fn upstream_latency(&self, route: Route, secs: f64) {
+        self.upstream_latency
+            .get_or_create(&RouteLabels { route })
+            .observe(secs);
+    }
+
+    pub fn ttft(&self, route: Route, secs: f64) {
+        self.ttft
+            .get_or_create(&RouteLabels { route })
+            .observe(secs);
+    }
+
+    pub fn itl(&self, route: Route, secs: f64) {
+        self.itl.get_or_create(&RouteLabels { route }).observe(secs);
+    }
+
+    pub fn bytes_in(&self, route: Route, n: u64) {
+        self.bytes_in
+            .get_or_create(&RouteLabels { route })
+            .inc_by(n);
+    }
+
+    pub fn bytes_out(&self, route: Route, n: u64) {
+        self.bytes_out
+            .get_or_create(&RouteLabels { route })
+            .inc_by(n);
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}

@@ -1,0 +1,115 @@
+//! Stage 1, classify: check the method, read an inference body (bounded in size
+//! and time) and parse it once into the request view. Other paths pass through
+//! with their body streamed untouched.
+
+use bytes::Bytes;
+use http::{header, Method, Request};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::context::RequestCtx;
+use super::view::{RequestView, Shape};
+use crate::app::App;
+use crate::error::ProxyError;
+use crate::metrics::Route;
+
+/// The client's request after classification: its head and its bytes.
+pub struct ClientRequest {
+    pub head: http::request::Parts,
+    pub body: ClientBody,
+}
+
+/// The request body as the execute stage will send it.
+pub enum ClientBody {
+    /// Read whole (inference calls): the exact bytes the client sent, cheap to
+    /// send again to a fallback target.
+    Buffered(Bytes),
+    /// Not read (passthrough): streamed once to one target.
+    Streaming(Option<Incoming>),
+}
+
+pub async fn classify(
+    app: &App,
+    ctx: &mut RequestCtx,
+    req: Request<Incoming>,
+) -> Result<ClientRequest, ProxyError> {
+    check_method(ctx)?;
+    let limit = app.config.limits.max_body_bytes.0;
+    let (head, body) = req.into_parts();
+    let declared = head
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ProxyError::BodyTooLarge { limit });
+    }
+    let shape = match ctx.route {
+        Route::Completions => Shape::Completion,
+        Route::ChatCompletions => Shape::Chat,
+        Route::Embeddings => Shape::Embedding,
+        Route::Models | Route::Other => {
+            return Ok(ClientRequest {
+                head,
+                body: ClientBody::Streaming(Some(body)),
+            })
+        }
+    };
+    let bytes = read_body(app, ctx, body, limit).await?;
+    app.metrics.bytes_in(ctx.route, bytes.len() as u64);
+    let view = RequestView::parse(&bytes, shape).map_err(|source| ProxyError::MalformedJson {
+        route: ctx.route.as_str(),
+        source,
+    })?;
+    ctx.view = Some(view);
+    Ok(ClientRequest {
+        head,
+        body: ClientBody::Buffered(bytes),
+    })
+}
+
+fn check_method(ctx: &RequestCtx) -> Result<(), ProxyError> {
+    let (ok, allow) = match ctx.route {
+        Route::Completions | Route::ChatCompletions | Route::Embeddings => {
+            (ctx.method == Method::POST, "POST")
+        }
+        Route::Models => (
+            ctx.method == Method::GET || ctx.method == Method::HEAD,
+            "GET, HEAD",
+        ),
+        Route::Other => (true, ""),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ProxyError::MethodNotAllowed {
+            method: ctx.method.clone(),
+            route: ctx.route.as_str(),
+            allow,
+        })
+    }
+}
+
+/// Reads the whole body, refusing more than `limit` bytes and giving up at the
+/// request's overall deadline (a client that stalls mid-upload).
+async fn read_body(
+    app: &App,
+    ctx: &RequestCtx,
+    body: Incoming,
+    limit: u64,
+) -> Result<Bytes, ProxyError> {
+    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+    let deadline = ctx.started + app.config.timeouts.overall.get();
+    let collected =
+        tokio::time::timeout_at(deadline, Limited::new(body, limit_usize).collect()).await;
+    match collected {
+        Err(_) => Err(ProxyError::ClientTimeout {
+            after: app.config.timeouts.overall.get(),
+        }),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ProxyError::BodyTooLarge { limit })
+        }
+        Ok(Err(e)) => Err(ProxyError::ClientBody(e.to_string())),
+    }
+}

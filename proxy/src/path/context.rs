@@ -1,0 +1,95 @@
+//! The per-request context every stage reads and fills in, in stage order.
+
+use std::net::SocketAddr;
+
+use http::{HeaderValue, Method, Request};
+use tokio::time::Instant;
+
+use super::view::RequestView;
+use crate::headers::{self, ROUTED, SESSION_ID};
+use crate::metrics::{InFlight, Route};
+
+/// One request's state on its way through the stages.
+pub struct RequestCtx {
+    // ---- accept ----
+    /// Kept from the client or generated; sent upstream and back.
+    pub request_id: HeaderValue,
+    pub method: Method,
+    pub route: Route,
+    /// When the request head arrived; deadlines and TTFT count from here.
+    pub started: Instant,
+    /// Counts the request as in flight until its response body ends.
+    pub in_flight: Option<InFlight>,
+    // ---- classify ----
+    /// Inference calls only: the parsed body.
+    pub view: Option<RequestView>,
+    /// `x-session-id`, for session affinity.
+    pub session: Option<HeaderValue>,
+    /// Another sidecar already routed this request here: execute locally.
+    pub already_routed: bool,
+    // ---- prefix ----
+    /// Chained block keys of the prompt (empty until the prefix stage exists).
+    pub block_keys: Vec<u64>,
+    // ---- schedule ----
+    /// Why the scheduler chose its target, for logs and metrics.
+    pub decision: &'static str,
+    // ---- execute ----
+    /// Where the response finally came from.
+    pub served_by: Option<Served>,
+    pub attempts: u8,
+}
+
+/// The upstream that produced the response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    LocalEngine,
+    Peer(SocketAddr),
+}
+
+impl RequestCtx {
+    pub fn new<B>(req: &Request<B>, in_flight: InFlight) -> Self {
+        let h = req.headers();
+        Self {
+            request_id: headers::request_id(h),
+            method: req.method().clone(),
+            route: Route::of(req.uri().path()),
+            started: Instant::now(),
+            in_flight: Some(in_flight),
+            view: None,
+            session: h.get(&SESSION_ID).cloned(),
+            already_routed: h.contains_key(&ROUTED),
+            block_keys: Vec::new(),
+            decision: "",
+            served_by: None,
+            attempts: 0,
+        }
+    }
+
+    /// The request id as text for logs.
+    pub fn id(&self) -> &str {
+        self.request_id.to_str().unwrap_or("-")
+    }
+}
+
+impl Route {
+    /// The OpenAI route of a path; anything else passes through as `Other`.
+    pub fn of(path: &str) -> Self {
+        match path {
+            "/v1/completions" => Self::Completions,
+            "/v1/chat/completions" => Self::ChatCompletions,
+            "/v1/embeddings" => Self::Embeddings,
+            "/v1/models" => Self::Models,
+            _ => Self::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completions => "/v1/completions",
+            Self::ChatCompletions => "/v1/chat/completions",
+            Self::Embeddings => "/v1/embeddings",
+            Self::Models => "/v1/models",
+            Self::Other => "other",
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! Stage 4, execute: send the request to the plan's target and relay the
+//! response. A target that refuses the connection (nothing was sent) hands the
+//! request to the next fallback; any later failure is final, because the
+//! upstream may already be working on it.
+
+use std::net::SocketAddr;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{header, HeaderValue, Request, Response, Uri};
+use http_body_util::{Full, Limited};
+use tokio::time::Instant;
+
+use super::classify::{ClientBody, ClientRequest};
+use super::context::{RequestCtx, Served};
+use super::schedule::{Plan, Target, MAX_ATTEMPTS};
+use crate::app::App;
+use crate::body::{RelayParams, ResponseBody, UpstreamBody};
+use crate::error::{ProxyError, Retry, UpstreamName};
+use crate::headers::{strip_hop_by_hop, REQUEST_ID, ROUTED};
+
+pub async fn execute(
+    app: &App,
+    ctx: &mut RequestCtx,
+    plan: Plan,
+    mut req: ClientRequest,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let targets = std::iter::once(plan.target)
+        .chain(plan.fallbacks)
+        .take(MAX_ATTEMPTS);
+    let mut last = None;
+    for target in targets {
+        let upstream = match target {
+            Target::LocalEngine => Upstream::Engine,
+            Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
+            Target::Disaggregated { .. } => {
+                return Err(ProxyError::Unsupported(
+                    "disaggregated prefill/decode (the P/D stage)",
+                ))
+            }
+        };
+        // A streamed body can be sent once; after a refusal it is still unread,
+        // but only a buffered body may go to a second target.
+        if last.is_some() && matches!(req.body, ClientBody::Streaming(_)) {
+            break;
+        }
+        ctx.attempts += 1;
+        match forward(app, ctx, upstream, &mut req).await {
+            Ok(resp) => {
+                ctx.served_by = Some(upstream.served());
+                return Ok(resp);
+            }
+            Err(e) if e.retry() == Retry::Safe => {
+                tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
+                last = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Upstream {
+    Engine,
+    Peer(SocketAddr),
+}
+
+impl Upstream {
+    fn served(self) -> Served {
+        match self {
+            Self::Engine => Served::LocalEngine,
+            Self::Peer(a) => Served::Peer(a),
+        }
+    }
+}
+
+/// One attempt: request head rewritten for the hop, body as the client sent it.
+async fn forward(
+    app: &App,
+    ctx: &RequestCtx,
+    upstream: Upstream,
+    req: &mut ClientRequest,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let (authority, name) = match upstream {
+        Upstream::Engine => {
+            let a = app.config.engine.url.authority().clone();
+            let n = UpstreamName::Engine(a.to_string());
+            (a, n)
+        }
+        Upstream::Peer(addr) => {
+            let a = Authority::try_from(addr.to_string())
+                .map_err(|e| ProxyError::Internal(format!("peer address {addr}: {e}")))?;
+            (a, UpstreamName::Peer(addr.to_string()))
+        }
+    };
+    let out = build_request(app, ctx, upstream, authority, req)?;
+    let timeouts = &app.config.timeouts;
+    let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
+    let head_wait = timeouts.first_byte.get().min(overall_left);
+    let sent = Instant::now();
+    let resp = match tokio::time::timeout(head_wait, app.client.request(out)).await {
+        Err(_) => {
+            return Err(ProxyError::FirstByteTimeout {
+                upstream: name,
+                after: head_wait,
+            })
+        }
+        Ok(Err(e)) if e.is_connect() => {
+            return Err(ProxyError::Connect {
+                upstream: name,
+                reason: error_chain(&e),
+            })
+        }
+        Ok(Err(e)) => {
+            return Err(ProxyError::UpstreamFailed {
+                upstream: name,
+                reason: error_chain(&e),
+            })
+        }
+        Ok(Ok(resp)) => resp,
+    };
+    app.metrics
+        .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
+    let (mut head, incoming) = resp.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    let sse = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if sse {
+        // An error event may be appended, so the length is not ours to promise.
+        head.headers.remove(header::CONTENT_LENGTH);
+    }
+    head.headers.insert(REQUEST_ID, ctx.request_id.clone());
+    let body = ResponseBody::relay(
+        incoming,
+        RelayParams {
+            upstream: name,
+            route: ctx.route,
+            metrics: app.metrics.clone(),
+            started: ctx.started,
+            stream_idle: timeouts.stream_idle.get(),
+            overall: timeouts.overall.get(),
+            sse,
+            request_id: ctx.id().to_owned(),
+        },
+    );
+    Ok(Response::from_parts(head, body))
+}
+
+fn build_request(
+    app: &App,
+    ctx: &RequestCtx,
+    upstream: Upstream,
+    authority: Authority,
+    req: &mut ClientRequest,
+) -> Result<Request<UpstreamBody>, ProxyError> {
+    let path = req
+        .head
+        .uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let uri = Uri::builder()
+        .scheme(Scheme::HTTP)
+        .authority(authority)
+        .path_and_query(path)
+        .build()
+        .map_err(|e| ProxyError::Internal(format!("upstream URI: {e}")))?;
+    let body = match &mut req.body {
+        ClientBody::Buffered(b) => UpstreamBody::Full(Full::new(b.clone())),
+        ClientBody::Streaming(b) => {
+            let incoming = b
+                .take()
+                .ok_or_else(|| ProxyError::Internal("streamed body sent twice".to_owned()))?;
+            let limit = usize::try_from(app.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+            UpstreamBody::Stream(Limited::new(incoming, limit))
+        }
+    };
+    let mut out = Request::new(body);
+    *out.method_mut() = req.head.method.clone();
+    *out.uri_mut() = uri;
+    let headers = out.headers_mut();
+    headers.clone_from(&req.head.headers);
+    strip_hop_by_hop(headers);
+    // The client pool sets Host from the upstream URI, as a reverse proxy should.
+    headers.remove(header::HOST);
+    headers.insert(REQUEST_ID, ctx.request_id.clone());
+    match upstream {
+        Upstream::Peer(_) => {
+            headers.insert(ROUTED, HeaderValue::from_static("1"));
+        }
+        Upstream::Engine => {
+            headers.remove(ROUTED);
+        }
+    }
+    Ok(out)
+}
+
+/// The error and its causes on one line: hyper's top-level message alone
+/// ("client error (Connect)") does not say what happened.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    let mut depth = 0;
+    while let Some(c) = cur {
+        if depth == 8 {
+            break;
+        }
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+        depth += 1;
+    }
+    s
+}

@@ -1,0 +1,42 @@
+//! The request path: every client request passes the stages of [`handle`], in
+//! order, each in its own file, sharing one [`RequestCtx`].
+//!
+//! | stage | file | job |
+//! |---|---|---|
+//! | classify | `classify.rs` | method check, bounded body read, parse the [`RequestView`] once |
+//! | prefix | `prefix.rs` | prompt to block keys (no-op until the prefix stage exists) |
+//! | schedule | `schedule.rs` | choose a [`Target`] and fallbacks |
+//! | execute | `execute.rs` | forward to the engine or a peer sidecar, relay the response |
+//! | observe | `observe.rs` | map errors to responses, metrics, logs |
+
+pub mod classify;
+pub mod context;
+pub mod execute;
+pub mod observe;
+pub mod prefix;
+pub mod schedule;
+pub mod view;
+
+use std::sync::Arc;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+use crate::app::App;
+use crate::body::ResponseBody;
+pub use context::{RequestCtx, Served};
+pub use schedule::{Leg, Plan, Scheduler, Target};
+pub use view::{Prompt, RequestView};
+
+/// One request, top to bottom.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseBody> {
+    let mut ctx = RequestCtx::new(&req, app.metrics.in_flight());
+    let result = async {
+        let req = classify::classify(&app, &mut ctx, req).await?;
+        prefix::prefix(&app, &mut ctx)?;
+        let plan = schedule::schedule(&app, &mut ctx)?;
+        execute::execute(&app, &mut ctx, plan, req).await
+    }
+    .await;
+    observe::observe(&app, ctx, result)
+}

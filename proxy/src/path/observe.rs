@@ -1,0 +1,47 @@
+//! Stage 5, observe: turn the outcome into the client's response head, count it
+//! and log it. Streams are observed further as they flow (TTFT, inter-chunk
+//! gaps, bytes) by the relay body, which also holds the in-flight count until
+//! the last byte. Later stages feed the approximate prefix index from here.
+
+use http::Response;
+
+use super::context::RequestCtx;
+use crate::app::App;
+use crate::body::ResponseBody;
+use crate::error::ProxyError;
+use crate::respond::error_response;
+
+pub fn observe(
+    app: &App,
+    mut ctx: RequestCtx,
+    result: Result<Response<ResponseBody>, ProxyError>,
+) -> Response<ResponseBody> {
+    let resp = match result {
+        Ok(resp) => resp,
+        Err(e) => {
+            let culprit = e.culprit();
+            if culprit == crate::error::Culprit::Client {
+                tracing::debug!(request_id = ctx.id(), route = ctx.route.as_str(), error = %e, "request rejected");
+            } else {
+                tracing::warn!(request_id = ctx.id(), route = ctx.route.as_str(), ?culprit, retry = ?e.retry(), error = %e, "request failed");
+            }
+            error_response(&e, &ctx.request_id)
+        }
+    };
+    let status = resp.status().as_u16();
+    app.metrics.request_done(ctx.route, status);
+    tracing::debug!(
+        request_id = ctx.id(),
+        route = ctx.route.as_str(),
+        status,
+        decision = ctx.decision,
+        served_by = ?ctx.served_by,
+        attempts = ctx.attempts,
+        head_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
+        "response head"
+    );
+    match ctx.in_flight.take() {
+        Some(guard) => resp.map(|b| b.with_in_flight(guard)),
+        None => resp,
+    }
+}

@@ -1,0 +1,183 @@
+//! The request view: what later stages need from an inference body, parsed once.
+//!
+//! Fields the proxy does not use are ignored (clients send many), but the ones
+//! it reads must have the types the OpenAI API gives them, so a request the
+//! engine would reject is rejected here with the same 400, before any routing.
+
+use kvmesh_filters::prefix::tokenize::ChatMessage;
+use serde::Deserialize;
+
+/// What an inference call asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestView {
+    /// The `model` field: a base model or, for LoRA, an adapter name the engine
+    /// serves (see [`RequestView::adapter`]).
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub stream: bool,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u64>,
+    /// vLLM's per-tenant prefix-cache isolation salt.
+    pub cache_salt: Option<String>,
+}
+
+/// The prompt in the shape the client sent it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Prompt {
+    /// Embeddings, or a body without a prompt.
+    #[default]
+    None,
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+    /// Chat messages, multi-part text content flattened.
+    Chat(Vec<ChatMessage>),
+}
+
+/// Which body shape to expect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    Completion,
+    Chat,
+    Embedding,
+}
+
+#[derive(Deserialize)]
+struct Wire {
+    model: Option<String>,
+    prompt: Option<WirePrompt>,
+    messages: Option<Vec<WireMessage>>,
+    stream: Option<bool>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    cache_salt: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WirePrompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<WireContent>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WireContent {
+    Text(String),
+    Parts(Vec<WirePart>),
+}
+
+#[derive(Deserialize)]
+struct WirePart {
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl RequestView {
+    /// Parses an inference body. Errors are the client's (malformed JSON or a
+    /// field of the wrong type).
+    pub fn parse(body: &[u8], shape: Shape) -> Result<Self, serde_json::Error> {
+        let w: Wire = serde_json::from_slice(body)?;
+        let prompt = match shape {
+            Shape::Embedding => Prompt::None,
+            Shape::Completion => match w.prompt {
+                None => Prompt::None,
+                Some(WirePrompt::Text(s)) => Prompt::Text(s),
+                Some(WirePrompt::Texts(v)) => Prompt::Texts(v),
+                Some(WirePrompt::Tokens(v)) => Prompt::Tokens(v),
+                Some(WirePrompt::TokenBatches(v)) => Prompt::TokenBatches(v),
+            },
+            Shape::Chat => match w.messages {
+                None => Prompt::None,
+                Some(ms) => Prompt::Chat(ms.into_iter().map(flatten).collect()),
+            },
+        };
+        Ok(Self {
+            model: w.model,
+            prompt,
+            stream: w.stream.unwrap_or(false),
+            max_tokens: w.max_completion_tokens.or(w.max_tokens),
+            cache_salt: w.cache_salt,
+        })
+    }
+
+    /// The LoRA adapter this request names: its model, when that is not one of
+    /// the engine's base models.
+    pub fn adapter<'a>(&'a self, base_models: &[&str]) -> Option<&'a str> {
+        self.model.as_deref().filter(|m| !base_models.contains(m))
+    }
+}
+
+/// Multi-part content becomes its text parts joined by newlines, as vLLM does
+/// for templates that take string content.
+fn flatten(m: WireMessage) -> ChatMessage {
+    let content = match m.content {
+        None => String::new(),
+        Some(WireContent::Text(s)) => s,
+        Some(WireContent::Parts(parts)) => parts
+            .into_iter()
+            .filter_map(|p| p.text)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    };
+    ChatMessage {
+        role: m.role,
+        content,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn completion_view() {
+        let v = RequestView::parse(
+            br#"{"model":"m","prompt":"hi","stream":true,"max_tokens":5,"cache_salt":"t","temperature":0}"#,
+            Shape::Completion,
+        )
+        .unwrap();
+        assert_eq!(v.model.as_deref(), Some("m"));
+        assert_eq!(v.prompt, Prompt::Text("hi".into()));
+        assert!(v.stream);
+        assert_eq!(v.max_tokens, Some(5));
+        assert_eq!(v.cache_salt.as_deref(), Some("t"));
+        assert_eq!(v.adapter(&["m"]), None);
+        assert_eq!(v.adapter(&["base"]), Some("m"));
+    }
+
+    #[test]
+    fn token_prompts_and_chat_parts() {
+        let v = RequestView::parse(br#"{"prompt":[1,2,3]}"#, Shape::Completion).unwrap();
+        assert_eq!(v.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let v = RequestView::parse(
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{}},{"type":"text","text":"b"}]},{"role":"assistant","content":null}],"max_completion_tokens":3,"max_tokens":9}"#,
+            Shape::Chat,
+        )
+        .unwrap();
+        let Prompt::Chat(ms) = v.prompt else {
+            panic!("not chat")
+        };
+        assert_eq!(ms[0].content, "a\nb");
+        assert_eq!(ms[1].content, "");
+        assert_eq!(v.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn wrong_types_are_errors() {
+        assert!(RequestView::parse(br#"{"stream":"yes"}"#, Shape::Completion).is_err());
+        assert!(RequestView::parse(br#"[1]"#, Shape::Chat).is_err());
+        assert!(RequestView::parse(br#"{"model":"m""#, Shape::Chat).is_err());
+    }
+}

@@ -1,0 +1,168 @@
+//! Starting and stopping a whole sidecar in-process: the client listener, the
+//! admin listener and the engine readiness probe, all owned by one
+//! [`SidecarHandle`]. The binary, the tests, the bench and the demo all start
+//! kvmesh this way.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+use crate::admin::Admin;
+use crate::app::App;
+use crate::body::ResponseBody;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::path::Scheduler;
+use crate::server::{serve, Handler, ServeOpts};
+use crate::shutdown::Shutdown;
+use crate::tls::TlsError;
+
+/// Entry point of the library.
+#[derive(Debug)]
+pub struct Sidecar;
+
+/// A running sidecar. Dropping it does not stop it; call [`SidecarHandle::shutdown`].
+#[derive(Debug)]
+pub struct SidecarHandle {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    shutdown: Shutdown,
+    tasks: JoinSet<()>,
+}
+
+/// Why a sidecar could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("binding {what} listener {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reading a listener's address: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[derive(Clone)]
+struct Proxy(Arc<App>);
+
+impl Handler for Proxy {
+    fn handle(
+        self,
+        req: Request<Incoming>,
+    ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'static {
+        crate::path::handle(self.0, req)
+    }
+}
+
+impl Sidecar {
+    /// Starts on listeners the caller bound (tests bind port 0 and pass them in).
+    pub async fn start(
+        config: Config,
+        client: TcpListener,
+        admin: TcpListener,
+    ) -> Result<SidecarHandle, StartError> {
+        let tls = config
+            .listeners
+            .tls
+            .as_ref()
+            .map(crate::tls::acceptor)
+            .transpose()?;
+        let addr = client.local_addr()?;
+        let admin_addr = admin.local_addr()?;
+        let config = Arc::new(config);
+        let app = Arc::new(App {
+            client: crate::upstream::build(&config),
+            config: config.clone(),
+            metrics: Arc::new(Metrics::new()),
+            scheduler: Scheduler,
+            engine_ready: Arc::new(AtomicBool::new(false)),
+        });
+        let shutdown = Shutdown::new();
+        let t = &config.timeouts;
+        let mut tasks = JoinSet::new();
+        tasks.spawn(serve(
+            client,
+            Proxy(app.clone()),
+            ServeOpts {
+                name: "client",
+                tls,
+                tls_handshake: t.tls_handshake.get(),
+                max_connections: config.limits.max_connections,
+                drain: t.shutdown_drain.get(),
+            },
+            shutdown.clone(),
+        ));
+        tasks.spawn(serve(
+            admin,
+            Admin::new(app.clone()),
+            ServeOpts {
+                name: "admin",
+                tls: None,
+                tls_handshake: t.tls_handshake.get(),
+                // Scrapers and probes only; a small bound keeps them from crowding out clients.
+                max_connections: 64,
+                drain: t.shutdown_drain.get(),
+            },
+            shutdown.clone(),
+        ));
+        tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
+        tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");
+        Ok(SidecarHandle {
+            addr,
+            admin_addr,
+            shutdown,
+            tasks,
+        })
+    }
+
+    /// Binds the addresses of `config.listeners` and starts.
+    pub async fn bind(config: Config) -> Result<SidecarHandle, StartError> {
+        let l = &config.listeners;
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let client = bind("client", l.client).await?;
+        let admin = bind("admin", l.admin).await?;
+        Self::start(config, client, admin).await
+    }
+}
+
+impl SidecarHandle {
+    /// The client (OpenAI) address actually bound.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// A trigger that stops this sidecar from elsewhere (a signal handler).
+    pub fn shutdown_handle(&self) -> Shutdown {
+        self.shutdown.clone()
+    }
+
+    /// Stops accepting, drains in-flight requests (bounded by
+    /// `timeouts.shutdown_drain`) and returns when everything has stopped.
+    pub async fn shutdown(mut self) {
+        self.shutdown.trigger();
+        while self.tasks.join_next().await.is_some() {}
+    }
+
+    /// Waits until the sidecar stops through its [`Shutdown`] handle.
+    pub async fn wait(mut self) {
+        self.shutdown.triggered().await;
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
