@@ -102,7 +102,10 @@ impl Args {
         if let Some(ep) = &self.kv_events_endpoint {
             let mut k = KvEventsConfig::new(ep.clone());
             k.replay_endpoint = self.kv_events_replay.clone();
-            k.topic = self.kv_events_topic.clone().unwrap_or_else(|| format!("kv@{}@{}", self.listen, self.model));
+            k.topic = self
+                .kv_events_topic
+                .clone()
+                .unwrap_or_else(|| format!("kv@{}@{}", self.listen, self.model));
             k.format = match self.kv_events_format {
                 FormatArg::Map => KvEventsFormat::Map,
                 FormatArg::Array => KvEventsFormat::Array,
@@ -119,7 +122,9 @@ impl Args {
 /// Runs the binary: serve until Ctrl-C.
 pub async fn run(args: Args) -> Result<(), SimError> {
     let cfg = args.to_config()?;
-    let listener = tokio::net::TcpListener::bind(&args.listen).await.map_err(SimError::Io)?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(SimError::Io)?;
     let engine = Engine::start(cfg, listener).await?;
     tracing::info!(addr = %engine.addr(), kv = ?engine.kv_endpoints(), "kvmesh-engine-sim serving");
     let _ = tokio::signal::ctrl_c().await;

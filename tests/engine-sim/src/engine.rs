@@ -1,8 +1,8 @@
 //! Starting an engine and the handle tests hold: address, faults, what was
 //! received and served, restart and shutdown.
 
-use std::sync::Arc;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use kvmesh_filters::prefix::tokenize::{Builtin, HfTokenizer, Tokenizer};
 use parking_lot::Mutex;
@@ -36,7 +36,10 @@ pub struct SimHandle {
 
 impl std::fmt::Debug for SimHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SimHandle").field("addr", &self.addr).field("model", &self.shared.cfg.model).finish()
+        f.debug_struct("SimHandle")
+            .field("addr", &self.addr)
+            .field("model", &self.shared.cfg.model)
+            .finish()
     }
 }
 
@@ -52,7 +55,10 @@ impl Engine {
         };
         let addr = listener.local_addr().map_err(SimError::Io)?;
         let cancel = CancellationToken::new();
-        let engine_id = config.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let engine_id = config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
         let mut tasks = Vec::new();
         let (pubtx, kv) = match &config.kv_events {
             Some(k) => {
@@ -65,7 +71,14 @@ impl Engine {
         let metrics = Arc::new(Mutex::new(EngineMetrics::new(&config)));
         let clock = Clock::new(config.time_scale);
         let (core_tx, core_rx) = mpsc::channel(config.max_waiting);
-        let core = Core::new(config.clone(), engine_id.clone(), clock, metrics.clone(), pubtx, core_tx.downgrade());
+        let core = Core::new(
+            config.clone(),
+            engine_id.clone(),
+            clock,
+            metrics.clone(),
+            pubtx,
+            core_tx.downgrade(),
+        );
         tasks.push(tokio::spawn(core.run(core_rx, cancel.clone())));
         let shared = Arc::new(Shared {
             cfg: config,
@@ -79,15 +92,30 @@ impl Engine {
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            fingerprint: format!("vllm-0.32.0-sim{}", &uuid::Uuid::new_v4().simple().to_string()[..4]),
+            fingerprint: format!(
+                "vllm-0.32.0-sim{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..4]
+            ),
         });
-        tasks.push(tokio::spawn(http::serve(listener, shared.clone(), cancel.clone())));
-        Ok(SimHandle { addr, shared, kv, cancel, tasks })
+        tasks.push(tokio::spawn(http::serve(
+            listener,
+            shared.clone(),
+            cancel.clone(),
+        )));
+        Ok(SimHandle {
+            addr,
+            shared,
+            kv,
+            cancel,
+            tasks,
+        })
     }
 
     /// Binds `127.0.0.1:0` and starts; for tests and demos.
     pub async fn start_local(config: SimConfig) -> Result<SimHandle, SimError> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.map_err(SimError::Io)?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(SimError::Io)?;
         Self::start(config, listener).await
     }
 }
@@ -98,8 +126,12 @@ fn load_hf(dir: &std::path::Path) -> Result<HfTokenizer, SimError> {
     let read = |name: &str| std::fs::read(dir.join(name));
     let json = read("tokenizer.json")
         .map_err(|e| SimError::Tokenizer(format!("{}/tokenizer.json: {e}", dir.display())))?;
-    let config = read("tokenizer_config.json").ok().and_then(|b| String::from_utf8(b).ok());
-    let template = read("chat_template.jinja").ok().and_then(|b| String::from_utf8(b).ok());
+    let config = read("tokenizer_config.json")
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok());
+    let template = read("chat_template.jinja")
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok());
     HfTokenizer::from_parts(&json, config.as_deref(), template.as_deref())
         .map_err(|e| SimError::Tokenizer(format!("{}: {e}", dir.display())))
 }
@@ -174,7 +206,13 @@ impl SimHandle {
     /// request holds blocks, as in vLLM); emits `AllBlocksCleared`.
     pub async fn reset_prefix_cache(&self) -> bool {
         let (tx, rx) = oneshot::channel();
-        if self.shared.core_tx.send(Cmd::ResetPrefixCache(tx)).await.is_err() {
+        if self
+            .shared
+            .core_tx
+            .send(Cmd::ResetPrefixCache(tx))
+            .await
+            .is_err()
+        {
             return false;
         }
         rx.await.unwrap_or(false)
@@ -185,7 +223,11 @@ impl SimHandle {
     /// sequence starts again from 0 with an empty replay buffer.
     pub async fn restart(&self) -> Result<(), SimError> {
         let (tx, rx) = oneshot::channel();
-        self.shared.core_tx.send(Cmd::Restart(tx)).await.map_err(|_| SimError::Stopped)?;
+        self.shared
+            .core_tx
+            .send(Cmd::Restart(tx))
+            .await
+            .map_err(|_| SimError::Stopped)?;
         rx.await.map_err(|_| SimError::Stopped)
     }
 

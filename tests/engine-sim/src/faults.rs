@@ -93,7 +93,10 @@ impl Faults {
     /// No faults.
     pub fn clear(&self) {
         let seen = self.state.lock().seen;
-        *self.state.lock() = State { seen, ..State::default() };
+        *self.state.lock() = State {
+            seen,
+            ..State::default()
+        };
     }
 
     pub fn refusing(&self) -> bool {
@@ -106,7 +109,11 @@ impl Faults {
         s.seen += 1;
         let n = s.seen;
         let status = s.status_for.remove(&n).or(s.status_always);
-        Verdict { status, first_byte_delay: s.first_byte_delay, die_after_chunks: s.die_after_chunks }
+        Verdict {
+            status,
+            first_byte_delay: s.first_byte_delay,
+            die_after_chunks: s.die_after_chunks,
+        }
     }
 
     /// Applies a script (without its `restart`, which the server handles).

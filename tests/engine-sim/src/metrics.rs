@@ -18,7 +18,12 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Self {
-        Self { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+        Self {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
     }
 
     pub fn observe(&mut self, v: f64) {
@@ -42,10 +47,12 @@ const ITL: &[f64] = &[
     40.0, 80.0,
 ];
 const REQ: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
-const TOKENS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0];
+const TOKENS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0,
+];
 
 /// Counters, gauges and histograms of one engine; written by the core.
 #[derive(Debug, Clone)]
@@ -141,43 +148,187 @@ impl EngineMetrics {
     }
 
     fn render_vllm(&self, cfg: &SimConfig) -> String {
-        let l = format!("engine=\"{}\",model_name=\"{}\"", cfg.dp_rank, esc(&cfg.model));
+        let l = format!(
+            "engine=\"{}\",model_name=\"{}\"",
+            cfg.dp_rank,
+            esc(&cfg.model)
+        );
         let mut o = String::with_capacity(16 * 1024);
-        gauge(&mut o, "vllm:num_requests_running", "Number of requests in model execution batches.", &l, self.running as f64);
-        gauge(&mut o, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", &l, self.waiting as f64);
-        gauge(&mut o, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &l, self.kv_usage);
-        counter(&mut o, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", &[(&l, self.prefix_queries)]);
-        counter(&mut o, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", &[(&l, self.prefix_hits)]);
+        gauge(
+            &mut o,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            &l,
+            self.running as f64,
+        );
+        gauge(
+            &mut o,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            &l,
+            self.waiting as f64,
+        );
+        gauge(
+            &mut o,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            &l,
+            self.kv_usage,
+        );
+        counter(
+            &mut o,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            &[(&l, self.prefix_queries)],
+        );
+        counter(
+            &mut o,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            &[(&l, self.prefix_hits)],
+        );
         counter(&mut o, "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", &[(&l, self.external_queries)]);
         counter(&mut o, "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &[(&l, self.external_hits)]);
-        counter(&mut o, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", &[(&l, self.preemptions)]);
-        counter(&mut o, "vllm:prompt_tokens", "Number of prefill tokens processed.", &[(&l, self.prompt_tokens)]);
+        counter(
+            &mut o,
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            &[(&l, self.preemptions)],
+        );
+        counter(
+            &mut o,
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            &[(&l, self.prompt_tokens)],
+        );
         let src = |s: &str| format!("{l},source=\"{s}\"");
-        counter(&mut o, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", &[
-            (&src("local_compute"), self.by_source_compute),
-            (&src("local_cache_hit"), self.by_source_cache),
-            (&src("external_kv_transfer"), self.by_source_external),
-        ]);
-        counter(&mut o, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", &[(&l, self.by_source_cache + self.by_source_external)]);
-        counter(&mut o, "vllm:generation_tokens", "Number of generation tokens processed.", &[(&l, self.generation_tokens)]);
+        counter(
+            &mut o,
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            &[
+                (&src("local_compute"), self.by_source_compute),
+                (&src("local_cache_hit"), self.by_source_cache),
+                (&src("external_kv_transfer"), self.by_source_external),
+            ],
+        );
+        counter(
+            &mut o,
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            &[(&l, self.by_source_cache + self.by_source_external)],
+        );
+        counter(
+            &mut o,
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            &[(&l, self.generation_tokens)],
+        );
         let reasons: Vec<String> = REASONS
             .iter()
-            .map(|r| format!("engine=\"{}\",finished_reason=\"{r}\",model_name=\"{}\"", cfg.dp_rank, esc(&cfg.model)))
+            .map(|r| {
+                format!(
+                    "engine=\"{}\",finished_reason=\"{r}\",model_name=\"{}\"",
+                    cfg.dp_rank,
+                    esc(&cfg.model)
+                )
+            })
             .collect();
-        let pairs: Vec<(&str, u64)> = reasons.iter().map(String::as_str).zip(self.success).collect();
-        counter(&mut o, "vllm:request_success", "Count of successfully processed requests.", &pairs);
-        hist(&mut o, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", &l, &self.request_prompt_tokens);
-        hist(&mut o, "vllm:request_generation_tokens", "Number of generation tokens processed.", &l, &self.request_generation_tokens);
-        hist(&mut o, "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", &l, &self.iteration_tokens);
-        hist(&mut o, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", &l, &self.request_max_tokens);
-        hist(&mut o, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &l, &self.ttft);
-        hist(&mut o, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &l, &self.itl);
-        hist(&mut o, "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", &l, &self.tpot);
-        hist(&mut o, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &l, &self.e2e);
-        hist(&mut o, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", &l, &self.queue_time);
-        hist(&mut o, "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", &l, &self.inference_time);
-        hist(&mut o, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", &l, &self.prefill_time);
-        hist(&mut o, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", &l, &self.decode_time);
+        let pairs: Vec<(&str, u64)> = reasons
+            .iter()
+            .map(String::as_str)
+            .zip(self.success)
+            .collect();
+        counter(
+            &mut o,
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            &pairs,
+        );
+        hist(
+            &mut o,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            &l,
+            &self.request_prompt_tokens,
+        );
+        hist(
+            &mut o,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            &l,
+            &self.request_generation_tokens,
+        );
+        hist(
+            &mut o,
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            &l,
+            &self.iteration_tokens,
+        );
+        hist(
+            &mut o,
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            &l,
+            &self.request_max_tokens,
+        );
+        hist(
+            &mut o,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &l,
+            &self.ttft,
+        );
+        hist(
+            &mut o,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &l,
+            &self.itl,
+        );
+        hist(
+            &mut o,
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            &l,
+            &self.tpot,
+        );
+        hist(
+            &mut o,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            &l,
+            &self.e2e,
+        );
+        hist(
+            &mut o,
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            &l,
+            &self.queue_time,
+        );
+        hist(
+            &mut o,
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            &l,
+            &self.inference_time,
+        );
+        hist(
+            &mut o,
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            &l,
+            &self.prefill_time,
+        );
+        hist(
+            &mut o,
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            &l,
+            &self.decode_time,
+        );
         let _ = writeln!(o, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge");
         let _ = writeln!(
             o,
@@ -199,26 +350,135 @@ impl EngineMetrics {
         let mut o = String::with_capacity(8 * 1024);
         let total_tokens = (self.num_blocks * self.block_size) as f64;
         let used_tokens = (self.used_blocks * self.block_size) as f64;
-        gauge(&mut o, "sglang:num_running_reqs", "The number of running requests.", &sl, self.running as f64);
-        gauge(&mut o, "sglang:num_queue_reqs", "The number of requests in the waiting queue.", &sl, self.waiting as f64);
-        gauge(&mut o, "sglang:token_usage", "The token usage.", &sl, self.kv_usage);
-        let hit_rate = if self.prefix_queries == 0 { 0.0 } else { self.prefix_hits as f64 / self.prefix_queries as f64 };
-        gauge(&mut o, "sglang:cache_hit_rate", "The prefix cache hit rate.", &sl, hit_rate);
-        gauge(&mut o, "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", &sl, total_tokens);
-        gauge(&mut o, "sglang:page_size", "The page size of the KV cache.", &sl, self.block_size as f64);
-        gauge(&mut o, "sglang:num_pages", "The number of pages in the KV cache.", &sl, self.num_blocks as f64);
-        gauge(&mut o, "sglang:kv_used_tokens", "The number of used tokens in the KV cache.", &sl, used_tokens);
-        gauge(&mut o, "sglang:kv_available_tokens", "The number of available tokens in the KV cache.", &sl, total_tokens - used_tokens);
-        gauge(&mut o, "sglang:num_prefill_bootstrap_queue_reqs", "The number of requests in the prefill bootstrap queue.", &sl, 0.0);
-        gauge(&mut o, "sglang:num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", &sl, 0.0);
-        counter(&mut o, "sglang:prompt_tokens", "Number of prefill tokens processed.", &[(&tl, self.prompt_tokens)]);
-        counter(&mut o, "sglang:generation_tokens", "Number of generation tokens processed.", &[(&tl, self.generation_tokens)]);
-        let cl = format!("cache_source=\"device\",engine_type=\"{engine_type}\",model_name=\"{m}\"");
-        counter(&mut o, "sglang:cached_tokens", "Number of cached prompt tokens.", &[(&cl, self.prefix_hits)]);
-        counter(&mut o, "sglang:num_requests", "Number of requests processed.", &[(&tl, self.success.iter().sum())]);
-        hist(&mut o, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &tl, &self.ttft);
-        hist(&mut o, "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &tl, &self.itl);
-        hist(&mut o, "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", &tl, &self.e2e);
+        gauge(
+            &mut o,
+            "sglang:num_running_reqs",
+            "The number of running requests.",
+            &sl,
+            self.running as f64,
+        );
+        gauge(
+            &mut o,
+            "sglang:num_queue_reqs",
+            "The number of requests in the waiting queue.",
+            &sl,
+            self.waiting as f64,
+        );
+        gauge(
+            &mut o,
+            "sglang:token_usage",
+            "The token usage.",
+            &sl,
+            self.kv_usage,
+        );
+        let hit_rate = if self.prefix_queries == 0 {
+            0.0
+        } else {
+            self.prefix_hits as f64 / self.prefix_queries as f64
+        };
+        gauge(
+            &mut o,
+            "sglang:cache_hit_rate",
+            "The prefix cache hit rate.",
+            &sl,
+            hit_rate,
+        );
+        gauge(
+            &mut o,
+            "sglang:max_total_num_tokens",
+            "Maximum total number of tokens in the KV cache pool.",
+            &sl,
+            total_tokens,
+        );
+        gauge(
+            &mut o,
+            "sglang:page_size",
+            "The page size of the KV cache.",
+            &sl,
+            self.block_size as f64,
+        );
+        gauge(
+            &mut o,
+            "sglang:num_pages",
+            "The number of pages in the KV cache.",
+            &sl,
+            self.num_blocks as f64,
+        );
+        gauge(
+            &mut o,
+            "sglang:kv_used_tokens",
+            "The number of used tokens in the KV cache.",
+            &sl,
+            used_tokens,
+        );
+        gauge(
+            &mut o,
+            "sglang:kv_available_tokens",
+            "The number of available tokens in the KV cache.",
+            &sl,
+            total_tokens - used_tokens,
+        );
+        gauge(
+            &mut o,
+            "sglang:num_prefill_bootstrap_queue_reqs",
+            "The number of requests in the prefill bootstrap queue.",
+            &sl,
+            0.0,
+        );
+        gauge(
+            &mut o,
+            "sglang:num_decode_transfer_queue_reqs",
+            "The number of requests in the decode transfer queue.",
+            &sl,
+            0.0,
+        );
+        counter(
+            &mut o,
+            "sglang:prompt_tokens",
+            "Number of prefill tokens processed.",
+            &[(&tl, self.prompt_tokens)],
+        );
+        counter(
+            &mut o,
+            "sglang:generation_tokens",
+            "Number of generation tokens processed.",
+            &[(&tl, self.generation_tokens)],
+        );
+        let cl =
+            format!("cache_source=\"device\",engine_type=\"{engine_type}\",model_name=\"{m}\"");
+        counter(
+            &mut o,
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens.",
+            &[(&cl, self.prefix_hits)],
+        );
+        counter(
+            &mut o,
+            "sglang:num_requests",
+            "Number of requests processed.",
+            &[(&tl, self.success.iter().sum())],
+        );
+        hist(
+            &mut o,
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &tl,
+            &self.ttft,
+        );
+        hist(
+            &mut o,
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &tl,
+            &self.itl,
+        );
+        hist(
+            &mut o,
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            &tl,
+            &self.e2e,
+        );
         // SGLang 0.5.23 exposes page_size/num_pages gauges only; the info
         // metric below is the one llm-d's extractor reads (protocols.md §3.3).
         let _ = writeln!(o, "# HELP sglang:cache_config_info KV cache configuration\n# TYPE sglang:cache_config_info gauge");
@@ -228,7 +488,9 @@ impl EngineMetrics {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn num(v: f64) -> String {
@@ -241,7 +503,11 @@ fn num(v: f64) -> String {
 }
 
 fn gauge(o: &mut String, name: &str, help: &str, labels: &str, v: f64) {
-    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {}", num(v));
+    let _ = writeln!(
+        o,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {}",
+        num(v)
+    );
 }
 
 fn counter(o: &mut String, name: &str, help: &str, series: &[(&str, u64)]) {
@@ -254,9 +520,18 @@ fn counter(o: &mut String, name: &str, help: &str, series: &[(&str, u64)]) {
 fn hist(o: &mut String, name: &str, help: &str, labels: &str, h: &Histogram) {
     let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
     for (b, c) in h.bounds.iter().zip(&h.counts) {
-        let _ = writeln!(o, "{name}_bucket{{{labels},le=\"{}\"}} {}", num(*b), num(*c as f64));
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{{labels},le=\"{}\"}} {}",
+            num(*b),
+            num(*c as f64)
+        );
     }
-    let _ = writeln!(o, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", num(h.count as f64));
+    let _ = writeln!(
+        o,
+        "{name}_bucket{{{labels},le=\"+Inf\"}} {}",
+        num(h.count as f64)
+    );
     let _ = writeln!(o, "{name}_count{{{labels}}} {}", num(h.count as f64));
     let _ = writeln!(o, "{name}_sum{{{labels}}} {}", h.sum);
 }

@@ -53,13 +53,17 @@ pub(crate) fn register(engine_id: &str, request_id: &str, entry: Registered) {
 }
 
 pub(crate) fn forget(engine_id: &str, request_id: &str) {
-    held().lock().remove(&(engine_id.to_string(), request_id.to_string()));
+    held()
+        .lock()
+        .remove(&(engine_id.to_string(), request_id.to_string()));
 }
 
 /// Takes a held transfer: `Some(prompt_tokens)` if it existed and had not
 /// expired; the prefill engine is told to free its blocks.
 pub(crate) fn fetch(engine_id: &str, request_id: &str) -> Option<usize> {
-    let entry = held().lock().remove(&(engine_id.to_string(), request_id.to_string()))?;
+    let entry = held()
+        .lock()
+        .remove(&(engine_id.to_string(), request_id.to_string()))?;
     if entry.expires <= Instant::now() {
         return None;
     }

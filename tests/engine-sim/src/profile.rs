@@ -150,7 +150,12 @@ impl LatencyProfile {
     }
 
     /// Simulated seconds of one step.
-    pub fn step_seconds(&self, prefill_tokens: usize, decode_seqs: usize, decode_ctx: usize) -> f64 {
+    pub fn step_seconds(
+        &self,
+        prefill_tokens: usize,
+        decode_seqs: usize,
+        decode_ctx: usize,
+    ) -> f64 {
         let ms = self.step_base_ms
             + self.prefill_ms_per_token * prefill_tokens as f64
             + self.decode_ms_per_seq * decode_seqs as f64

@@ -12,23 +12,36 @@ use kvmesh_engine_sim::{Engine, SimConfig};
 use serde_json::{json, Value};
 
 fn capture_requests() -> Vec<Value> {
-    let text = std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/capture-1/requests.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    let text =
+        std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/capture-1/requests.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 fn captured_response(name: &str) -> Value {
-    let r = capture_requests().into_iter().find(|r| r["step"]["name"] == name).unwrap();
+    let r = capture_requests()
+        .into_iter()
+        .find(|r| r["step"]["name"] == name)
+        .unwrap();
     serde_json::from_str(r["response"].as_str().unwrap()).unwrap()
 }
 
 async fn engine() -> kvmesh_engine_sim::SimHandle {
-    Engine::start_local(SimConfig::new("sim").with_time_scale(100.0)).await.unwrap()
+    Engine::start_local(SimConfig::new("sim").with_time_scale(100.0))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
 async fn non_streaming_bodies_match_vllm() {
     let e = engine().await;
-    let (s, ours) = post(e.addr(), "/v1/completions", &completion("The quick brown fox", 4)).await;
+    let (s, ours) = post(
+        e.addr(),
+        "/v1/completions",
+        &completion("The quick brown fox", 4),
+    )
+    .await;
     assert_eq!(s, 200);
     assert_same_shape("completion", &ours, &captured_response("completion-doc"));
     assert_eq!(ours["usage"]["completion_tokens"], 4);
@@ -52,8 +65,16 @@ fn captured_stream(file: &str) -> Vec<Value> {
 async fn streams_match_vllm_chunk_for_chunk() {
     let e = engine().await;
     for (path, file, body) in [
-        ("/v1/completions", "vllm-cpu/probe/completions_stream.txt", json!({"model": "sim", "prompt": "a b c", "max_tokens": 4})),
-        ("/v1/chat/completions", "vllm-cpu/probe/chat_stream.txt", json!({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})),
+        (
+            "/v1/completions",
+            "vllm-cpu/probe/completions_stream.txt",
+            json!({"model": "sim", "prompt": "a b c", "max_tokens": 4}),
+        ),
+        (
+            "/v1/chat/completions",
+            "vllm-cpu/probe/chat_stream.txt",
+            json!({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ),
     ] {
         let mut body = body;
         body["stream"] = json!(true);
@@ -77,7 +98,17 @@ async fn streams_match_vllm_chunk_for_chunk() {
     let body = json!({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": true});
     let (_, raw) = request(e.addr(), "POST", "/v1/chat/completions", Some(&body)).await;
     let ours = sse_events(&raw);
-    let theirs = sse_events(std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/probe/pd_probe2.txt")).unwrap().split_once("chat decode stream").unwrap().1.split_once('\n').unwrap().1.as_bytes());
+    let theirs = sse_events(
+        std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/probe/pd_probe2.txt"))
+            .unwrap()
+            .split_once("chat decode stream")
+            .unwrap()
+            .1
+            .split_once('\n')
+            .unwrap()
+            .1
+            .as_bytes(),
+    );
     assert_eq!(ours.len(), theirs.len());
     for (a, b) in ours.iter().zip(&theirs) {
         assert_same_shape("chat stream without usage", a, b);
@@ -93,20 +124,33 @@ async fn models_tokenize_health_and_errors_match_vllm() {
     let models: Value = serde_json::from_slice(&models).unwrap();
     assert_same_shape("models", &models, &captured_response("models"));
     assert_eq!(models["data"][0]["max_model_len"], 8192);
-    let (s, tok) = post(e.addr(), "/tokenize", &json!({"model": "sim", "prompt": "hello world"})).await;
+    let (s, tok) = post(
+        e.addr(),
+        "/tokenize",
+        &json!({"model": "sim", "prompt": "hello world"}),
+    )
+    .await;
     assert_eq!(s, 200);
     assert_same_shape("tokenize", &tok, &captured_response("tokenize-completion"));
     assert_eq!(tok["count"], 3, "BOS + two words");
     let (s, _) = request(e.addr(), "GET", "/health", None).await;
     assert_eq!(s, 200);
-    let (s, err) = post(e.addr(), "/v1/completions", &json!({"model": "other", "prompt": "x"})).await;
+    let (s, err) = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"model": "other", "prompt": "x"}),
+    )
+    .await;
     assert_eq!(s, 404);
     assert_eq!(err["error"]["type"], "NotFoundError");
     assert_eq!(err["error"]["code"], 404);
     let long = words("w", 9000);
     let (s, err) = post(e.addr(), "/v1/completions", &completion(&long, 4)).await;
     assert_eq!(s, 400);
-    assert!(err["error"]["message"].as_str().unwrap().contains("maximum context length"));
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length"));
     let (s, _) = request(e.addr(), "GET", "/nope", None).await;
     assert_eq!(s, 404);
     e.shutdown().await;
@@ -127,16 +171,26 @@ async fn metric_names_and_types_are_vllms() {
     let (s, _) = post(e.addr(), "/v1/completions", &completion("one two three", 3)).await;
     assert_eq!(s, 200);
     let ours = families(&get_text(e.addr(), "/metrics").await);
-    let theirs = families(&std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/probe/metrics1.txt")).unwrap());
+    let theirs = families(
+        &std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/probe/metrics1.txt")).unwrap(),
+    );
     let ours_vllm: Vec<_> = ours.keys().filter(|k| k.starts_with("vllm:")).collect();
     assert!(ours_vllm.len() >= 20, "{ours_vllm:?}");
     for name in ours_vllm {
-        assert_eq!(theirs.get(name), ours.get(name), "{name}: not in vLLM's /metrics with the same type");
+        assert_eq!(
+            theirs.get(name),
+            ours.get(name),
+            "{name}: not in vLLM's /metrics with the same type"
+        );
     }
     let text = e.metrics_text();
-    assert!(text.contains("vllm:cache_config_info{block_size=\"16\""), "{text}");
+    assert!(
+        text.contains("vllm:cache_config_info{block_size=\"16\""),
+        "{text}"
+    );
     assert!(text.contains("num_gpu_blocks=\"4096\""));
     assert!(text.contains("vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"sim\",source=\"local_compute\"} 4.0"));
-    assert!(text.contains("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"sim\"} 1.0"));
+    assert!(text
+        .contains("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"sim\"} 1.0"));
     e.shutdown().await;
 }

@@ -10,7 +10,9 @@ use kvmesh_engine_sim::{Engine, SimConfig, SimHandle};
 use serde_json::json;
 
 async fn engine() -> SimHandle {
-    Engine::start_local(SimConfig::new("sim").with_time_scale(100.0)).await.unwrap()
+    Engine::start_local(SimConfig::new("sim").with_time_scale(100.0))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -34,13 +36,24 @@ async fn status_for_the_nth_request() {
 #[tokio::test]
 async fn delay_before_first_byte() {
     let e = engine().await;
-    e.faults().delay_first_byte(Some(Duration::from_millis(300)));
+    e.faults()
+        .delay_first_byte(Some(Duration::from_millis(300)));
     let t = Instant::now();
-    assert_eq!(post(e.addr(), "/v1/completions", &completion("slow", 1)).await.0, 200);
+    assert_eq!(
+        post(e.addr(), "/v1/completions", &completion("slow", 1))
+            .await
+            .0,
+        200
+    );
     assert!(t.elapsed() >= Duration::from_millis(300));
     e.faults().clear();
     let t = Instant::now();
-    assert_eq!(post(e.addr(), "/v1/completions", &completion("fast", 1)).await.0, 200);
+    assert_eq!(
+        post(e.addr(), "/v1/completions", &completion("fast", 1))
+            .await
+            .0,
+        200
+    );
     assert!(t.elapsed() < Duration::from_millis(300));
     e.shutdown().await;
 }
@@ -63,7 +76,9 @@ async fn dies_mid_stream_after_k_chunks() {
 async fn refuses_connections_until_told_otherwise() {
     let e = engine().await;
     e.faults().refuse_connections(true);
-    assert!(try_request(e.addr(), "GET", "/health", None, &[]).await.is_err());
+    assert!(try_request(e.addr(), "GET", "/health", None, &[])
+        .await
+        .is_err());
     e.faults().refuse_connections(false);
     assert_eq!(request(e.addr(), "GET", "/health", None).await.0, 200);
     e.shutdown().await;
@@ -71,15 +86,23 @@ async fn refuses_connections_until_told_otherwise() {
 
 #[tokio::test]
 async fn restart_fails_running_requests_and_forgets_the_cache() {
-    let e = Engine::start_local(SimConfig::new("sim").with_time_scale(2.0)).await.unwrap();
+    let e = Engine::start_local(SimConfig::new("sim").with_time_scale(2.0))
+        .await
+        .unwrap();
     let prompt = words("keep", 64);
-    assert_eq!(post(e.addr(), "/v1/completions", &completion(&prompt, 1)).await.0, 200);
+    assert_eq!(
+        post(e.addr(), "/v1/completions", &completion(&prompt, 1))
+            .await
+            .0,
+        200
+    );
     let (_, r) = post(e.addr(), "/v1/completions", &completion(&prompt, 1)).await;
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
     let addr = e.addr();
     // ~500 tokens at ~9 ms each, at 2x: a couple of seconds of stream.
     let body = json!({"model": "sim", "prompt": "long answer", "max_tokens": 500, "stream": true});
-    let running = tokio::spawn(async move { request(addr, "POST", "/v1/completions", Some(&body)).await });
+    let running =
+        tokio::spawn(async move { request(addr, "POST", "/v1/completions", Some(&body)).await });
     for _ in 0..500 {
         if e.stats().running == 1 {
             break;
@@ -90,7 +113,10 @@ async fn restart_fails_running_requests_and_forgets_the_cache() {
     e.restart().await.unwrap();
     let (_, raw) = running.await.unwrap();
     let evs = sse_events(&raw);
-    assert!(evs.iter().any(|v| v.get("error").is_some()), "the stream reports the failure: {evs:?}");
+    assert!(
+        evs.iter().any(|v| v.get("error").is_some()),
+        "the stream reports the failure: {evs:?}"
+    );
     assert_eq!(e.stats().prefix_queries, 0, "metrics start over");
     let (_, r) = post(e.addr(), "/v1/completions", &completion(&prompt, 1)).await;
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
@@ -100,7 +126,15 @@ async fn restart_fails_running_requests_and_forgets_the_cache() {
 #[tokio::test]
 async fn records_what_it_received() {
     let e = engine().await;
-    let (s, _) = try_request(e.addr(), "POST", "/v1/completions", Some(&completion("hi", 1)), &[("x-request-id", "abc")]).await.unwrap();
+    let (s, _) = try_request(
+        e.addr(),
+        "POST",
+        "/v1/completions",
+        Some(&completion("hi", 1)),
+        &[("x-request-id", "abc")],
+    )
+    .await
+    .unwrap();
     assert_eq!(s, 200);
     let got = e.received_requests();
     assert_eq!(got.len(), 1);

@@ -9,12 +9,18 @@ use std::time::Duration;
 use common::*;
 use kvmesh_engine_sim::kv::events::{encode_batch, Encoding, KvEvent};
 use kvmesh_engine_sim::kv::publisher::END_SEQ;
-use kvmesh_engine_sim::{replay, Engine, Flavor, KvEventsConfig, KvEventsFormat, KvSubscriber, SimConfig};
-use kvmesh_filters::prefix::kvevents::{self as fk, decode_batch, decode_message, decode_replay_reply, ReplayReply};
+use kvmesh_engine_sim::{
+    replay, Engine, Flavor, KvEventsConfig, KvEventsFormat, KvSubscriber, SimConfig,
+};
+use kvmesh_filters::prefix::kvevents::{
+    self as fk, decode_batch, decode_message, decode_replay_reply, ReplayReply,
+};
 
 fn sample() -> Vec<KvEvent> {
     vec![
-        KvEvent::BlockRemoved { block_hashes: vec![u64::MAX - 7] },
+        KvEvent::BlockRemoved {
+            block_hashes: vec![u64::MAX - 7],
+        },
         KvEvent::BlockStored {
             block_hashes: vec![0xdead_beef_0000_0001, u64::MAX - 1],
             parent_block_hash: None,
@@ -44,15 +50,25 @@ fn every_encoding_decodes_to_the_same_events() {
             assert_eq!(b.ts, 1.5);
             assert_eq!(b.dp_rank, Some(0));
             assert_eq!(b.events.len(), 4, "{flavor:?}/{format:?}");
-            let fk::KvEvent::BlockRemoved(r) = &b.events[0] else { panic!("{:?}", b.events[0]) };
-            assert_eq!(r.block_hashes, vec![u64::MAX - 7], "hash bits survive {flavor:?}");
-            let fk::KvEvent::BlockStored(s) = &b.events[1] else { panic!("{:?}", b.events[1]) };
+            let fk::KvEvent::BlockRemoved(r) = &b.events[0] else {
+                panic!("{:?}", b.events[0])
+            };
+            assert_eq!(
+                r.block_hashes,
+                vec![u64::MAX - 7],
+                "hash bits survive {flavor:?}"
+            );
+            let fk::KvEvent::BlockStored(s) = &b.events[1] else {
+                panic!("{:?}", b.events[1])
+            };
             assert_eq!(s.block_hashes, vec![0xdead_beef_0000_0001, u64::MAX - 1]);
             assert_eq!(s.parent_block_hash, None);
             assert_eq!(s.token_ids.len(), 32);
             assert_eq!(s.block_size, 16);
             assert_eq!(s.salt(), Some("tenant-a"), "{flavor:?}/{format:?}");
-            let fk::KvEvent::BlockStored(c) = &b.events[2] else { panic!("{:?}", b.events[2]) };
+            let fk::KvEvent::BlockStored(c) = &b.events[2] else {
+                panic!("{:?}", b.events[2])
+            };
             assert_eq!(c.parent_block_hash, Some(u64::MAX - 1));
             assert_eq!(c.salt(), None);
             assert_eq!(b.events[3], fk::KvEvent::AllBlocksCleared);
@@ -66,8 +82,16 @@ async fn live_and_replayed_frames_decode() {
     k.bind = Some(true);
     k.replay_endpoint = Some("tcp://127.0.0.1:0".into());
     k.topic = "kv@pod-a@sim".into();
-    let e = Engine::start_local(SimConfig::new("sim").with_time_scale(100.0).with_kv_events(k)).await.unwrap();
-    let mut sub = KvSubscriber::connect(&e.kv_endpoints().unwrap().events).await.unwrap();
+    let e = Engine::start_local(
+        SimConfig::new("sim")
+            .with_time_scale(100.0)
+            .with_kv_events(k),
+    )
+    .await
+    .unwrap();
+    let mut sub = KvSubscriber::connect(&e.kv_endpoints().unwrap().events)
+        .await
+        .unwrap();
     let mut live = None;
     for _ in 0..50 {
         e.reset_prefix_cache().await;
@@ -82,13 +106,35 @@ async fn live_and_replayed_frames_decode() {
     assert_eq!(d.topic, "kv@pod-a@sim");
     assert_eq!(fk::parse_topic(&d.topic).unwrap().pod, "pod-a");
     assert_eq!(d.batch.events, vec![fk::KvEvent::AllBlocksCleared]);
-    post(e.addr(), "/v1/completions", &completion(&words("dec", 50), 1)).await;
-    let got = replay(&e.kv_endpoints().unwrap().replay.clone().unwrap(), 0, Duration::from_secs(5)).await.unwrap();
+    post(
+        e.addr(),
+        "/v1/completions",
+        &completion(&words("dec", 50), 1),
+    )
+    .await;
+    let got = replay(
+        &e.kv_endpoints().unwrap().replay.clone().unwrap(),
+        0,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
     let last = got.last().unwrap();
     let seq = last.seq.to_be_bytes();
-    let reply = decode_replay_reply(&[&b""[..], last.topic.as_ref(), &seq[..], last.payload.as_ref()]).unwrap();
-    let ReplayReply::Batch(b) = reply else { panic!("{reply:?}") };
+    let reply = decode_replay_reply(&[
+        &b""[..],
+        last.topic.as_ref(),
+        &seq[..],
+        last.payload.as_ref(),
+    ])
+    .unwrap();
+    let ReplayReply::Batch(b) = reply else {
+        panic!("{reply:?}")
+    };
     assert!(matches!(&b.batch.events[0], fk::KvEvent::BlockStored(s) if s.block_hashes.len() == 3));
-    assert_eq!(decode_replay_reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]]).unwrap(), ReplayReply::End);
+    assert_eq!(
+        decode_replay_reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]]).unwrap(),
+        ReplayReply::End
+    );
     e.shutdown().await;
 }

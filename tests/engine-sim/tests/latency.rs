@@ -11,13 +11,20 @@ use serde_json::json;
 
 #[tokio::test]
 async fn ttft_grows_with_queue_depth() {
-    let cfg = SimConfig::new("sim").with_time_scale(50.0).with_max_num_seqs(2);
+    let cfg = SimConfig::new("sim")
+        .with_time_scale(50.0)
+        .with_max_num_seqs(2);
     let e = Engine::start_local(cfg).await.unwrap();
     let addr = e.addr();
     let mut tasks = Vec::new();
     for i in 0..8 {
         tasks.push(tokio::spawn(async move {
-            post(addr, "/v1/completions", &completion(&words(&format!("q{i}z"), 200), 30)).await
+            post(
+                addr,
+                "/v1/completions",
+                &completion(&words(&format!("q{i}z"), 200), 30),
+            )
+            .await
         }));
     }
     for t in tasks {
@@ -28,10 +35,15 @@ async fn ttft_grows_with_queue_depth() {
     done.sort_by(|a, b| a.ttft_s.total_cmp(&b.ttft_s));
     let (first, last) = (&done[0], &done[7]);
     // Two run at a time: the last waits for three pairs to finish (~30 steps each).
-    assert!(last.ttft_s > 3.0 * first.ttft_s, "first {first:?} last {last:?}");
+    assert!(
+        last.ttft_s > 3.0 * first.ttft_s,
+        "first {first:?} last {last:?}"
+    );
     assert!(last.queue_s > 0.5, "queued for several batches: {last:?}");
     let text = e.metrics_text();
-    assert!(text.contains("vllm:request_queue_time_seconds_count{engine=\"0\",model_name=\"sim\"} 8.0"));
+    assert!(
+        text.contains("vllm:request_queue_time_seconds_count{engine=\"0\",model_name=\"sim\"} 8.0")
+    );
     e.shutdown().await;
 }
 
@@ -40,11 +52,15 @@ async fn ttft_grows_with_queue_depth() {
 async fn decode_tpot(interfere: bool) -> f64 {
     let mut profile = LatencyProfile::small_gpu();
     profile.max_num_batched_tokens = 1024;
-    let cfg = SimConfig::new("sim").with_time_scale(10.0).with_profile(profile);
+    let cfg = SimConfig::new("sim")
+        .with_time_scale(10.0)
+        .with_profile(profile);
     let e = Engine::start_local(cfg).await.unwrap();
     let addr = e.addr();
-    let body = json!({"model": "sim", "prompt": "decode me please", "max_tokens": 400, "stream": true});
-    let streamer = tokio::spawn(async move { request(addr, "POST", "/v1/completions", Some(&body)).await });
+    let body =
+        json!({"model": "sim", "prompt": "decode me please", "max_tokens": 400, "stream": true});
+    let streamer =
+        tokio::spawn(async move { request(addr, "POST", "/v1/completions", Some(&body)).await });
     if interfere {
         // Readiness: wait until the decode is running before sending the prefill.
         for _ in 0..200 {
@@ -53,12 +69,21 @@ async fn decode_tpot(interfere: bool) -> f64 {
             }
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
-        let (s, _) = post(addr, "/v1/completions", &completion(&words("long", 6000), 1)).await;
+        let (s, _) = post(
+            addr,
+            "/v1/completions",
+            &completion(&words("long", 6000), 1),
+        )
+        .await;
         assert_eq!(s, 200);
     }
     assert_eq!(streamer.await.unwrap().0, 200);
     let done = e.completed_requests();
-    let r = done.iter().find(|r| r.completion_tokens == 400).unwrap().clone();
+    let r = done
+        .iter()
+        .find(|r| r.completion_tokens == 400)
+        .unwrap()
+        .clone();
     e.shutdown().await;
     (r.e2e_s - r.ttft_s) / 399.0
 }
@@ -90,6 +115,10 @@ async fn cpu_tiny_profile_matches_the_real_probe() {
     // Real vLLM: 35.9 ms cold, 23.0 ms warm, 70.5 ms for 16 tokens warm.
     assert!((33.0..39.0).contains(&ms(d[0].e2e_s)), "cold {:?}", d[0]);
     assert!((20.0..25.0).contains(&ms(d[1].e2e_s)), "warm {:?}", d[1]);
-    assert!((64.0..77.0).contains(&ms(d[2].e2e_s)), "16 tokens {:?}", d[2]);
+    assert!(
+        (64.0..77.0).contains(&ms(d[2].e2e_s)),
+        "16 tokens {:?}",
+        d[2]
+    );
     e.shutdown().await;
 }

@@ -12,12 +12,21 @@ use kvmesh_engine_sim::{Engine, Flavor, Role, SimConfig, SimHandle};
 use serde_json::{json, Value};
 
 async fn pair(flavor: Flavor, hold_s: f64) -> (SimHandle, SimHandle) {
-    let mut p = SimConfig::new("sim").with_time_scale(100.0).with_role(Role::Prefill).with_flavor(flavor);
+    let mut p = SimConfig::new("sim")
+        .with_time_scale(100.0)
+        .with_role(Role::Prefill)
+        .with_flavor(flavor);
     p.pd_hold_timeout_s = hold_s;
     p.bootstrap_timeout_s = 20.0;
-    let mut d = SimConfig::new("sim").with_time_scale(100.0).with_role(Role::Decode).with_flavor(flavor);
+    let mut d = SimConfig::new("sim")
+        .with_time_scale(100.0)
+        .with_role(Role::Decode)
+        .with_flavor(flavor);
     d.bootstrap_timeout_s = 20.0;
-    (Engine::start_local(p).await.unwrap(), Engine::start_local(d).await.unwrap())
+    (
+        Engine::start_local(p).await.unwrap(),
+        Engine::start_local(d).await.unwrap(),
+    )
 }
 
 fn prefill_body(prompt: &str) -> Value {
@@ -28,7 +37,10 @@ fn prefill_body(prompt: &str) -> Value {
 
 fn captured_params() -> Value {
     let text = std::fs::read_to_string(format!("{FIXTURES}/vllm-cpu/probe/pd_probe.txt")).unwrap();
-    let line = text.lines().find(|l| l.starts_with("PREFILL RESPONSE")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("PREFILL RESPONSE"))
+        .unwrap();
     let json_start = line.find('{').unwrap();
     let v: Value = serde_json::from_str(&line[json_start..]).unwrap();
     v["kv_transfer_params"].clone()
@@ -56,7 +68,11 @@ async fn nixl_params_round_trip() {
     assert_eq!(params["remote_engine_id"], p.engine_id());
     assert_eq!(params["remote_block_ids"][0].as_array().unwrap().len(), 7);
     assert_eq!(params["remote_num_tokens"], 101);
-    assert_eq!(p.stats().held_transfers, 1, "prefill holds the blocks for the decoder");
+    assert_eq!(
+        p.stats().held_transfers,
+        1,
+        "prefill holds the blocks for the decoder"
+    );
     let mut body = completion(&prompt, 12);
     body["kv_transfer_params"] = params;
     let (s, dr) = post(d.addr(), "/v1/completions", &body).await;
@@ -64,9 +80,14 @@ async fn nixl_params_round_trip() {
     assert_eq!(dr["usage"]["completion_tokens"], 12);
     assert_eq!(dr["kv_transfer_params"], Value::Null);
     assert_eq!(d.stats().external_kv_tokens, 101);
-    assert!(d.metrics_text().contains("source=\"external_kv_transfer\"} 101.0"));
+    assert!(d
+        .metrics_text()
+        .contains("source=\"external_kv_transfer\"} 101.0"));
     assert!(d.metrics_text().contains("source=\"local_compute\"} 0.0"));
-    assert!(wait_until(|| p.stats().held_transfers == 0).await, "the fetch frees the prefill's blocks");
+    assert!(
+        wait_until(|| p.stats().held_transfers == 0).await,
+        "the fetch frees the prefill's blocks"
+    );
     // The same parameters cannot be fetched twice: the decoder recomputes.
     let (s, _) = post(d.addr(), "/v1/completions", &body).await;
     assert_eq!(s, 200);
@@ -81,7 +102,10 @@ async fn unknown_or_expired_params_recompute() {
     let prompt = words("exp", 60);
     let (_, pr) = post(p.addr(), "/v1/completions", &prefill_body(&prompt)).await;
     let params = pr["kv_transfer_params"].clone();
-    assert!(wait_until(|| p.stats().held_transfers == 0).await, "a hold expires on its own");
+    assert!(
+        wait_until(|| p.stats().held_transfers == 0).await,
+        "a hold expires on its own"
+    );
     let mut body = completion(&prompt, 4);
     body["kv_transfer_params"] = params.clone();
     assert_eq!(post(d.addr(), "/v1/completions", &body).await.0, 200);
@@ -105,24 +129,39 @@ async fn sglang_bootstrap_needs_both_halves() {
                       "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 4242});
     let (pa, da) = (p.addr(), d.addr());
     let (b1, b2) = (body.clone(), body.clone());
-    let (pr, dr) = tokio::join!(post(pa, "/v1/completions", &b1), post(da, "/v1/completions", &b2));
+    let (pr, dr) = tokio::join!(
+        post(pa, "/v1/completions", &b1),
+        post(da, "/v1/completions", &b2)
+    );
     assert_eq!(pr.0, 200);
-    assert_eq!(pr.1["usage"]["completion_tokens"], 1, "prefill answers with one token");
+    assert_eq!(
+        pr.1["usage"]["completion_tokens"], 1,
+        "prefill answers with one token"
+    );
     assert_eq!(dr.0, 200);
     assert_eq!(dr.1["usage"]["completion_tokens"], 8);
     assert_eq!(d.stats().external_kv_tokens, 51);
     // A decode request without bootstrap fields is refused.
-    assert_eq!(post(da, "/v1/completions", &completion(&prompt, 2)).await.0, 400);
+    assert_eq!(
+        post(da, "/v1/completions", &completion(&prompt, 2)).await.0,
+        400
+    );
     d.shutdown().await;
     // A lone half times out like SGLang's KVTransferError.
-    let mut cfg = SimConfig::new("sim").with_time_scale(100.0).with_role(Role::Decode).with_flavor(Flavor::Sglang);
+    let mut cfg = SimConfig::new("sim")
+        .with_time_scale(100.0)
+        .with_role(Role::Decode)
+        .with_flavor(Flavor::Sglang);
     cfg.bootstrap_timeout_s = 2.0;
     let lone = Engine::start_local(cfg).await.unwrap();
     let mut b = body;
     b["bootstrap_room"] = json!(777);
     let (s, err) = post(lone.addr(), "/v1/completions", &b).await;
     assert_eq!(s, 500);
-    assert!(err["error"]["message"].as_str().unwrap().contains("KVTransferError(bootstrap_room=777)"));
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("KVTransferError(bootstrap_room=777)"));
     lone.shutdown().await;
     p.shutdown().await;
 }

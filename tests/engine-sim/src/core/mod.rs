@@ -44,7 +44,9 @@ pub enum CoreError {
 pub enum KvMode {
     Local,
     /// Prefill side of P/D: keep the blocks after finishing, for a decoder.
-    HoldForDecode { remote_request_id: String },
+    HoldForDecode {
+        remote_request_id: String,
+    },
     /// Decode side of P/D: the prompt's KV arrives from a prefill engine.
     ReceiveKv,
 }
@@ -127,20 +129,23 @@ pub(crate) struct Clock {
 
 impl Clock {
     pub fn new(scale: f64) -> Self {
-        Self { start: Instant::now(), scale }
+        Self {
+            start: Instant::now(),
+            scale,
+        }
     }
 
-    pub fn to_virtual(&self, t: Instant) -> f64 {
+    pub fn to_virtual(self, t: Instant) -> f64 {
         t.saturating_duration_since(self.start).as_secs_f64() * self.scale
     }
 
-    pub fn to_real(&self, v: f64) -> Instant {
+    pub fn to_real(self, v: f64) -> Instant {
         let secs = (v / self.scale).clamp(0.0, 1.0e9);
         self.start + std::time::Duration::from_secs_f64(secs)
     }
 
     /// Real duration of `v` virtual seconds.
-    pub fn real_duration(&self, v: f64) -> std::time::Duration {
+    pub fn real_duration(self, v: f64) -> std::time::Duration {
         std::time::Duration::from_secs_f64((v / self.scale).clamp(0.0, 1.0e9))
     }
 }
@@ -199,8 +204,14 @@ impl Core {
         publisher: Option<PublisherTx>,
         self_tx: mpsc::WeakSender<Cmd>,
     ) -> Self {
-        let format = cfg.kv_events.as_ref().map_or(KvEventsFormat::Map, |k| k.format);
-        let encoding = Encoding { flavor: cfg.flavor, format };
+        let format = cfg
+            .kv_events
+            .as_ref()
+            .map_or(KvEventsFormat::Map, |k| k.format);
+        let encoding = Encoding {
+            flavor: cfg.flavor,
+            format,
+        };
         Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             cfg,
@@ -272,7 +283,8 @@ impl Core {
             }
             Cmd::ResetPrefixCache(reply) => {
                 // vLLM refuses while blocks are in use.
-                let ok = self.running.is_empty() && self.held.is_empty() && self.pool.usage() == 0.0;
+                let ok =
+                    self.running.is_empty() && self.held.is_empty() && self.pool.usage() == 0.0;
                 if ok {
                     self.pool.clear();
                     self.publish();
@@ -295,14 +307,24 @@ impl Core {
     }
 
     fn submit(&mut self, req: CoreRequest) {
-        let arrival_v = self.clock.to_virtual(req.arrival).min(self.vnow.max(self.clock.to_virtual(Instant::now())));
+        let arrival_v = self
+            .clock
+            .to_virtual(req.arrival)
+            .min(self.vnow.max(self.clock.to_virtual(Instant::now())));
         let need = req.prompt.len().div_ceil(self.cfg.block_size);
         if need > self.cfg.num_blocks {
-            let _ = req.out.send(CoreEvent::Failed(CoreError::TooLarge { need, have: self.cfg.num_blocks }));
+            let _ = req.out.send(CoreEvent::Failed(CoreError::TooLarge {
+                need,
+                have: self.cfg.num_blocks,
+            }));
             return;
         }
-        let seed = req.hashes.last().copied().unwrap_or(0) ^ (req.prompt.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ^ req.prompt.iter().fold(0u64, |h, t| h.rotate_left(5) ^ u64::from(*t));
+        let seed = req.hashes.last().copied().unwrap_or(0)
+            ^ (req.prompt.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            ^ req
+                .prompt
+                .iter()
+                .fold(0u64, |h, t| h.rotate_left(5) ^ u64::from(*t));
         let hashes = req.hashes.clone();
         self.waiting.push_back(Seq {
             req,
@@ -332,8 +354,12 @@ impl Core {
 
     fn expire_holds(&mut self) {
         let now = self.vnow;
-        let expired: Vec<String> =
-            self.held.iter().filter(|(_, h)| h.expiry_v <= now).map(|(k, _)| k.clone()).collect();
+        let expired: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.expiry_v <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
         for id in expired {
             if let Some(h) = self.held.remove(&id) {
                 crate::pd::forget(&self.engine_id, &id);
@@ -344,9 +370,16 @@ impl Core {
 
     fn next_wake_v(&self) -> Option<f64> {
         let waiting = self.waiting.front().map(|s| s.ready_v);
-        let transfers = self.running.iter().filter_map(|s| s.transfer_done_v).reduce(f64::min);
+        let transfers = self
+            .running
+            .iter()
+            .filter_map(|s| s.transfer_done_v)
+            .reduce(f64::min);
         let holds = self.held.values().map(|h| h.expiry_v).reduce(f64::min);
-        [waiting, transfers, holds].into_iter().flatten().reduce(f64::min)
+        [waiting, transfers, holds]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
     }
 
     /// Sends this step's KV events as one batch.

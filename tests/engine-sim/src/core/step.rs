@@ -3,6 +3,7 @@
 //! to the prefix cache, sample tokens, retire finished requests).
 
 use super::{Core, CoreEvent, FinishReason, Held, KvMode, Outcome, Seq};
+use crate::kv::cache::BlockRun;
 use crate::kv::hash;
 
 #[derive(Debug, Clone, Copy)]
@@ -80,7 +81,9 @@ impl Core {
             }
         }
         while self.running.len() < self.cfg.max_num_seqs && budget > 0 {
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             if front.ready_v > self.vnow {
                 break;
             }
@@ -93,7 +96,9 @@ impl Core {
             if need > self.pool.num_free() - hits_free {
                 break;
             }
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             self.pool.acquire(&hits);
             let Some(fresh) = self.pool.allocate(need) else {
                 self.pool.release(&hits);
@@ -118,7 +123,8 @@ impl Core {
             if s.req.kv == KvMode::ReceiveKv {
                 s.external_tokens = plen - s.cached_tokens;
                 s.computed = plen;
-                s.transfer_done_v = Some(self.vnow + self.cfg.profile.transfer_seconds(s.external_tokens));
+                s.transfer_done_v =
+                    Some(self.vnow + self.cfg.profile.transfer_seconds(s.external_tokens));
                 self.running.push(s);
                 continue;
             }
@@ -131,8 +137,15 @@ impl Core {
         if items.is_empty() {
             return None;
         }
-        let cost = self.cfg.profile.step_seconds(prefill_tokens, decode_seqs, decode_ctx);
-        Some(Plan { cost, items, prefill_tokens })
+        let cost = self
+            .cfg
+            .profile
+            .step_seconds(prefill_tokens, decode_seqs, decode_ctx);
+        Some(Plan {
+            cost,
+            items,
+            prefill_tokens,
+        })
     }
 
     /// Frees blocks for this step's decodes by sending the newest running
@@ -149,7 +162,9 @@ impl Core {
             if needed <= self.pool.num_free() || self.running.len() <= 1 {
                 return;
             }
-            let Some(mut s) = self.running.pop() else { return };
+            let Some(mut s) = self.running.pop() else {
+                return;
+            };
             self.pool.release(&s.blocks);
             s.blocks.clear();
             s.committed = 0;
@@ -181,15 +196,15 @@ impl Core {
         let from = s.committed;
         let parent = from.checked_sub(1).and_then(|p| s.hashes.get(p).copied());
         let toks = s.tokens(from * bs, full * bs);
-        self.pool.commit(
-            &s.blocks[from..full],
-            &s.hashes[from..full],
+        self.pool.commit(BlockRun {
+            ids: &s.blocks[from..full],
+            hashes: &s.hashes[from..full],
             parent,
-            &toks,
-            s.req.extras.lora_name.as_deref(),
-            s.req.extras.cache_salt.as_deref(),
-            from,
-        );
+            tokens: &toks,
+            lora_name: s.req.extras.lora_name.as_deref(),
+            salt: s.req.extras.cache_salt.as_deref(),
+            first_index: from,
+        });
         s.committed = full;
     }
 
@@ -227,7 +242,8 @@ impl Core {
         {
             let mut m = self.metrics.lock();
             m.generation_tokens += gen_tokens;
-            m.iteration_tokens.observe((plan.prefill_tokens as u64 + gen_tokens) as f64);
+            m.iteration_tokens
+                .observe((plan.prefill_tokens as u64 + gen_tokens) as f64);
             for itl in itls {
                 m.itl.observe(itl);
             }
@@ -257,7 +273,11 @@ impl Core {
     fn retire(&mut self, s: Seq) {
         let now = self.vnow;
         let aborted = s.req.out.is_closed();
-        let reason = if s.output.len() >= s.req.max_tokens { s.req.limit_reason } else { FinishReason::Stop };
+        let reason = if s.output.len() >= s.req.max_tokens {
+            s.req.limit_reason
+        } else {
+            FinishReason::Stop
+        };
         let first = s.first_token_v.unwrap_or(now);
         let sched = s.scheduled_v.unwrap_or(now);
         let plen = s.req.prompt.len();
@@ -275,7 +295,13 @@ impl Core {
                         expires: std::time::Instant::now() + real_ttl,
                     },
                 );
-                self.held.insert(remote_request_id.clone(), Held { blocks: s.blocks.clone(), expiry_v });
+                self.held.insert(
+                    remote_request_id.clone(),
+                    Held {
+                        blocks: s.blocks.clone(),
+                        expiry_v,
+                    },
+                );
                 held_blocks = Some(s.blocks.clone());
             }
             _ => self.pool.release(&s.blocks),

@@ -87,7 +87,9 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: Ca
 }
 
 fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// Wraps chunks so the connection dies after `die_after` of them.
@@ -96,7 +98,9 @@ where
     S: Stream<Item = Result<Bytes, std::io::Error>> + Send + Sync + 'static,
 {
     let s = s.enumerate().map(move |(i, item)| match die_after {
-        Some(k) if i >= k => Err(std::io::Error::other("fault injection: connection dropped mid-stream")),
+        Some(k) if i >= k => Err(std::io::Error::other(
+            "fault injection: connection dropped mid-stream",
+        )),
         _ => item.map(Frame::data),
     });
     let s = s.scan(false, |dead, item| {
@@ -118,7 +122,10 @@ pub(crate) fn json_response(status: u16, v: &Value, verdict: &Verdict) -> Reply 
     };
     let mut r = Response::new(body);
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -137,12 +144,19 @@ where
 fn plain(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Reply {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
-    r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
     r
 }
 
 fn detail(status: StatusCode, msg: &str) -> Reply {
-    plain(status, "application/json", json!({ "detail": msg }).to_string())
+    plain(
+        status,
+        "application/json",
+        json!({ "detail": msg }).to_string(),
+    )
 }
 
 async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
@@ -151,11 +165,21 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
     let headers: Vec<(String, String)> = req
         .headers()
         .iter()
-        .map(|(k, v)| (k.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
         .collect();
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(_) => return detail(StatusCode::PAYLOAD_TOO_LARGE, "request body too large or unreadable"),
+        Err(_) => {
+            return detail(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large or unreadable",
+            )
+        }
     };
     shared.recorder.received(ReceivedRequest {
         method: method.to_string(),
@@ -183,21 +207,36 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
     match (method, path.as_str()) {
         (Method::GET, "/health") => plain(StatusCode::OK, "application/json", Bytes::new()),
         (Method::GET, "/v1/models") => {
-            let perm = format!("modelperm-{}", &uuid::Uuid::new_v4().simple().to_string()[..16]);
-            let v = shapes::models(&shared.cfg.model, shared.created, shared.cfg.max_model_len, &perm);
+            let perm = format!(
+                "modelperm-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..16]
+            );
+            let v = shapes::models(
+                &shared.cfg.model,
+                shared.created,
+                shared.cfg.max_model_len,
+                &perm,
+            );
             json_response(200, &v, &none)
         }
         (Method::POST, "/tokenize") => tokenize(&shared, &body),
         (Method::GET, "/metrics") => {
             let text = shared.metrics.lock().render(&shared.cfg);
-            plain(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text)
+            plain(
+                StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+                text,
+            )
         }
         (Method::POST, "/reset_prefix_cache") => {
             let (tx, rx) = oneshot::channel();
-            let ok = shared.core_tx.send(Cmd::ResetPrefixCache(tx)).await.is_ok() && rx.await.unwrap_or(false);
+            let ok = shared.core_tx.send(Cmd::ResetPrefixCache(tx)).await.is_ok()
+                && rx.await.unwrap_or(false);
             json_response(200, &json!({ "success": ok }), &none)
         }
-        (Method::GET, "/sim/faults") => json_response(200, &json!({ "refusing": shared.faults.refusing() }), &none),
+        (Method::GET, "/sim/faults") => {
+            json_response(200, &json!({ "refusing": shared.faults.refusing() }), &none)
+        }
         (Method::POST, "/sim/faults") => admin_faults(&shared, &body).await,
         (Method::GET, "/sim/stats") => {
             let m = shared.metrics.lock().clone();
@@ -208,9 +247,16 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
             });
             json_response(200, &v, &none)
         }
-        (_, "/health" | "/v1/models" | "/tokenize" | "/metrics" | "/reset_prefix_cache" | "/sim/faults" | "/sim/stats") => {
-            detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
-        }
+        (
+            _,
+            "/health"
+            | "/v1/models"
+            | "/tokenize"
+            | "/metrics"
+            | "/reset_prefix_cache"
+            | "/sim/faults"
+            | "/sim/stats",
+        ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     }
 }
@@ -219,12 +265,22 @@ fn tokenize(shared: &Shared, body: &[u8]) -> Reply {
     let none = Verdict::default();
     let v: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
-        Err(e) => return json_response(400, &shapes::error(400, &format!("invalid JSON body: {e}"), None), &none),
+        Err(e) => {
+            return json_response(
+                400,
+                &shapes::error(400, &format!("invalid JSON body: {e}"), None),
+                &none,
+            )
+        }
     };
     let chat = v.get("messages").is_some();
     match openai::prompt_tokens(shared, &v, chat) {
         Ok(t) => json_response(200, &shapes::tokenize(&t, shared.cfg.max_model_len), &none),
-        Err(e) => json_response(e.status, &shapes::error(e.status, &e.message, e.param), &none),
+        Err(e) => json_response(
+            e.status,
+            &shapes::error(e.status, &e.message, e.param),
+            &none,
+        ),
     }
 }
 
@@ -232,7 +288,13 @@ async fn admin_faults(shared: &Shared, body: &[u8]) -> Reply {
     let none = Verdict::default();
     let script: FaultScript = match serde_json::from_slice(body) {
         Ok(s) => s,
-        Err(e) => return json_response(400, &shapes::error(400, &format!("bad fault script: {e}"), None), &none),
+        Err(e) => {
+            return json_response(
+                400,
+                &shapes::error(400, &format!("bad fault script: {e}"), None),
+                &none,
+            )
+        }
     };
     shared.faults.apply(&script);
     if script.restart {

@@ -27,7 +27,11 @@ pub(crate) struct ApiError {
 }
 
 fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
-    ApiError { status: 400, message: message.into(), param }
+    ApiError {
+        status: 400,
+        message: message.into(),
+        param,
+    }
 }
 
 fn hex16() -> String {
@@ -49,36 +53,70 @@ fn flatten_content(v: &Value) -> String {
 
 /// Chat messages of a body, content flattened to text.
 pub(crate) fn messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
-    let msgs = body.get("messages").and_then(Value::as_array).ok_or_else(|| bad("messages must be a list", Some("messages")))?;
+    let msgs = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("messages must be a list", Some("messages")))?;
     Ok(msgs
         .iter()
         .map(|m| ChatMessage {
-            role: m.get("role").and_then(Value::as_str).unwrap_or("user").to_string(),
+            role: m
+                .get("role")
+                .and_then(Value::as_str)
+                .unwrap_or("user")
+                .to_string(),
             content: m.get("content").map(flatten_content).unwrap_or_default(),
         })
         .collect())
 }
 
 /// Prompt token ids of a completions or chat body (as vLLM tokenizes).
-pub(crate) fn prompt_tokens(shared: &Shared, body: &Value, chat: bool) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn prompt_tokens(
+    shared: &Shared,
+    body: &Value,
+    chat: bool,
+) -> Result<Vec<u32>, ApiError> {
     let tok = &shared.tokenizer;
     let terr = |e: kvmesh_filters::prefix::tokenize::TokenizeError| bad(e.to_string(), None);
     if chat {
-        let gen = body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true);
+        let gen = body
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
         return tok.encode_chat(&messages(body)?, gen).map_err(terr);
     }
-    let special = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
-    let prompt = body.get("prompt").ok_or_else(|| bad("prompt is required", Some("prompt")))?;
-    let ids = |a: &[Value]| -> Option<Vec<u32>> { a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect() };
+    let special = body
+        .get("add_special_tokens")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let prompt = body
+        .get("prompt")
+        .ok_or_else(|| bad("prompt is required", Some("prompt")))?;
+    let ids = |a: &[Value]| -> Option<Vec<u32>> {
+        a.iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
     match prompt {
         Value::String(s) => tok.encode(s, special).map_err(terr),
-        Value::Array(a) if a.len() == 1 && a[0].is_string() => tok.encode(a[0].as_str().unwrap_or(""), special).map_err(terr),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => tok
+            .encode(a[0].as_str().unwrap_or(""), special)
+            .map_err(terr),
         Value::Array(a) if a.len() == 1 && a[0].is_array() => {
-            ids(a[0].as_array().map_or(&[][..], Vec::as_slice)).ok_or_else(|| bad("prompt token ids must be integers", Some("prompt")))
+            ids(a[0].as_array().map_or(&[][..], Vec::as_slice))
+                .ok_or_else(|| bad("prompt token ids must be integers", Some("prompt")))
         }
-        Value::Array(a) if a.iter().all(Value::is_number) => ids(a).ok_or_else(|| bad("prompt token ids must be integers", Some("prompt"))),
-        Value::Array(_) => Err(bad("the simulator serves one prompt per request (batched prompts are not simulated)", Some("prompt"))),
-        _ => Err(bad("prompt must be a string or a list of token ids", Some("prompt"))),
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            ids(a).ok_or_else(|| bad("prompt token ids must be integers", Some("prompt")))
+        }
+        Value::Array(_) => Err(bad(
+            "the simulator serves one prompt per request (batched prompts are not simulated)",
+            Some("prompt"),
+        )),
+        _ => Err(bad(
+            "prompt must be a string or a list of token ids",
+            Some("prompt"),
+        )),
     }
 }
 
@@ -86,7 +124,11 @@ pub(crate) fn prompt_tokens(shared: &Shared, body: &Value, chat: bool) -> Result
 pub(crate) async fn serve(shared: Arc<Shared>, body: Bytes, chat: bool, verdict: Verdict) -> Reply {
     match prepare(&shared, &body, chat).await {
         Ok(p) => run(shared, p, verdict).await,
-        Err(e) => json_response(e.status, &shapes::error(e.status, &e.message, e.param), &verdict),
+        Err(e) => json_response(
+            e.status,
+            &shapes::error(e.status, &e.message, e.param),
+            &verdict,
+        ),
     }
 }
 
@@ -101,24 +143,42 @@ struct Prepared {
 
 async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, ApiError> {
     let cfg = &shared.cfg;
-    let body: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}"), None))?;
+    let body: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}"), None))?;
     if let Some(m) = body.get("model").and_then(Value::as_str) {
         if m != cfg.model {
-            return Err(ApiError { status: 404, message: format!("The model `{m}` does not exist."), param: Some("model") });
+            return Err(ApiError {
+                status: 404,
+                message: format!("The model `{m}` does not exist."),
+                param: Some("model"),
+            });
         }
     }
-    if body.get("n").and_then(Value::as_u64).is_some_and(|n| n != 1) {
+    if body
+        .get("n")
+        .and_then(Value::as_u64)
+        .is_some_and(|n| n != 1)
+    {
         return Err(bad("the simulator serves n=1 only", Some("n")));
     }
     let prompt = prompt_tokens(shared, &body, chat)?;
     if prompt.is_empty() {
         return Err(bad("prompt is empty", Some("prompt")));
     }
-    let limit = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")).and_then(Value::as_u64);
+    let limit = body
+        .get("max_completion_tokens")
+        .or_else(|| body.get("max_tokens"))
+        .and_then(Value::as_u64);
     let room_left = cfg.max_model_len.saturating_sub(prompt.len());
     let (mut max_tokens, limit_reason) = match limit {
-        Some(n) => (usize::try_from(n).unwrap_or(usize::MAX).max(1), FinishReason::Length),
-        None => (cfg.default_max_tokens.min(room_left).max(1), FinishReason::Stop),
+        Some(n) => (
+            usize::try_from(n).unwrap_or(usize::MAX).max(1),
+            FinishReason::Length,
+        ),
+        None => (
+            cfg.default_max_tokens.min(room_left).max(1),
+            FinishReason::Stop,
+        ),
     };
     if prompt.len() + max_tokens > cfg.max_model_len {
         return Err(bad(
@@ -130,28 +190,50 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         ));
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let extras = BlockExtras {
-        cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_string),
+        cache_salt: body
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .map(str::to_string),
         lora_name: None,
     };
     let hashes = hash::block_hashes(&prompt, cfg.block_size, &extras);
     let prefix = if chat { "chatcmpl-" } else { "cmpl-" };
     let id = format!("{prefix}{}", hex16());
-    let internal_id = if chat { format!("{id}-{}", &hex16()[..8]) } else { format!("{id}-0-{}", &hex16()[..8]) };
+    let internal_id = if chat {
+        format!("{id}-{}", &hex16()[..8])
+    } else {
+        format!("{id}-0-{}", &hex16()[..8])
+    };
     let mut kv = KvMode::Local;
     let mut room = None;
     let params = body.get("kv_transfer_params");
-    let flag = |k: &str| params.and_then(|p| p.get(k)).and_then(Value::as_bool).unwrap_or(false);
+    let flag = |k: &str| {
+        params
+            .and_then(|p| p.get(k))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
     if cfg.flavor == Flavor::Vllm && flag("do_remote_decode") && cfg.role != Role::Decode {
-        kv = KvMode::HoldForDecode { remote_request_id: internal_id.clone() };
+        kv = KvMode::HoldForDecode {
+            remote_request_id: internal_id.clone(),
+        };
     } else if cfg.flavor == Flavor::Vllm && flag("do_remote_prefill") {
         kv = remote_prefill(params);
     }
     if cfg.flavor == Flavor::Sglang && cfg.role != Role::Both {
         let r = body.get("bootstrap_room").and_then(Value::as_u64);
         match (cfg.role, r) {
-            (Role::Decode, None) => return Err(bad("decode server needs bootstrap_host, bootstrap_port and bootstrap_room", Some("bootstrap_room"))),
+            (Role::Decode, None) => {
+                return Err(bad(
+                    "decode server needs bootstrap_host, bootstrap_port and bootstrap_room",
+                    Some("bootstrap_room"),
+                ))
+            }
             (Role::Decode, Some(r)) => {
                 room = Some((r, Half::Decode));
                 kv = KvMode::ReceiveKv;
@@ -164,17 +246,50 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         }
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let meta = Meta { id, created: unix_now(), model: cfg.model.clone(), fingerprint: shared.fingerprint.clone(), chat };
-    let req = CoreRequest { prompt, hashes, extras, max_tokens, limit_reason, stream, kv, arrival: Instant::now(), out: tx };
-    Ok(Prepared { meta, req, rx, include_usage, room, internal_id })
+    let meta = Meta {
+        id,
+        created: unix_now(),
+        model: cfg.model.clone(),
+        fingerprint: shared.fingerprint.clone(),
+        chat,
+    };
+    let req = CoreRequest {
+        prompt,
+        hashes,
+        extras,
+        max_tokens,
+        limit_reason,
+        stream,
+        kv,
+        arrival: Instant::now(),
+        out: tx,
+    };
+    Ok(Prepared {
+        meta,
+        req,
+        rx,
+        include_usage,
+        room,
+        internal_id,
+    })
 }
 
 /// Decode side of NixlConnector: valid params that name a held transfer skip
 /// the prefill; anything else recomputes (vLLM: "Got invalid KVTransferParams").
 fn remote_prefill(params: Option<&Value>) -> KvMode {
-    let Some(p) = params else { return KvMode::Local };
+    let Some(p) = params else {
+        return KvMode::Local;
+    };
     let has = |k: &str| p.get(k).is_some_and(|v| !v.is_null());
-    let valid = ["remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port"].iter().all(|k| has(k));
+    let valid = [
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+    ]
+    .iter()
+    .all(|k| has(k));
     let engine = p.get("remote_engine_id").and_then(Value::as_str);
     let req = p.get("remote_request_id").and_then(Value::as_str);
     match (valid, engine, req) {
@@ -184,7 +299,9 @@ fn remote_prefill(params: Option<&Value>) -> KvMode {
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
@@ -202,19 +319,30 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         }
     }
     let stream = p.req.stream;
-    if shared.core_tx.try_send(Cmd::Submit(Box::new(p.req))).is_err() {
+    if shared
+        .core_tx
+        .try_send(Cmd::Submit(Box::new(p.req)))
+        .is_err()
+    {
         let e = shapes::error(503, "the engine's waiting queue is full", None);
         return json_response(503, &e, &verdict);
     }
     if stream && p.room.is_none() {
-        return sse_response(stream_body(shared, p.meta, p.rx, p.include_usage, p.internal_id), &verdict);
+        return sse_response(
+            stream_body(shared, p.meta, p.rx, p.include_usage, p.internal_id),
+            &verdict,
+        );
     }
     let outcome = loop {
         match p.rx.recv().await {
             Some(CoreEvent::Token(_)) => continue,
             Some(CoreEvent::Finished(o)) => break o,
-            Some(CoreEvent::Failed(e)) => return json_response(500, &shapes::error(500, &e.to_string(), None), &verdict),
-            None => return json_response(500, &shapes::error(500, "engine stopped", None), &verdict),
+            Some(CoreEvent::Failed(e)) => {
+                return json_response(500, &shapes::error(500, &e.to_string(), None), &verdict)
+            }
+            None => {
+                return json_response(500, &shapes::error(500, "engine stopped", None), &verdict)
+            }
         }
     };
     if let Some((room, Half::Prefill)) = p.room {
@@ -223,7 +351,11 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         }
     }
     record(&shared, &p.meta.id, &outcome);
-    let text: String = outcome.output.iter().map(|t| shared.tokenizer.decode_token(*t)).collect();
+    let text: String = outcome
+        .output
+        .iter()
+        .map(|t| shared.tokenizer.decode_token(*t))
+        .collect();
     let kv_params = match &outcome.held_blocks {
         Some(ids) => shapes::nixl_params(
             ids,
@@ -236,14 +368,28 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         ),
         None => Value::Null,
     };
-    let usage = shapes::usage(outcome.prompt_tokens, outcome.output.len(), outcome.cached_tokens);
-    let body = p.meta.full(&text, outcome.finish_reason.as_str(), usage, kv_params);
+    let usage = shapes::usage(
+        outcome.prompt_tokens,
+        outcome.output.len(),
+        outcome.cached_tokens,
+    );
+    let body = p
+        .meta
+        .full(&text, outcome.finish_reason.as_str(), usage, kv_params);
     if stream {
         // An SGLang P/D half asked for a stream: send the whole answer as one.
-        let chunks = vec![
-            p.meta.token_chunk(&text, Some(outcome.finish_reason.as_str()), true).to_string(),
-        ];
-        return sse_response(futures_util::stream::iter(chunks.into_iter().map(|c| Ok(Bytes::from(format!("data: {c}\n\ndata: [DONE]\n\n")))) ), &verdict);
+        let chunks = vec![p
+            .meta
+            .token_chunk(&text, Some(outcome.finish_reason.as_str()), true)
+            .to_string()];
+        return sse_response(
+            futures_util::stream::iter(
+                chunks
+                    .into_iter()
+                    .map(|c| Ok(Bytes::from(format!("data: {c}\n\ndata: [DONE]\n\n")))),
+            ),
+            &verdict,
+        );
     }
     json_response(200, &body, &verdict)
 }
@@ -281,7 +427,16 @@ fn stream_body(
     include_usage: bool,
     _internal_id: String,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
-    let st = StreamState { shared, meta, rx, include_usage, pending: None, sent: 0, started: false, done: false };
+    let st = StreamState {
+        shared,
+        meta,
+        rx,
+        include_usage,
+        pending: None,
+        sent: 0,
+        started: false,
+        done: false,
+    };
     futures_util::stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
@@ -309,11 +464,16 @@ fn stream_body(
                     record(&st.shared, &st.meta.id, &o);
                     if let Some(last) = st.pending.take() {
                         let text = st.shared.tokenizer.decode_token(last);
-                        let chunk = st.meta.token_chunk(&text, Some(o.finish_reason.as_str()), !st.include_usage);
+                        let chunk = st.meta.token_chunk(
+                            &text,
+                            Some(o.finish_reason.as_str()),
+                            !st.include_usage,
+                        );
                         out.push_str(&sse(&chunk));
                     }
                     if st.include_usage {
-                        let u = shapes::stream_usage(o.prompt_tokens, o.output.len(), o.cached_tokens);
+                        let u =
+                            shapes::stream_usage(o.prompt_tokens, o.output.len(), o.cached_tokens);
                         out.push_str(&sse(&st.meta.usage_chunk(u)));
                     }
                     out.push_str("data: [DONE]\n\n");

@@ -104,7 +104,10 @@ impl Meta {
         });
         if fingerprint && finish.is_some() {
             if let Some(o) = chunk.as_object_mut() {
-                o.insert("system_fingerprint".into(), Value::String(self.fingerprint.clone()));
+                o.insert(
+                    "system_fingerprint".into(),
+                    Value::String(self.fingerprint.clone()),
+                );
             }
         }
         chunk

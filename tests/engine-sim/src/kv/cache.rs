@@ -39,6 +39,20 @@ pub struct BlockPool {
     stored: Vec<KvEvent>,
 }
 
+/// Full blocks of one request to commit: `ids[i]` under `hashes[i]`, `parent`
+/// preceding `hashes[0]`, `tokens` their tokens, `first_index` the position of
+/// the first one in the request (block 0 carries the salt).
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRun<'a> {
+    pub ids: &'a [u32],
+    pub hashes: &'a [u64],
+    pub parent: Option<u64>,
+    pub tokens: &'a [u32],
+    pub lora_name: Option<&'a str>,
+    pub salt: Option<&'a str>,
+    pub first_index: usize,
+}
+
 /// What committing full blocks added to the cache.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct CommitStats {
@@ -59,7 +73,13 @@ impl BlockPool {
             stored: Vec::new(),
         };
         for i in 0..num_blocks {
-            pool.blocks.push(Block { refs: 0, hash: None, prev: NIL, next: NIL, in_free: false });
+            pool.blocks.push(Block {
+                refs: 0,
+                hash: None,
+                prev: NIL,
+                next: NIL,
+                in_free: false,
+            });
             pool.push_tail(i as u32);
         }
         pool
@@ -93,7 +113,10 @@ impl BlockPool {
 
     /// Block ids of the longest cached prefix of `hashes`.
     pub fn match_prefix(&self, hashes: &[u64]) -> Vec<u32> {
-        hashes.iter().map_while(|h| self.cached.get(h).copied()).collect()
+        hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect()
     }
 
     /// Whether block `id` has no holder.
@@ -147,16 +170,16 @@ impl BlockPool {
     /// `hashes[0]`); `tokens` are their tokens, `block_size` each. Blocks
     /// whose hash another block already caches stay uncached (vLLM dedupes the
     /// same way); a store event covers each run of newly cached blocks.
-    pub fn commit(
-        &mut self,
-        ids: &[u32],
-        hashes: &[u64],
-        mut parent: Option<u64>,
-        tokens: &[u32],
-        lora_name: Option<&str>,
-        salt: Option<&str>,
-        first_index: usize,
-    ) -> CommitStats {
+    pub fn commit(&mut self, run: BlockRun<'_>) -> CommitStats {
+        let BlockRun {
+            ids,
+            hashes,
+            mut parent,
+            tokens,
+            lora_name,
+            salt,
+            first_index,
+        } = run;
         let bs = self.block_size;
         let mut stats = CommitStats::default();
         let mut run: Option<KvEvent> = None;
@@ -169,9 +192,18 @@ impl BlockPool {
                 }
                 stats.newly_cached += 1;
                 let toks = tokens.get(i * bs..(i + 1) * bs).unwrap_or(&[]);
-                let extra = if first_index + i == 0 { salt.map(|s| vec![s.to_string()]) } else { None };
+                let extra = if first_index + i == 0 {
+                    salt.map(|s| vec![s.to_string()])
+                } else {
+                    None
+                };
                 match &mut run {
-                    Some(KvEvent::BlockStored { block_hashes, token_ids, extra_keys, .. }) => {
+                    Some(KvEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        extra_keys,
+                        ..
+                    }) => {
                         block_hashes.push(h);
                         token_ids.extend_from_slice(toks);
                         extra_keys.push(extra);
@@ -238,7 +270,9 @@ impl BlockPool {
         let mut out: Vec<KvEvent> = self
             .removed
             .drain(..)
-            .map(|h| KvEvent::BlockRemoved { block_hashes: vec![h] })
+            .map(|h| KvEvent::BlockRemoved {
+                block_hashes: vec![h],
+            })
             .collect();
         out.append(&mut self.stored);
         out
@@ -286,7 +320,15 @@ mod tests {
     fn store(pool: &mut BlockPool, hashes: &[u64]) -> Vec<u32> {
         let ids = pool.allocate(hashes.len()).unwrap();
         let toks = vec![7u32; hashes.len() * pool.block_size()];
-        pool.commit(&ids, hashes, None, &toks, None, None, 0);
+        pool.commit(BlockRun {
+            ids: &ids,
+            hashes,
+            parent: None,
+            tokens: &toks,
+            lora_name: None,
+            salt: None,
+            first_index: 0,
+        });
         ids
     }
 
@@ -303,7 +345,12 @@ mod tests {
         // Reusing one block evicts the least recently freed: prompt A's tail.
         let c = pool.allocate(1).unwrap();
         assert_eq!(c, vec![a[1]]);
-        assert_eq!(pool.take_events(), vec![KvEvent::BlockRemoved { block_hashes: vec![2] }]);
+        assert_eq!(
+            pool.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![2]
+            }]
+        );
         assert_eq!(pool.match_prefix(&[1, 2]).len(), 1);
     }
 
@@ -327,10 +374,20 @@ mod tests {
         let mut pool = BlockPool::new(4, 1);
         store(&mut pool, &[5]);
         let ids = pool.allocate(2).unwrap();
-        let st = pool.commit(&ids, &[5, 6], None, &[1, 2], None, Some("s"), 0);
+        let st = pool.commit(BlockRun {
+            ids: &ids,
+            hashes: &[5, 6],
+            parent: None,
+            tokens: &[1, 2],
+            lora_name: None,
+            salt: Some("s"),
+            first_index: 0,
+        });
         assert_eq!(st.newly_cached, 1);
         let evs = pool.take_events();
-        assert!(matches!(&evs[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(5), .. } if block_hashes == &vec![6]));
+        assert!(
+            matches!(&evs[1], KvEvent::BlockStored { block_hashes, parent_block_hash: Some(5), .. } if block_hashes == &vec![6])
+        );
         pool.clear();
         assert_eq!(pool.take_events(), vec![KvEvent::AllBlocksCleared]);
         assert_eq!(pool.num_cached(), 0);

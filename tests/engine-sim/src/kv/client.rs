@@ -50,7 +50,8 @@ impl KvMessage {
 }
 
 fn as_u64(v: &Value) -> Option<u64> {
-    v.as_u64().or_else(|| v.as_i64().map(|i| u64::from_ne_bytes(i.to_ne_bytes())))
+    v.as_u64()
+        .or_else(|| v.as_i64().map(|i| u64::from_ne_bytes(i.to_ne_bytes())))
 }
 
 /// Decodes one payload (frame 2).
@@ -59,15 +60,27 @@ pub fn decode_batch(payload: &[u8]) -> Option<DecodedBatch> {
     let v = rmpv::decode::read_value(&mut rd).ok()?;
     let arr = v.as_array()?;
     let ts = arr.first()?.as_f64()?;
-    let events = arr.get(1)?.as_array()?.iter().filter_map(decode_event).collect();
+    let events = arr
+        .get(1)?
+        .as_array()?
+        .iter()
+        .filter_map(decode_event)
+        .collect();
     let dp_rank = arr.get(2).and_then(Value::as_u64);
-    Some(DecodedBatch { ts, events, dp_rank })
+    Some(DecodedBatch {
+        ts,
+        events,
+        dp_rank,
+    })
 }
 
 /// Field `key` of a map event, or position `idx` of an array event.
 fn field<'a>(v: &'a Value, key: &str, idx: usize) -> Option<&'a Value> {
     match v {
-        Value::Map(m) => m.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v),
+        Value::Map(m) => m
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v),
         Value::Array(a) => a.get(idx),
         _ => None,
     }
@@ -81,17 +94,36 @@ fn decode_event(v: &Value) -> Option<DecodedEvent> {
         .map(|a| a.iter().filter_map(as_u64).collect())
         .unwrap_or_default();
     let stored = kind == "BlockStored";
-    let parent = if stored { get("parent_block_hash", 2).and_then(as_u64) } else { None };
+    let parent = if stored {
+        get("parent_block_hash", 2).and_then(as_u64)
+    } else {
+        None
+    };
     let token_ids = if stored {
         get("token_ids", 3)
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|t| t.as_u64().map(|x| x as u32)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_u64().map(|x| x as u32))
+                    .collect()
+            })
             .unwrap_or_default()
     } else {
         Vec::new()
     };
-    let block_size = if stored { get("block_size", 4).and_then(Value::as_u64).unwrap_or(0) as usize } else { 0 };
-    Some(DecodedEvent { kind, block_hashes: hashes, parent_block_hash: parent, token_ids, block_size, raw: v.clone() })
+    let block_size = if stored {
+        get("block_size", 4).and_then(Value::as_u64).unwrap_or(0) as usize
+    } else {
+        0
+    };
+    Some(DecodedEvent {
+        kind,
+        block_hashes: hashes,
+        parent_block_hash: parent,
+        token_ids,
+        block_size,
+        raw: v.clone(),
+    })
 }
 
 fn to_message(m: ZmqMessage) -> Option<KvMessage> {
@@ -100,7 +132,11 @@ fn to_message(m: ZmqMessage) -> Option<KvMessage> {
         return None;
     };
     let seq = u64::from_be_bytes(<[u8; 8]>::try_from(seq.as_ref()).ok()?);
-    Some(KvMessage { topic: topic.clone(), seq, payload: payload.clone() })
+    Some(KvMessage {
+        topic: topic.clone(),
+        seq,
+        payload: payload.clone(),
+    })
 }
 
 /// A SUB socket subscribed to everything.
@@ -122,7 +158,9 @@ impl KvSubscriber {
             .await
             .map_err(|_| SimError::KvEvents(format!("connect {endpoint}: timed out")))?
             .map_err(|e| SimError::KvEvents(format!("connect {endpoint}: {e}")))?;
-        sub.subscribe("").await.map_err(|e| SimError::KvEvents(format!("subscribe: {e}")))?;
+        sub.subscribe("")
+            .await
+            .map_err(|e| SimError::KvEvents(format!("subscribe: {e}")))?;
         Ok(Self { sub })
     }
 
@@ -130,8 +168,13 @@ impl KvSubscriber {
     /// returns the resolved endpoint to give the engine.
     pub async fn bind(endpoint: &str) -> Result<(Self, String), SimError> {
         let mut sub = SubSocket::new();
-        let ep = sub.bind(endpoint).await.map_err(|e| SimError::KvEvents(format!("bind {endpoint}: {e}")))?;
-        sub.subscribe("").await.map_err(|e| SimError::KvEvents(format!("subscribe: {e}")))?;
+        let ep = sub
+            .bind(endpoint)
+            .await
+            .map_err(|e| SimError::KvEvents(format!("bind {endpoint}: {e}")))?;
+        sub.subscribe("")
+            .await
+            .map_err(|e| SimError::KvEvents(format!("subscribe: {e}")))?;
         Ok((Self { sub }, ep.to_string()))
     }
 
@@ -139,7 +182,10 @@ impl KvSubscriber {
     pub async fn recv(&mut self, timeout: Duration) -> Option<KvMessage> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let m = tokio::time::timeout_at(deadline, self.sub.recv()).await.ok()?.ok()?;
+            let m = tokio::time::timeout_at(deadline, self.sub.recv())
+                .await
+                .ok()?
+                .ok()?;
             if let Some(m) = to_message(m) {
                 return Some(m);
             }
@@ -149,7 +195,11 @@ impl KvSubscriber {
 
 /// Asks a replay socket for every kept batch from `start_seq`; stops at the
 /// end marker or when `timeout` passes without one.
-pub async fn replay(endpoint: &str, start_seq: u64, timeout: Duration) -> Result<Vec<KvMessage>, SimError> {
+pub async fn replay(
+    endpoint: &str,
+    start_seq: u64,
+    timeout: Duration,
+) -> Result<Vec<KvMessage>, SimError> {
     let deadline = tokio::time::Instant::now() + timeout;
     let err = |what: &str| SimError::KvEvents(format!("replay {endpoint}: {what}"));
     let mut d = DealerSocket::new();
@@ -157,8 +207,11 @@ pub async fn replay(endpoint: &str, start_seq: u64, timeout: Duration) -> Result
         .await
         .map_err(|_| err("connect timed out"))?
         .map_err(|e| err(&e.to_string()))?;
-    let req = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start_seq.to_be_bytes())])
-        .map_err(|e| err(&e.to_string()))?;
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&start_seq.to_be_bytes()),
+    ])
+    .map_err(|e| err(&e.to_string()))?;
     d.send(req).await.map_err(|e| err(&e.to_string()))?;
     let mut out = Vec::new();
     loop {
@@ -172,7 +225,11 @@ pub async fn replay(endpoint: &str, start_seq: u64, timeout: Duration) -> Result
             [_, _, seq, _] if seq.as_ref() == END_SEQ => return Ok(out),
             [_, topic, seq, payload] => {
                 let seq = <[u8; 8]>::try_from(seq.as_ref()).map_err(|_| err("bad seq frame"))?;
-                out.push(KvMessage { topic: topic.clone(), seq: u64::from_be_bytes(seq), payload: payload.clone() });
+                out.push(KvMessage {
+                    topic: topic.clone(),
+                    seq: u64::from_be_bytes(seq),
+                    payload: payload.clone(),
+                });
             }
             _ => return Err(err("unexpected frame count")),
         }

@@ -77,7 +77,11 @@ fn write_hash(w: &mut Vec<u8>, h: u64, flavor: Flavor) -> Result<(), encode::Val
     }
 }
 
-fn write_hashes(w: &mut Vec<u8>, hs: &[u64], flavor: Flavor) -> Result<(), encode::ValueWriteError> {
+fn write_hashes(
+    w: &mut Vec<u8>,
+    hs: &[u64],
+    flavor: Flavor,
+) -> Result<(), encode::ValueWriteError> {
     encode::write_array_len(w, len32(hs.len()))?;
     for h in hs {
         write_hash(w, *h, flavor)?;
@@ -134,7 +138,11 @@ fn write_extra_keys(
     Ok(())
 }
 
-fn write_map_event(w: &mut Vec<u8>, ev: &KvEvent, flavor: Flavor) -> Result<(), encode::ValueWriteError> {
+fn write_map_event(
+    w: &mut Vec<u8>,
+    ev: &KvEvent,
+    flavor: Flavor,
+) -> Result<(), encode::ValueWriteError> {
     match ev {
         KvEvent::BlockStored {
             block_hashes,
@@ -144,7 +152,10 @@ fn write_map_event(w: &mut Vec<u8>, ev: &KvEvent, flavor: Flavor) -> Result<(), 
             lora_name,
             extra_keys,
         } => {
-            let salt = extra_keys.first().and_then(|e| e.as_ref()).and_then(|k| k.first());
+            let salt = extra_keys
+                .first()
+                .and_then(|e| e.as_ref())
+                .and_then(|k| k.first());
             let n = match flavor {
                 // type..lora_name (8), extra_keys, group_idx, kv_cache_spec_kind
                 Flavor::Vllm => 11,
@@ -232,7 +243,10 @@ fn write_array_event(
             // SGLang's salted variant (BlockStoredWithMetadata) appends a
             // `{"cache_salt": S}` metadata map.
             let has_extra = extra_keys.iter().any(Option::is_some);
-            let salt = extra_keys.first().and_then(|e| e.as_ref()).and_then(|k| k.first());
+            let salt = extra_keys
+                .first()
+                .and_then(|e| e.as_ref())
+                .and_then(|k| k.first());
             let n = match flavor {
                 Flavor::Vllm => 8 + u32::from(has_extra),
                 Flavor::Sglang => 7 + u32::from(salt.is_some()),

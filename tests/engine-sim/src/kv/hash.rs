@@ -40,20 +40,39 @@ mod tests {
         assert_eq!(plain.len(), 4);
         let longer: Vec<u32> = (0..70).collect();
         assert_eq!(block_hashes(&longer, 16, &BlockExtras::default()), plain);
-        let salted = BlockExtras { cache_salt: Some("a".into()), lora_name: None };
+        let salted = BlockExtras {
+            cache_salt: Some("a".into()),
+            lora_name: None,
+        };
         let s = block_hashes(&toks, 16, &salted);
-        assert!(s.iter().zip(&plain).all(|(a, b)| a != b), "salt changes every chained block");
+        assert!(
+            s.iter().zip(&plain).all(|(a, b)| a != b),
+            "salt changes every chained block"
+        );
     }
 
     #[test]
     fn equals_what_real_vllm_published() {
         // fixtures/vllm-cpu/hash_vectors.json, first vector's first blocks.
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures/vllm-cpu/hash_vectors.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures/vllm-cpu/hash_vectors.json"
+        );
         let text = std::fs::read_to_string(path).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         let vec0 = &v["vectors"][0];
-        let toks: Vec<u32> = vec0["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-        let want: Vec<u64> = vec0["block_hashes_u64"].as_array().unwrap().iter().map(|h| h.as_u64().unwrap()).collect();
+        let toks: Vec<u32> = vec0["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let want: Vec<u64> = vec0["block_hashes_u64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
         let bs = vec0["block_size"].as_u64().unwrap_or(32) as usize;
         assert_eq!(block_hashes(&toks, bs, &BlockExtras::default()), want);
     }

@@ -85,9 +85,8 @@ pub(crate) async fn start(
     cfg: &KvEventsConfig,
     cancel: CancellationToken,
 ) -> Result<(PublisherTx, KvEndpoints, tokio::task::JoinHandle<()>), SimError> {
-    let zmq_err = |what: &str, ep: &str, e: zeromq::ZmqError| {
-        SimError::KvEvents(format!("{what} {ep}: {e}"))
-    };
+    let zmq_err =
+        |what: &str, ep: &str, e: zeromq::ZmqError| SimError::KvEvents(format!("{what} {ep}: {e}"));
     let mut publ = PubSocket::new();
     let bind = cfg.bind.unwrap_or_else(|| should_bind(&cfg.endpoint));
     let events = if bind {
@@ -103,7 +102,10 @@ pub(crate) async fn start(
     let mut replay = None;
     if let Some(rep) = &cfg.replay_endpoint {
         let mut r = RouterSocket::new();
-        let ep = r.bind(&bindable(rep)).await.map_err(|e| zmq_err("bind", rep, e))?;
+        let ep = r
+            .bind(&bindable(rep))
+            .await
+            .map_err(|e| zmq_err("bind", rep, e))?;
         replay = Some(ep.to_string());
         router = Some(r);
     }
@@ -226,7 +228,13 @@ impl Task {
                 }
             }
         }
-        let end = [identity.clone(), empty.clone(), empty.clone(), Bytes::from_static(&END_SEQ), empty];
+        let end = [
+            identity.clone(),
+            empty.clone(),
+            empty.clone(),
+            Bytes::from_static(&END_SEQ),
+            empty,
+        ];
         if let Some(m) = frames(&end) {
             let _ = router.send(m).await;
         }
@@ -252,7 +260,10 @@ async fn connect_opt(publ: &mut PubSocket, to: Option<&str>) -> bool {
     match to {
         Some(ep) => {
             let attempt = publ.connect(ep);
-            matches!(tokio::time::timeout(std::time::Duration::from_secs(1), attempt).await, Ok(Ok(())))
+            matches!(
+                tokio::time::timeout(std::time::Duration::from_secs(1), attempt).await,
+                Ok(Ok(()))
+            )
         }
         None => std::future::pending().await,
     }

@@ -13,8 +13,15 @@ use serde_json::Value;
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
 /// One request on a fresh connection; returns status and the whole body.
-pub async fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, Bytes) {
-    try_request(addr, method, path, body, &[]).await.expect("request failed")
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, Bytes) {
+    try_request(addr, method, path, body, &[])
+        .await
+        .expect("request failed")
 }
 
 pub async fn try_request(
@@ -26,6 +33,7 @@ pub async fn try_request(
 ) -> anyhow::Result<(u16, Bytes)> {
     tokio::time::timeout(DEADLINE, async {
         let stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
         let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         let conn = tokio::spawn(conn);
         let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
@@ -73,7 +81,10 @@ pub fn completion(prompt: &str, max_tokens: u64) -> Value {
 
 /// `n` distinct words, a prompt of roughly `n + 1` builtin tokens.
 pub fn words(tag: &str, n: usize) -> String {
-    (0..n).map(|i| format!("{tag}{i}")).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The type of a JSON value, as the shape comparison sees it.
@@ -111,7 +122,9 @@ pub fn shape_diff(path: &str, ours: &Value, theirs: &Value, out: &mut Vec<String
                 shape_diff(&format!("{path}[0]"), x, y, out);
             }
         }
-        (a, b) if kind(a) != kind(b) => out.push(format!("{path}: {} vs vLLM {}", kind(a), kind(b))),
+        (a, b) if kind(a) != kind(b) => {
+            out.push(format!("{path}: {} vs vLLM {}", kind(a), kind(b)))
+        }
         _ => {}
     }
 }
@@ -119,7 +132,11 @@ pub fn shape_diff(path: &str, ours: &Value, theirs: &Value, out: &mut Vec<String
 pub fn assert_same_shape(what: &str, ours: &Value, theirs: &Value) {
     let mut d = Vec::new();
     shape_diff("$", ours, theirs, &mut d);
-    assert!(d.is_empty(), "{what}: shape differs from vLLM's capture:\n{}\nours: {ours}", d.join("\n"));
+    assert!(
+        d.is_empty(),
+        "{what}: shape differs from vLLM's capture:\n{}\nours: {ours}",
+        d.join("\n")
+    );
 }
 
 pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures");
@@ -127,7 +144,10 @@ pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared
 /// The body of a raw HTTP capture (after the blank line).
 pub fn capture_body(file: &str) -> String {
     let text = std::fs::read_to_string(format!("{FIXTURES}/{file}")).unwrap();
-    match text.split_once("\r\n\r\n").or_else(|| text.split_once("\n\n")) {
+    match text
+        .split_once("\r\n\r\n")
+        .or_else(|| text.split_once("\n\n"))
+    {
         Some((head, body)) if head.starts_with("HTTP/") => body.to_string(),
         _ => text,
     }
