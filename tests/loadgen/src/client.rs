@@ -127,6 +127,21 @@ impl Client {
         rec
     }
 
+    /// GETs `uri` and returns its status, or `None` when no response came
+    /// within `deadline` (readiness probes).
+    pub async fn get_status(&self, uri: Uri, deadline: Duration) -> Option<u16> {
+        let req = Request::get(uri).body(Full::new(Bytes::new())).ok()?;
+        let resp = tokio::time::timeout(deadline, self.inner.request(req))
+            .await
+            .ok()?
+            .ok()?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        // Drain so the connection returns to the pool.
+        let _ = read_all(&mut body, deadline, 1 << 20).await;
+        Some(status)
+    }
+
     async fn exchange(
         &self,
         uri: Uri,

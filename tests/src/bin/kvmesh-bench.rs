@@ -1,1 +1,244 @@
-fn main() {}
+//! `kvmesh-bench`: runs kvmesh-loadgen workloads against OpenAI-compatible
+//! endpoints (`run`), measures proxy overhead against direct and nginx
+//! (`overhead`), or serves the fast fake engine (`fake-engine`). The logic
+//! lives in `kvmesh_loadgen`; this file only parses arguments.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use kvmesh_loadgen::fake::{FastEngine, FastEngineConfig};
+use kvmesh_loadgen::overhead::{self, OverheadConfig};
+use kvmesh_loadgen::report::Report;
+use kvmesh_loadgen::workload::{Size, Workload, WORKLOAD_NAMES};
+use kvmesh_loadgen::{run, Load, RunConfig, Spread};
+
+#[derive(Parser)]
+#[command(
+    name = "kvmesh-bench",
+    about = "Load generator and benchmarks for kvmesh"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a workload against one or more base URLs and print a report.
+    Run(RunArgs),
+    /// Proxy overhead: the fast fake engine direct, through kvmesh, through nginx.
+    Overhead(OverheadArgs),
+    /// Serve the fast fake engine until interrupted.
+    FakeEngine(FakeArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SpreadArg {
+    RoundRobin,
+    Sticky,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Base URL of a target (repeat for several; requests are spread over them).
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// shared-prefix, multi-turn, pd, long-body or tiny.
+    #[arg(long, default_value = "shared-prefix")]
+    workload: String,
+    /// small (CI) or full (the field's parameters).
+    #[arg(long, default_value = "small")]
+    size: String,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "round-robin")]
+    spread: SpreadArg,
+    /// The `model` field of each request.
+    #[arg(long, default_value = "kvmesh-sim")]
+    model: String,
+    /// Name of this set-up in the report.
+    #[arg(long, default_value = "run")]
+    policy: String,
+    /// Poisson rates (req/s), one stage each; replaces the workload's load.
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    /// Closed-loop concurrencies, one stage each; replaces the workload's load.
+    #[arg(long, value_delimiter = ',', conflicts_with = "rate")]
+    concurrency: Vec<usize>,
+    /// Requests per stage (with --rate/--concurrency; default: the workload's size).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Seconds per stage at most.
+    #[arg(long)]
+    stage_secs: Option<f64>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the TTFT/ITL plot here.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    /// Also write every request record as JSON here.
+    #[arg(long)]
+    records: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct OverheadArgs {
+    /// kvmesh-proxy binary (default: next to this binary, then PATH).
+    #[arg(long)]
+    proxy: Option<PathBuf>,
+    /// nginx binary (default: PATH, then /usr/sbin).
+    #[arg(long)]
+    nginx: Option<PathBuf>,
+    /// A tenth of the requests.
+    #[arg(long)]
+    quick: bool,
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Directory for the children's configs and logs (default: a temp dir).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    png: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct FakeArgs {
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    #[arg(long, default_value_t = 8)]
+    chunks: u32,
+    #[arg(long, default_value_t = 0)]
+    first_token_ms: u64,
+    #[arg(long, default_value_t = 0)]
+    chunk_ms: u64,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Run(a) => run_cmd(a).await,
+        Cmd::Overhead(a) => overhead_cmd(a).await,
+        Cmd::FakeEngine(a) => fake_cmd(a).await,
+    }
+}
+
+fn load_from(a: &RunArgs, default: Load) -> Load {
+    let stage = a.stage_secs.map(Duration::from_secs_f64);
+    let n = a.requests;
+    let load = if !a.rate.is_empty() {
+        let mut l = Load::poisson_ladder(
+            &a.rate
+                .iter()
+                .map(|&r| (r, Duration::MAX))
+                .collect::<Vec<_>>(),
+        );
+        for s in &mut l.stages {
+            s.max_duration = stage;
+            s.max_requests = n.or(stage.is_none().then_some(100));
+        }
+        l
+    } else if !a.concurrency.is_empty() {
+        let mut l = Load::closed_ladder(
+            &a.concurrency
+                .iter()
+                .map(|&c| (c, n.unwrap_or(100)))
+                .collect::<Vec<_>>(),
+        );
+        for s in &mut l.stages {
+            s.max_duration = stage;
+        }
+        l
+    } else {
+        match stage {
+            Some(d) => default.with_stage_duration(d),
+            None => default,
+        }
+    };
+    load
+}
+
+async fn run_cmd(a: RunArgs) -> Result<()> {
+    let Some(size) = Size::parse(&a.size) else {
+        bail!("--size must be small or full")
+    };
+    let (workload, default_load) = Workload::named(&a.workload, size, a.seed)
+        .with_context(|| format!("workloads: {}", WORKLOAD_NAMES.join(", ")))?;
+    let load = load_from(&a, default_load);
+    let mut cfg = RunConfig::new(&a.urls, &a.model)?;
+    cfg.seed = a.seed;
+    cfg.progress = std::io::stderr().is_terminal();
+    cfg.spread = match a.spread {
+        SpreadArg::RoundRobin => Spread::RoundRobin,
+        SpreadArg::Sticky => Spread::StickyUser,
+    };
+    let result = run(&cfg, &workload, &load).await?;
+    let mut report = Report::new(&a.policy);
+    report.add(&workload.name, &a.policy, &result);
+    print!("{}", report.table());
+    if let Some(p) = &a.json {
+        report.write_json(p)?;
+    }
+    if let Some(p) = &a.png {
+        report.write_png(p)?;
+    }
+    if let Some(p) = &a.records {
+        std::fs::write(p, serde_json::to_vec(&result.records)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    Ok(())
+}
+
+async fn overhead_cmd(a: OverheadArgs) -> Result<()> {
+    let tmp;
+    let work_dir = match a.work_dir {
+        Some(d) => {
+            std::fs::create_dir_all(&d)?;
+            d
+        }
+        None => {
+            tmp = std::env::temp_dir().join(format!("kvmesh-bench-{}", std::process::id()));
+            std::fs::create_dir_all(&tmp)?;
+            tmp
+        }
+    };
+    let mut cfg = OverheadConfig::sized(a.quick, work_dir.clone());
+    cfg.concurrency = a.concurrency;
+    cfg.nginx_bin = a.nginx;
+    cfg.progress = std::io::stderr().is_terminal();
+    cfg.proxy_bin = a.proxy.or_else(|| {
+        let exe = std::env::current_exe().ok()?;
+        let beside = exe.parent()?.join("kvmesh-proxy");
+        beside.is_file().then_some(beside)
+    });
+    let report = overhead::measure(&cfg).await?;
+    print!("{}", report.text());
+    eprintln!("logs and configs: {}", work_dir.display());
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    if let Some(p) = &a.png {
+        report.to_report().write_png(p)?;
+    }
+    Ok(())
+}
+
+async fn fake_cmd(a: FakeArgs) -> Result<()> {
+    let cfg = FastEngineConfig {
+        chunks: a.chunks,
+        first_token_delay: Duration::from_millis(a.first_token_ms),
+        chunk_delay: Duration::from_millis(a.chunk_ms),
+        cached_tokens: 0,
+    };
+    let engine = FastEngine::bind(&a.listen, cfg).await?;
+    println!("fake engine on {}", engine.url());
+    tokio::signal::ctrl_c().await?;
+    engine.shutdown().await;
+    Ok(())
+}

@@ -20,7 +20,6 @@ pub fn draw_text<DB: DrawingBackend>(
     scale: i32,
     color: &RGBColor,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
-    let style = color.filled();
     for (i, ch) in text.chars().enumerate() {
         let glyph = font8x8::BASIC_FONTS
             .get(ch)
@@ -32,10 +31,11 @@ pub fn draw_text<DB: DrawingBackend>(
                 if bits & (1 << col) != 0 {
                     let px = gx + col * scale;
                     let py = y + row as i32 * scale;
-                    area.draw(&Rectangle::new(
-                        [(px, py), (px + scale - 1, py + scale - 1)],
-                        style,
-                    ))?;
+                    for dy in 0..scale {
+                        for dx in 0..scale {
+                            area.draw_pixel((px + dx, py + dy), color)?;
+                        }
+                    }
                 }
             }
         }
