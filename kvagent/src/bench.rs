@@ -245,8 +245,13 @@ pub fn run(json: bool, total: u64) -> Result<()> {
     let exe = std::env::current_exe()?;
     let dir = tempdir()?;
     let report = (|| -> Result<BenchReport> {
-        let memcpy = memcpy_ceiling(total);
-        let tcp = tcp_ceiling(&exe, total.max(256 << 20))?;
+        // Ceilings are the best of three trials: on a shared machine a single trial measures
+        // the neighbours as much as the hardware.
+        let memcpy = (0..3).map(|_| memcpy_ceiling(total)).fold(0.0, f64::max);
+        let mut tcp: f64 = 0.0;
+        for _ in 0..3 {
+            tcp = tcp.max(tcp_ceiling(&exe, total.max(256 << 20))?);
+        }
         let a = ChildAgent::spawn(&exe, &dir, "bench-a", &[])?;
         let b = ChildAgent::spawn(&exe, &dir, "bench-b", &[])?;
         let mut ca = LocalClient::connect(&a.socket, Duration::from_secs(60))?;
