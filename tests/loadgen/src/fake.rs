@@ -160,6 +160,17 @@ async fn handle(
                 r#"{"object":"list","data":[{"id":"fake","object":"model","owned_by":"kvmesh"}]}"#;
             return Ok(full(StatusCode::OK, models.into()));
         }
+        (&Method::GET, "/metrics") => {
+            // vLLM's load gauges, all idle: sidecars that scrape the engine
+            // see a valid, empty engine rather than a failing scrape.
+            let m = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n";
+            let mut r = full(StatusCode::OK, m.into());
+            r.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            return Ok(r);
+        }
         (&Method::POST, "/v1/completions") => false,
         (&Method::POST, "/v1/chat/completions") => true,
         _ => {
