@@ -24,8 +24,13 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
         )
         .await?
         .json()?;
-    let want_text = reference["choices"][0]["text"].as_str().context("reference text")?.to_string();
-    let prompt_tokens = reference["usage"]["prompt_tokens"].as_f64().context("prompt_tokens")?;
+    let want_text = reference["choices"][0]["text"]
+        .as_str()
+        .context("reference text")?
+        .to_string();
+    let prompt_tokens = reference["usage"]["prompt_tokens"]
+        .as_f64()
+        .context("prompt_tokens")?;
 
     let before = scrape(http, decode).await?;
     let ext = [("source", "external_kv_transfer")];
@@ -44,7 +49,10 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
         )
         .await?
         .json()?;
-    let params = first.get("kv_transfer_params").cloned().unwrap_or(Value::Null);
+    let params = first
+        .get("kv_transfer_params")
+        .cloned()
+        .unwrap_or(Value::Null);
     ensure!(
         params.get("do_remote_prefill") == Some(&Value::Bool(true)),
         "prefill returned no usable kv_transfer_params: {first}"
@@ -57,7 +65,9 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
         )
         .await?
         .json()?;
-    let got_text = second["choices"][0]["text"].as_str().context("decode text")?;
+    let got_text = second["choices"][0]["text"]
+        .as_str()
+        .context("decode text")?;
 
     let after = scrape(http, decode).await?;
     let ext_after = counter(&after, "vllm:prompt_tokens_by_source_total", &ext)?;
@@ -70,6 +80,9 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
         "decode engine's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}",
         ext_after - ext_before
     );
-    ensure!(got_text == want_text, "P/D output {got_text:?} != aggregated output {want_text:?}");
+    ensure!(
+        got_text == want_text,
+        "P/D output {got_text:?} != aggregated output {want_text:?}"
+    );
     Ok(())
 }

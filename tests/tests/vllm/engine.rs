@@ -124,7 +124,10 @@ impl Engine {
                 Ok(engine) => ready.push(engine),
                 Err(StartError::PortTaken(log)) => {
                     // Another process took a port between our probe and vLLM's bind: once more.
-                    super::report::note(&format!("{}: port taken ({log}), retrying once", spec.name));
+                    super::report::note(&format!(
+                        "{}: port taken ({log}), retrying once",
+                        spec.name
+                    ));
                     let engine = Engine::spawn(venv, work, spec)?;
                     ready.push(engine.wait_healthy().map_err(StartError::into_anyhow)?);
                 }
@@ -138,7 +141,8 @@ impl Engine {
         let port = free_port()?;
         let dir = work.join(spec.name);
         for sub in ["cache/vllm", "cache/inductor", "cache/hf", "tmp"] {
-            std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir.join(sub))
+                .with_context(|| format!("creating {}", dir.display()))?;
         }
         let log = work.join(format!("{}-{port}.log", spec.name));
         let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -149,10 +153,26 @@ impl Engine {
         cmd.arg(&venv.launcher)
             .arg("serve")
             .arg(model_dir())
-            .args(["--served-model-name", MODEL, "--host", "127.0.0.1", "--port"])
+            .args([
+                "--served-model-name",
+                MODEL,
+                "--host",
+                "127.0.0.1",
+                "--port",
+            ])
             .arg(port.to_string())
-            .args(["--enable-prefix-caching", "--enforce-eager", "--dtype", "float32"])
-            .args(["--block-size", &BLOCK_SIZE.to_string(), "--max-model-len", "1024"])
+            .args([
+                "--enable-prefix-caching",
+                "--enforce-eager",
+                "--dtype",
+                "float32",
+            ])
+            .args([
+                "--block-size",
+                &BLOCK_SIZE.to_string(),
+                "--max-model-len",
+                "1024",
+            ])
             .args(["--kv-cache-memory-bytes", &spec.kv_cache_bytes.to_string()])
             .args(["--max-num-seqs", &spec.max_num_seqs.to_string()])
             .arg("--enable-prompt-tokens-details");
@@ -215,7 +235,9 @@ impl Engine {
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err));
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = cmd.spawn().with_context(|| format!("starting vLLM ({})", venv.launcher.display()))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting vLLM ({})", venv.launcher.display()))?;
         let stdin = child.stdin.take();
         Ok(Engine {
             name: spec.name,
@@ -248,7 +270,12 @@ impl Engine {
                     )));
                 }
                 Ok(None) => {}
-                Err(e) => return Err(StartError::Failed(format!("waiting for vLLM {}: {e}", self.name))),
+                Err(e) => {
+                    return Err(StartError::Failed(format!(
+                        "waiting for vLLM {}: {e}",
+                        self.name
+                    )))
+                }
             }
             if health_ok(self.port) {
                 return Ok(self);
@@ -316,7 +343,9 @@ enum StartError {
 impl StartError {
     fn into_anyhow(self) -> anyhow::Error {
         match self {
-            StartError::PortTaken(url) => anyhow::anyhow!("vLLM could not bind {url} twice in a row"),
+            StartError::PortTaken(url) => {
+                anyhow::anyhow!("vLLM could not bind {url} twice in a row")
+            }
             StartError::Failed(msg) => anyhow::anyhow!(msg),
         }
     }
@@ -330,7 +359,8 @@ fn health_ok(port: u16) -> bool {
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-    let req = format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    let req =
+        format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
     if stream.write_all(req.as_bytes()).is_err() {
         return false;
     }

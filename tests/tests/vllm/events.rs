@@ -93,7 +93,10 @@ impl EventTap {
         let port = port_rx
             .recv_timeout(Duration::from_secs(30))
             .context("the ZMQ SUB tap did not report its port")?;
-        let port: u16 = port.trim().parse().with_context(|| format!("tap port {port:?}"))?;
+        let port: u16 = port
+            .trim()
+            .parse()
+            .with_context(|| format!("tap port {port:?}"))?;
         tap.endpoint = format!("tcp://127.0.0.1:{port}");
         Ok(tap)
     }
@@ -108,15 +111,24 @@ impl EventTap {
     }
 
     /// Collects messages until `done` holds for what was collected, or fails after `deadline`.
-    pub fn collect_until(&self, deadline: Duration, mut done: impl FnMut(&[KvMessage]) -> bool) -> Result<Vec<KvMessage>> {
+    pub fn collect_until(
+        &self,
+        deadline: Duration,
+        mut done: impl FnMut(&[KvMessage]) -> bool,
+    ) -> Result<Vec<KvMessage>> {
         let end = Instant::now() + deadline;
         let mut got = self.drain()?;
         while !done(&got) {
             let left = end.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(left) {
-                Ok(frames) => got.push(decode_message(&frames).context("decoding a KV-event message from vLLM")?),
+                Ok(frames) => got.push(
+                    decode_message(&frames).context("decoding a KV-event message from vLLM")?,
+                ),
                 Err(RecvTimeoutError::Timeout) => {
-                    bail!("KV events: condition not met within {} s; got {got:?}", deadline.as_secs())
+                    bail!(
+                        "KV events: condition not met within {} s; got {got:?}",
+                        deadline.as_secs()
+                    )
                 }
                 Err(RecvTimeoutError::Disconnected) => bail!("the ZMQ SUB tap stopped"),
             }

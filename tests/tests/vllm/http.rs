@@ -31,7 +31,11 @@ impl Reply {
     /// The body as JSON, after checking the status is 2xx.
     pub fn json(&self) -> Result<Value> {
         if !self.status.is_success() {
-            bail!("HTTP {}: {}", self.status, String::from_utf8_lossy(&self.body));
+            bail!(
+                "HTTP {}: {}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            );
         }
         serde_json::from_slice(&self.body).context("response body is not JSON")
     }
@@ -58,18 +62,26 @@ impl Default for Http {
 impl Http {
     pub async fn post_json(&self, url: &str, body: &Value) -> Result<Reply> {
         let bytes = Bytes::from(serde_json::to_vec(body)?);
-        self.send(Method::POST, url, Some(bytes), REQUEST_DEADLINE).await
+        self.send(Method::POST, url, Some(bytes), REQUEST_DEADLINE)
+            .await
     }
 
     pub async fn post_empty(&self, url: &str) -> Result<Reply> {
-        self.send(Method::POST, url, Some(Bytes::new()), REQUEST_DEADLINE).await
+        self.send(Method::POST, url, Some(Bytes::new()), REQUEST_DEADLINE)
+            .await
     }
 
     pub async fn get(&self, url: &str) -> Result<Reply> {
         self.send(Method::GET, url, None, SCRAPE_DEADLINE).await
     }
 
-    async fn send(&self, method: Method, url: &str, body: Option<Bytes>, deadline: Duration) -> Result<Reply> {
+    async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        body: Option<Bytes>,
+        deadline: Duration,
+    ) -> Result<Reply> {
         let mut req = Request::builder().method(method.clone()).uri(url);
         if body.is_some() {
             req = req.header(hyper::header::CONTENT_TYPE, "application/json");
@@ -92,7 +104,12 @@ impl Http {
         };
         tokio::time::timeout(deadline, call)
             .await
-            .with_context(|| format!("{method} {url}: no complete answer within {} s", deadline.as_secs()))?
+            .with_context(|| {
+                format!(
+                    "{method} {url}: no complete answer within {} s",
+                    deadline.as_secs()
+                )
+            })?
             .with_context(|| format!("{method} {url}"))
     }
 }

@@ -8,7 +8,9 @@ pub fn sum(text: &str, name: &str, want: &[(&str, &str)]) -> Option<f64> {
         if line.starts_with('#') {
             continue;
         }
-        let Some(rest) = line.strip_prefix(name) else { continue };
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
         let (labels, value) = match rest.strip_prefix('{') {
             Some(inner) => match inner.split_once('}') {
                 Some((labels, value)) => (labels, value),
@@ -18,11 +20,17 @@ pub fn sum(text: &str, name: &str, want: &[(&str, &str)]) -> Option<f64> {
             None if rest.starts_with(' ') => ("", rest),
             None => continue,
         };
-        let matches = want.iter().all(|(k, v)| labels.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
+        let matches = want
+            .iter()
+            .all(|(k, v)| labels.split(',').any(|pair| pair == format!("{k}=\"{v}\"")));
         if !matches {
             continue;
         }
-        if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+        if let Some(v) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
             total = Some(total.unwrap_or(0.0) + v);
         }
     }
@@ -35,17 +43,30 @@ pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
     let bucket = format!("{name}_bucket{{");
     let mut buckets: Vec<(f64, f64)> = Vec::new();
     for line in text.lines() {
-        let Some(rest) = line.strip_prefix(&bucket) else { continue };
-        let Some((labels, value)) = rest.split_once('}') else { continue };
+        let Some(rest) = line.strip_prefix(&bucket) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once('}') else {
+            continue;
+        };
         let le = labels
             .split(',')
             .find_map(|p| p.strip_prefix("le=\""))
             .map(|v| v.trim_end_matches('"'));
-        let (Some(le), Some(count)) = (le, value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()))
-        else {
+        let (Some(le), Some(count)) = (
+            le,
+            value
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<f64>().ok()),
+        ) else {
             continue;
         };
-        let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().ok()?
+        };
         match buckets.iter_mut().find(|(b, _)| *b == le) {
             Some(entry) => entry.1 += count,
             None => buckets.push((le, count)),
@@ -64,7 +85,11 @@ pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
                 return Some(prev.0);
             }
             let span = count - prev.1;
-            let frac = if span > 0.0 { (rank - prev.1) / span } else { 0.0 };
+            let frac = if span > 0.0 {
+                (rank - prev.1) / span
+            } else {
+                0.0
+            };
             return Some(prev.0 + (le - prev.0) * frac);
         }
         prev = (le, count);

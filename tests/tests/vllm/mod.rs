@@ -15,6 +15,7 @@
 
 #![allow(dead_code)]
 
+pub mod case_fidelity;
 pub mod case_hashes;
 pub mod case_openai;
 pub mod case_pd;
@@ -23,6 +24,7 @@ pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod pyclient;
+pub mod recorder;
 pub mod report;
 pub mod setup;
 pub mod sidecar;
@@ -41,7 +43,9 @@ static ENGINES: Mutex<()> = Mutex::new(());
 /// Serialises the test functions of this binary that start engines. A failed (panicked) group must not
 /// stop the next one, so a poisoned lock is taken anyway.
 pub fn engines_lock() -> MutexGuard<'static, ()> {
-    ENGINES.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    ENGINES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The repository root (this crate lives in `<root>/tests`).
@@ -85,7 +89,11 @@ pub fn long_prompt(tag: &str, words: usize) -> String {
 /// The engine's Prometheus text.
 pub async fn scrape(http: &http::Http, engine: &engine::Engine) -> anyhow::Result<String> {
     let reply = http.get(&format!("{}/metrics", engine.base_url)).await?;
-    anyhow::ensure!(reply.status.is_success(), "GET /metrics: HTTP {}", reply.status);
+    anyhow::ensure!(
+        reply.status.is_success(),
+        "GET /metrics: HTTP {}",
+        reply.status
+    );
     Ok(reply.text())
 }
 

@@ -95,6 +95,9 @@ pub fn run_openai_calls(venv: &Venv, base_url: &str) -> Result<Value> {
         );
     }
     serde_json::from_slice(&out.stdout).with_context(|| {
-        format!("client output is not JSON: {}", String::from_utf8_lossy(&out.stdout))
+        format!(
+            "client output is not JSON: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
     })
 }

@@ -31,7 +31,11 @@ impl Timings {
     }
 
     /// Runs one named step, prints its duration and outcome, and passes its result on.
-    pub fn step<T>(&mut self, name: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    pub fn step<T>(
+        &mut self,
+        name: &str,
+        f: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
         note(&format!("{}: {name} ...", self.group));
         let t = Instant::now();
         let out = f();

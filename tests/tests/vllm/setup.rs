@@ -58,7 +58,10 @@ fn run_setup() -> Result<Venv> {
         python,
     };
     if !venv.python.is_file() || !venv.launcher.is_file() {
-        bail!("setup-vllm reported {} but it or the launcher is missing", venv.python.display());
+        bail!(
+            "setup-vllm reported {} but it or the launcher is missing",
+            venv.python.display()
+        );
     }
     note(&format!(
         "set-up: vLLM venv ready ({}) in {:.1} s",

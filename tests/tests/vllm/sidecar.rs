@@ -27,7 +27,9 @@ impl SidecarUnderTest {
             .with_context(|| format!("sidecar config:\n{yaml}"))?;
         let client = TcpListener::bind("127.0.0.1:0").await?;
         let admin = TcpListener::bind("127.0.0.1:0").await?;
-        let handle = Sidecar::start(config, client, admin).await.context("starting the sidecar")?;
+        let handle = Sidecar::start(config, client, admin)
+            .await
+            .context("starting the sidecar")?;
         Ok(SidecarUnderTest {
             url: format!("http://{}", handle.addr()),
             admin_url: format!("http://{}", handle.admin_addr()),
