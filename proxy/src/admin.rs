@@ -58,19 +58,18 @@ impl Admin {
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config\n"),
+                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /debug/fleet /debug/route (POST)\n"),
             ),
         }
     }
 }
 
 impl Handler for Admin {
-    fn handle(
-        self,
-        req: Request<Incoming>,
-    ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'static {
-        let resp = self.answer(req.uri().path());
-        async move { resp }
+    async fn handle(self, req: Request<Incoming>) -> Response<ResponseBody> {
+        if crate::routing::debug::handles(req.uri().path()) {
+            return crate::routing::debug::serve(self.app.clone(), req).await;
+        }
+        self.answer(req.uri().path())
     }
 }
 

@@ -1,19 +1,25 @@
 //! What every request shares: the effective config, metrics, the upstream
-//! connection pool and the scheduler.
+//! connection pool, the fleet and the routing state.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
 
 use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::path::Scheduler;
+use crate::routing::Routing;
 use crate::upstream::UpstreamClient;
 
 pub struct App {
     pub config: Arc<Config>,
     pub metrics: Arc<Metrics>,
     pub client: UpstreamClient,
-    pub scheduler: Scheduler,
+    /// The active filter config and how a request becomes a plan.
+    pub routing: Arc<Routing>,
+    /// Every pod this sidecar can route to, the local one included.
+    pub fleet: Arc<Fleet>,
+    /// The local engine's KV block size in tokens, from its metrics (0: not yet known).
+    pub engine_block_size: Arc<AtomicU32>,
     /// Set by the readiness probe once the local engine answers its health check.
     pub engine_ready: Arc<AtomicBool>,
 }

@@ -33,7 +33,9 @@ pub enum Command {
     /// Validate a proxy.yaml (and a filters.yaml) without starting; exits non-zero
     /// with the file, line and field of the first error.
     CheckConfig {
-        file: PathBuf,
+        /// proxy.yaml; without it only the filter config is checked.
+        file: Option<PathBuf>,
+        /// filters.yaml; default: the one proxy.yaml names in `scheduling.filters`.
         #[arg(long)]
         filters: Option<PathBuf>,
     },
@@ -74,7 +76,9 @@ pub fn main() -> ExitCode {
     match cli.command {
         None => run(cli.run),
         Some(Command::Run(args)) => run(args),
-        Some(Command::CheckConfig { file, filters }) => check_config(&file, filters.as_deref()),
+        Some(Command::CheckConfig { file, filters }) => {
+            check_config(file.as_deref(), filters.as_deref())
+        }
         Some(Command::Demo { quick, json }) => demo(quick, json),
     }
 }
@@ -94,6 +98,9 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     if let Some(u) = &args.engine {
         c.engine.url = u.clone();
     }
+    if let Some(f) = &args.filters {
+        c.scheduling.filters = Some(f.clone());
+    }
     config::load::validate(&c).map_err(|(field, message)| ConfigError {
         file: "<flags>".to_owned(),
         line: None,
@@ -112,9 +119,9 @@ fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(f) = &args.filters {
-        if let Err(msg) = check_filters_syntax(f) {
-            eprintln!("kvmesh-proxy: {msg}");
+    if let Some(f) = &config.scheduling.filters {
+        if let Err(e) = crate::routing::load_filters(f) {
+            eprintln!("kvmesh-proxy: invalid filter config: {e}");
             return ExitCode::from(2);
         }
     }
@@ -130,9 +137,6 @@ fn run(args: RunArgs) -> ExitCode {
         }
     };
     rt.block_on(async move {
-        if args.filters.is_some() {
-            tracing::warn!("--filters: the scheduler that reads filters.yaml is not wired in yet; routing is local-only");
-        }
         let handle = match Sidecar::bind(config).await {
             Ok(h) => h,
             Err(e) => {
@@ -174,55 +178,50 @@ async fn termination() {
     }
 }
 
-fn check_config(file: &Path, filters: Option<&Path>) -> ExitCode {
-    let config = match config::load_file(file) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
+fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
+    if file.is_none() && filters.is_none() {
+        eprintln!("check-config: name a proxy.yaml, a --filters file, or both");
+        return ExitCode::from(2);
+    }
+    let mut named_filters = None;
+    if let Some(file) = file {
+        let config = match config::load_file(file) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
+        };
+        if let Some(tls) = &config.listeners.tls {
+            if let Err(e) = crate::tls::acceptor(tls) {
+                let field = match e {
+                    crate::tls::TlsError::Key { .. } => "listeners.tls.key",
+                    _ => "listeners.tls.cert",
+                };
+                let src = std::fs::read_to_string(file).unwrap_or_default();
+                let loc = config::load::locate(&src, field)
+                    .map(|(l, c)| format!(":{l}:{c}"))
+                    .unwrap_or_default();
+                eprintln!("{}{loc}: {field}: {e}", file.display());
+                return ExitCode::from(2);
+            }
         }
-    };
-    if let Some(tls) = &config.listeners.tls {
-        if let Err(e) = crate::tls::acceptor(tls) {
-            let field = match e {
-                crate::tls::TlsError::Key { .. } => "listeners.tls.key",
-                _ => "listeners.tls.cert",
-            };
-            let src = std::fs::read_to_string(file).unwrap_or_default();
-            let loc = config::load::locate(&src, field)
-                .map(|(l, c)| format!(":{l}:{c}"))
-                .unwrap_or_default();
-            eprintln!("{}{loc}: {field}: {e}", file.display());
-            return ExitCode::from(2);
+        named_filters = config.scheduling.filters;
+        println!("{}: ok", file.display());
+    }
+    if let Some(f) = filters.map(Path::to_path_buf).or(named_filters) {
+        match crate::routing::load_filters(&f) {
+            Ok(active) => {
+                let profiles: Vec<&str> = active.scheduler.profile_names().collect();
+                println!("{}: ok (profiles: {})", f.display(), profiles.join(", "));
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
         }
     }
-    if let Some(f) = filters {
-        if let Err(msg) = check_filters_syntax(f) {
-            eprintln!("{msg}");
-            return ExitCode::from(2);
-        }
-        println!(
-            "{}: YAML syntax ok (plugin and profile checks arrive with the scheduler)",
-            f.display()
-        );
-    }
-    println!("{}: ok", file.display());
     ExitCode::SUCCESS
-}
-
-/// Until the filter config loader exists, at least reject a file that is not YAML.
-fn check_filters_syntax(path: &Path) -> Result<(), String> {
-    let src = std::fs::read_to_string(path)
-        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
-    serde_yaml_ng::from_str::<serde_yaml_ng::Value>(&src)
-        .map(|_| ())
-        .map_err(|e| {
-            let loc = e
-                .location()
-                .map(|l| format!(":{}:{}", l.line(), l.column()))
-                .unwrap_or_default();
-            format!("{}{loc}: {e}", path.display())
-        })
 }
 
 fn demo(quick: bool, json: bool) -> ExitCode {

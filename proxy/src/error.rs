@@ -90,6 +90,14 @@ pub enum ProxyError {
         upstream: UpstreamName,
         reason: String,
     },
+    #[error("the model {model:?} does not exist in this mesh (served: {known})")]
+    ModelNotFound { model: String, known: String },
+    #[error("no pod can take this request for model {model:?} now: filter {filter:?} in scheduling profile {profile:?} removed the last candidates")]
+    NoEndpoint {
+        model: String,
+        filter: String,
+        profile: String,
+    },
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),
     #[error("internal proxy error: {0}")]
@@ -122,14 +130,15 @@ impl ProxyError {
             | Self::BodyTooLarge { .. }
             | Self::MethodNotAllowed { .. }
             | Self::ClientBody(_)
-            | Self::ClientTimeout { .. } => Culprit::Client,
+            | Self::ClientTimeout { .. }
+            | Self::ModelNotFound { .. } => Culprit::Client,
             Self::Connect { upstream, .. }
             | Self::FirstByteTimeout { upstream, .. }
             | Self::IdleTimeout { upstream, .. }
             | Self::OverallTimeout { upstream, .. }
             | Self::UpstreamFailed { upstream, .. }
             | Self::UpstreamDied { upstream, .. } => upstream.culprit(),
-            Self::Unsupported(_) | Self::Internal(_) => Culprit::Proxy,
+            Self::NoEndpoint { .. } | Self::Unsupported(_) | Self::Internal(_) => Culprit::Proxy,
         }
     }
 
@@ -146,6 +155,8 @@ impl ProxyError {
             | Self::MethodNotAllowed { .. }
             | Self::ClientBody(_)
             | Self::ClientTimeout { .. }
+            | Self::ModelNotFound { .. }
+            | Self::NoEndpoint { .. }
             | Self::Unsupported(_)
             | Self::Internal(_) => Retry::Never,
         }

@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod path;
 mod ready;
 pub mod respond;
+pub mod routing;
 mod server;
 mod shutdown;
 mod sidecar;

@@ -59,11 +59,16 @@ pub struct Metrics {
     itl: Family<RouteLabels, Histogram>,
     bytes_in: Family<RouteLabels, Counter<u64, AtomicU64>>,
     bytes_out: Family<RouteLabels, Counter<u64, AtomicU64>>,
+    /// Scheduling decisions, filter reloads, engine scrapes.
+    pub routing: crate::routing::metrics::RoutingMetrics,
 }
 
 /// Decrements the in-flight gauge when the response body is finished or dropped.
 pub struct InFlight {
     gauge: Gauge<i64, std::sync::atomic::AtomicI64>,
+    /// The fleet's count of requests towards the pod serving this one, held
+    /// exactly as long (until the response body ends).
+    target: Option<crate::fleet::InFlightGuard>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -87,6 +92,7 @@ impl Metrics {
         );
         let bytes_in = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
         let bytes_out = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
+        let routing = crate::routing::metrics::RoutingMetrics::register(&mut registry);
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
@@ -136,6 +142,7 @@ impl Metrics {
             itl,
             bytes_in,
             bytes_out,
+            routing,
         }
     }
 
@@ -151,6 +158,7 @@ impl Metrics {
         self.in_flight.inc();
         InFlight {
             gauge: self.in_flight.clone(),
+            target: None,
         }
     }
 
@@ -192,6 +200,14 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+impl InFlight {
+    /// Counts the request towards the pod now serving it (replacing an
+    /// earlier target's count after a fallback).
+    pub fn hold_target(&mut self, guard: Option<crate::fleet::InFlightGuard>) {
+        self.target = guard;
     }
 }
 

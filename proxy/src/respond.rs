@@ -49,6 +49,8 @@ pub fn openai_error(err: &ProxyError) -> ErrorReply {
         E::FirstByteTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
         E::IdleTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "stream_idle_timeout"),
         E::OverallTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "deadline_exceeded"),
+        E::ModelNotFound { .. } => (StatusCode::NOT_FOUND, "model_not_found"),
+        E::NoEndpoint { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_endpoint"),
         E::Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported"),
         E::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
     };

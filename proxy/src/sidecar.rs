@@ -4,7 +4,7 @@
 //! kvmesh this way.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
 
 use http::{Request, Response};
@@ -16,8 +16,9 @@ use crate::admin::Admin;
 use crate::app::App;
 use crate::body::ResponseBody;
 use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::path::Scheduler;
+use crate::routing::{FiltersError, Routing};
 use crate::server::{serve, Handler, ServeOpts};
 use crate::shutdown::Shutdown;
 use crate::tls::TlsError;
@@ -33,6 +34,8 @@ pub struct SidecarHandle {
     admin_addr: SocketAddr,
     shutdown: Shutdown,
     tasks: JoinSet<()>,
+    fleet: Arc<Fleet>,
+    routing: Arc<Routing>,
 }
 
 /// Why a sidecar could not start.
@@ -47,6 +50,9 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    /// The filter config (`scheduling.filters`) cannot be used.
+    #[error("filter config: {0}")]
+    Filters(#[from] FiltersError),
     #[error("reading a listener's address: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -78,12 +84,23 @@ impl Sidecar {
             .transpose()?;
         let addr = client.local_addr()?;
         let admin_addr = admin.local_addr()?;
+        let routing = Arc::new(Routing::from_config(&config)?);
+        let fleet = Arc::new(Fleet::new(crate::routing::local_pod(&config, addr)));
+        // Fresh as of start with its load unknown: the scraper takes over at
+        // once, and until then the local pod is not filtered out as stale.
+        fleet.set_load(
+            fleet.local_id(),
+            crate::fleet::EngineLoad::default(),
+            tokio::time::Instant::now(),
+        );
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
             config: config.clone(),
             metrics: Arc::new(Metrics::new()),
-            scheduler: Scheduler,
+            routing: routing.clone(),
+            fleet: fleet.clone(),
+            engine_block_size: Arc::new(AtomicU32::new(0)),
             engine_ready: Arc::new(AtomicBool::new(false)),
         });
         let shutdown = Shutdown::new();
@@ -114,6 +131,11 @@ impl Sidecar {
             },
             shutdown.clone(),
         ));
+        tasks.spawn(crate::fleet::scrape::scrape_engine(
+            app.clone(),
+            shutdown.clone(),
+        ));
+        tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
         tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
         tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");
         Ok(SidecarHandle {
@@ -121,6 +143,8 @@ impl Sidecar {
             admin_addr,
             shutdown,
             tasks,
+            fleet,
+            routing,
         })
     }
 
@@ -146,6 +170,16 @@ impl SidecarHandle {
 
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// The pods this sidecar routes to (add peers with [`Fleet::upsert_peer`]).
+    pub fn fleet(&self) -> &Arc<Fleet> {
+        &self.fleet
+    }
+
+    /// The active filter config ([`Routing::install`] replaces it).
+    pub fn routing(&self) -> &Arc<Routing> {
+        &self.routing
     }
 
     /// A trigger that stops this sidecar from elsewhere (a signal handler).

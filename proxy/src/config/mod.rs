@@ -31,6 +31,10 @@ pub struct Config {
     pub timeouts: Timeouts,
     pub limits: Limits,
     pub logging: Logging,
+    /// Who this pod is: role, served models, adapters, labels.
+    pub pod: Pod,
+    /// How requests are placed: the filter config file and its reloading.
+    pub scheduling: Scheduling,
 }
 
 /// Where the sidecar listens.
@@ -67,6 +71,11 @@ pub struct Engine {
     pub health_interval: Duration,
     /// Where the engine's Prometheus metrics are scraped by the load stage.
     pub metrics_path: String,
+    /// How often the metrics are scraped for load-aware routing.
+    pub metrics_interval: Duration,
+    /// Deadline of one scrape (vLLM's `/metrics` can stall for seconds); a
+    /// scrape that misses it is skipped, and the load data ages.
+    pub metrics_timeout: Duration,
 }
 
 /// Which engine speaks on `engine.url`; it decides metric names and P/D protocol.
@@ -75,6 +84,32 @@ pub struct Engine {
 pub enum EngineKind {
     Vllm,
     Sglang,
+}
+
+/// What this pod announces about itself to the scheduler (and, through the
+/// mesh, to its peers). Its identity is its sidecar's advertised address.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Pod {
+    /// `prefill`, `decode` or `both` (an ordinary engine).
+    pub role: kvmesh_filters::sched::Role,
+    /// Model names the engine serves (vLLM's `--served-model-name`); empty
+    /// means unknown, and `model-filter` then passes this pod by default.
+    pub models: Vec<String>,
+    /// LoRA adapters the engine has loaded.
+    pub lora_adapters: Vec<String>,
+    /// Labels for `label-selector-filter`.
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// The scheduler's filter config (`filters.yaml`, docs/filters.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scheduling {
+    /// The filter config; without it the built-in default is used.
+    pub filters: Option<PathBuf>,
+    /// How often the file is checked for changes (size and modification time).
+    pub reload_interval: Duration,
 }
 
 /// Connection pooling towards the engine and peer sidecars.
@@ -154,6 +189,17 @@ impl Default for Engine {
             health_path: "/health".to_owned(),
             health_interval: Duration::from_millis(1000),
             metrics_path: "/metrics".to_owned(),
+            metrics_interval: Duration::from_millis(250),
+            metrics_timeout: Duration::from_millis(1000),
+        }
+    }
+}
+
+impl Default for Scheduling {
+    fn default() -> Self {
+        Self {
+            filters: None,
+            reload_interval: Duration::from_millis(1000),
         }
     }
 }

@@ -11,6 +11,7 @@
 //! [`Fleet::endpoints`]; nothing here does I/O.
 
 mod load;
+pub mod scrape;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -190,6 +191,15 @@ impl Fleet {
             .any(|s| s.info.sidecar_addr == Some(addr))
     }
 
+    /// The identity of the peer whose sidecar listens on `addr`.
+    pub fn peer_id(&self, addr: SocketAddr) -> Option<String> {
+        self.pods
+            .read()
+            .iter()
+            .find(|(_, s)| s.info.sidecar_addr == Some(addr))
+            .map(|(id, _)| id.clone())
+    }
+
     /// The pods as scheduler endpoint views, with `matched_blocks(pod id)` as
     /// each pod's prefix match for the request at hand.
     pub fn endpoints(
@@ -264,6 +274,15 @@ impl Fleet {
             }
         }
         sum
+    }
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("local_id", &self.local_id)
+            .field("pods", &self.pods.read().len())
+            .finish()
     }
 }
 

@@ -44,6 +44,7 @@ pub async fn execute(
             break;
         }
         ctx.attempts += 1;
+        crate::routing::track(app, ctx, &target);
         match forward(app, ctx, upstream, &mut req).await {
             Ok(resp) => {
                 ctx.served_by = Some(upstream.served());

@@ -25,7 +25,7 @@ use hyper::body::Incoming;
 use crate::app::App;
 use crate::body::ResponseBody;
 pub use context::{RequestCtx, Served};
-pub use schedule::{Leg, Plan, Scheduler, Target};
+pub use schedule::{Leg, Plan, Target};
 pub use view::{Prompt, RequestView};
 
 /// One request, top to bottom.

@@ -1,13 +1,13 @@
 //! Stage 3, schedule: choose where the request runs, with an ordered list of
 //! fallbacks.
 //!
-//! Today every request goes to the local engine. The scheduling stage replaces
-//! [`Scheduler::plan`]'s body: build the `kvmesh_filters::sched` request view
-//! from `ctx.view` and `ctx.block_keys`, run the pure scheduler over the
-//! endpoint snapshot, and map its picks to [`Target`]s (the local pod to
-//! `LocalEngine`, another pod to `Peer`, a prefill/decode pair to
-//! `Disaggregated`). A request another sidecar already routed here
-//! (`ctx.already_routed`) always runs locally, so routing never loops.
+//! The work is in [`crate::routing`]: build the `kvmesh_filters::sched`
+//! request view from `ctx.view` (and the prefix stage's block keys), run the
+//! active scheduler over the fleet's endpoint views, and map its picks to
+//! [`Target`]s (the local pod to `LocalEngine`, another pod to `Peer`, a
+//! prefill/decode pair to `Disaggregated`). A request another sidecar already
+//! routed here (`ctx.already_routed`) always runs locally, so routing never
+//! loops; so do non-inference calls.
 
 use std::net::SocketAddr;
 
@@ -47,28 +47,28 @@ pub struct Plan {
     pub reason: &'static str,
 }
 
-/// Chooses targets. Holds whatever state scheduling needs (endpoint snapshots,
-/// the filter config); cheap to call from many requests at once.
-#[derive(Debug, Default)]
-pub struct Scheduler;
-
-impl Scheduler {
-    pub fn plan(&self, ctx: &RequestCtx) -> Result<Plan, ProxyError> {
-        let reason = if ctx.already_routed {
-            "routed-by-peer"
-        } else {
-            "local-only"
-        };
-        Ok(Plan {
+impl Plan {
+    /// Everything on the local engine, no fallbacks.
+    pub fn local(reason: &'static str) -> Self {
+        Self {
             target: Target::LocalEngine,
             fallbacks: Vec::new(),
             reason,
-        })
+        }
+    }
+
+    /// The metric label of where the request goes: `local`, `peer` or `disaggregated`.
+    pub fn decision(&self) -> &'static str {
+        match self.target {
+            Target::LocalEngine => "local",
+            Target::Peer { .. } => "peer",
+            Target::Disaggregated { .. } => "disaggregated",
+        }
     }
 }
 
 pub fn schedule(app: &App, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
-    let plan = app.scheduler.plan(ctx)?;
+    let plan = app.routing.plan(app, ctx)?;
     ctx.decision = plan.reason;
     Ok(plan)
 }

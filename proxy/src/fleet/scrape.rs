@@ -1,0 +1,142 @@
+//! The local engine's load: scrapes its Prometheus metrics every
+//! `engine.metrics_interval`, each scrape bounded by `engine.metrics_timeout`
+//! (vLLM's `/metrics` can stall for seconds under load), and records what it
+//! read in the fleet ([`super::Fleet::set_load`]). Also learns the engine's
+//! KV block size, which the prefix stage and the scheduler need.
+//!
+//! What each outcome means for the local pod:
+//! * load read: fresh load, healthy;
+//! * the engine answered without load series (metrics disabled, another
+//!   engine kind, an error status): fresh, healthy, load as last known (zero
+//!   at first), warned once, because routing without load is still routing;
+//! * a timeout: nothing recorded; the data ages until `healthy-fresh-filter`
+//!   drops the pod;
+//! * no connection for [`UNHEALTHY_AFTER`]: unhealthy until it answers again.
+//!
+//! Runs until shutdown.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use tokio::time::Instant;
+
+use super::{parse_engine_metrics, EngineLoad};
+use crate::app::App;
+use crate::body::UpstreamBody;
+use crate::shutdown::Shutdown;
+
+/// Refused connections for this long mark the local pod unhealthy.
+pub const UNHEALTHY_AFTER: Duration = Duration::from_secs(2);
+/// Largest metrics text read (a vLLM scrape is ~100 KiB; histograms grow with labels).
+const MAX_METRICS_BYTES: usize = 8 * 1024 * 1024;
+
+enum Outcome {
+    Load(EngineLoad),
+    /// The engine answered but said nothing about its load.
+    NoLoad(&'static str),
+    /// The scrape took longer than its deadline.
+    Timeout,
+    /// No connection, or the connection failed.
+    Unreachable,
+}
+
+/// The scrape loop; spawned once per sidecar and owned by its task set.
+pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
+    let engine = &app.config.engine;
+    let interval = engine.metrics_interval.get();
+    let deadline = engine.metrics_timeout.get();
+    let uri = match format!("{}{}", engine.url, engine.metrics_path).parse::<Uri>() {
+        Ok(u) => u,
+        Err(e) => {
+            // Validation checks the path, so this is unreachable in practice.
+            tracing::error!(error = %e, "engine metrics URL is invalid; load stays unknown");
+            return;
+        }
+    };
+    let local = app.fleet.local_id().to_owned();
+    let mut last = EngineLoad::default();
+    let mut unreachable_since: Option<Instant> = None;
+    let mut warned_no_load = false;
+    loop {
+        let started = Instant::now();
+        let outcome = tokio::select! {
+            _ = shutdown.triggered() => return,
+            o = scrape_once(&app, &uri, deadline) => o,
+        };
+        let now = Instant::now();
+        match outcome {
+            Outcome::Load(load) => {
+                if load.block_size > 0 {
+                    app.engine_block_size
+                        .store(load.block_size, Ordering::Relaxed);
+                }
+                last = load;
+                app.fleet.set_load(&local, load, now);
+                app.fleet.set_healthy(&local, true);
+                unreachable_since = None;
+                warned_no_load = false;
+            }
+            Outcome::NoLoad(why) => {
+                app.metrics.routing.scrape_failed(why);
+                if !warned_no_load {
+                    tracing::warn!(url = %uri, why, "the engine's metrics hold no load figures; load-aware scoring sees this pod as idle");
+                    warned_no_load = true;
+                }
+                app.fleet.set_load(&local, last, now);
+                app.fleet.set_healthy(&local, true);
+                unreachable_since = None;
+            }
+            Outcome::Timeout => {
+                app.metrics.routing.scrape_failed("timeout");
+                tracing::debug!(url = %uri, ?deadline, "engine metrics scrape timed out");
+            }
+            Outcome::Unreachable => {
+                app.metrics.routing.scrape_failed("connect");
+                let since = *unreachable_since.get_or_insert(started);
+                if now.saturating_duration_since(since) >= UNHEALTHY_AFTER {
+                    app.fleet.set_healthy(&local, false);
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tokio::time::sleep_until(started + interval) => {}
+        }
+    }
+}
+
+async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
+    let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+    *req.uri_mut() = uri.clone();
+    let fetch = async {
+        let resp = match app.client.request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::trace!(error = %e, "engine metrics scrape failed");
+                return Outcome::Unreachable;
+            }
+        };
+        if !resp.status().is_success() {
+            return Outcome::NoLoad("status");
+        }
+        let body = match Limited::new(resp.into_body(), MAX_METRICS_BYTES)
+            .collect()
+            .await
+        {
+            Ok(c) => c.to_bytes(),
+            Err(_) => return Outcome::Unreachable,
+        };
+        let text = String::from_utf8_lossy(&body);
+        match parse_engine_metrics(app.config.engine.kind, &text) {
+            Some(load) => Outcome::Load(load),
+            None => Outcome::NoLoad("parse"),
+        }
+    };
+    tokio::time::timeout(deadline, fetch)
+        .await
+        .unwrap_or(Outcome::Timeout)
+}

@@ -1,0 +1,266 @@
+//! Routing: where each inference request runs. Holds the active scheduler
+//! (`kvmesh_filters::sched::Scheduler`, compiled from `filters.yaml` or the
+//! built-in default), replaces it when the file changes on disk
+//! ([`reload`]), and turns one request into a [`Plan`]: the fleet's pods as
+//! endpoint views, the request as the scheduler's request view
+//! ([`request`]), one scheduling cycle, and the decision mapped to targets
+//! ([`plan`]). `POST /debug/route` and `GET /debug/fleet` ([`debug`]) explain
+//! it on the admin port.
+//!
+//! A request another sidecar already routed here (`x-kvmesh-routed`) always
+//! runs locally, so routing never loops; so do non-inference calls.
+
+pub mod debug;
+pub mod metrics;
+pub mod plan;
+pub mod reload;
+pub mod request;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvmesh_filters::sched::{ConfigError, Decision, FilterConfig, ScheduleError, Scheduler};
+use parking_lot::RwLock;
+use tokio::time::Instant;
+
+use crate::app::App;
+use crate::config::Config;
+use crate::error::ProxyError;
+use crate::fleet::{Fleet, PodInfo};
+use crate::path::{Leg, Plan, RequestCtx, Target};
+
+/// Block size assumed until the engine reports its own (vLLM's default).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// A filter config that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum FiltersError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `file:line:col: field: message`.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// A compiled filter config and where it came from.
+pub struct Active {
+    pub scheduler: Scheduler,
+    /// The file it was read from, or `<builtin>`.
+    pub origin: String,
+}
+
+/// The routing state every request shares.
+pub struct Routing {
+    active: RwLock<Arc<Active>>,
+    /// The watched file (`scheduling.filters`), if any.
+    file: Option<PathBuf>,
+    /// Origin of the millisecond clock stateful plugins see.
+    epoch: Instant,
+}
+
+/// Reads and compiles a filter config file.
+pub fn load_filters(path: &Path) -> Result<Active, FiltersError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| FiltersError::Read {
+        file: file.clone(),
+        source,
+    })?;
+    compile(&FilterConfig::from_yaml(&text, &file)?)
+}
+
+/// Compiles a filter config already in memory.
+pub fn compile(cfg: &FilterConfig) -> Result<Active, FiltersError> {
+    Ok(Active {
+        scheduler: Scheduler::new(cfg)?,
+        origin: cfg.file().to_owned(),
+    })
+}
+
+/// Who the local pod is, from config. Its identity is the address peers and
+/// clients reach its sidecar on: today the client listener's bound address
+/// (the mesh's `advertise` setting replaces it here).
+pub fn local_pod(config: &Config, client_addr: std::net::SocketAddr) -> PodInfo {
+    let p = &config.pod;
+    PodInfo {
+        id: client_addr.to_string(),
+        sidecar_addr: None,
+        role: p.role,
+        models: p.models.clone(),
+        lora_adapters: p.lora_adapters.clone(),
+        labels: p.labels.clone(),
+    }
+}
+
+impl std::fmt::Debug for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routing")
+            .field("active", &self.active().origin)
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl Routing {
+    /// The filter config of `config.scheduling.filters`, or the built-in default.
+    pub fn from_config(config: &Config) -> Result<Self, FiltersError> {
+        let file = config.scheduling.filters.clone();
+        let active = match &file {
+            Some(path) => load_filters(path)?,
+            None => compile(&FilterConfig::builtin_default())?,
+        };
+        Ok(Self {
+            active: RwLock::new(Arc::new(active)),
+            file,
+            epoch: Instant::now(),
+        })
+    }
+
+    /// The scheduler in use now; a reload does not disturb a cycle holding it.
+    pub fn active(&self) -> Arc<Active> {
+        self.active.read().clone()
+    }
+
+    /// Makes `cfg` the active filter config (the demo compares policies this
+    /// way; file reloads go through the same swap).
+    pub fn install(&self, cfg: &FilterConfig) -> Result<(), FiltersError> {
+        self.swap(compile(cfg)?);
+        Ok(())
+    }
+
+    fn swap(&self, active: Active) {
+        *self.active.write() = Arc::new(active);
+    }
+
+    /// The watched filter file, if any.
+    pub fn file(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// Milliseconds since this sidecar started, for plugins that age state.
+    pub fn now_ms(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The plan for one request: the scheduler's decision as targets.
+    pub fn plan(&self, app: &App, ctx: &RequestCtx) -> Result<Plan, ProxyError> {
+        let m = &app.metrics.routing;
+        if ctx.already_routed {
+            m.decision("local", "routed_by_peer");
+            return Ok(Plan::local("routed_by_peer"));
+        }
+        let Some(view) = &ctx.view else {
+            m.decision("local", "passthrough");
+            return Ok(Plan::local("passthrough"));
+        };
+        let started = std::time::Instant::now();
+        let now = Instant::now();
+        let (req, endpoints) = request::build(app, ctx, view, now);
+        let decision =
+            self.active()
+                .scheduler
+                .schedule(&req, &endpoints, self.now_ms(now), rand::random());
+        m.scheduling_latency(started.elapsed().as_secs_f64());
+        match decision {
+            Ok(Decision { route, trace }) => {
+                let plan = plan::from_route(&app.fleet, &route);
+                tracing::debug!(
+                    request_id = ctx.id(),
+                    decision = plan.as_ref().map_or("error", Plan::decision),
+                    route = ?route,
+                    reason = %trace.reason,
+                    "scheduled"
+                );
+                match plan {
+                    Some(plan) => {
+                        m.decision(plan.decision(), plan.reason);
+                        Ok(plan)
+                    }
+                    None => {
+                        m.decision("error", "pod_gone");
+                        Err(ProxyError::Internal(format!(
+                            "the scheduler chose {:?}, which left the fleet",
+                            route.primary().id
+                        )))
+                    }
+                }
+            }
+            Err(e) => {
+                let err = no_endpoint_error(&req.model, &endpoints, e);
+                let reason = match &err {
+                    ProxyError::ModelNotFound { .. } => "model_not_found",
+                    _ => "no_endpoint",
+                };
+                m.decision("error", reason);
+                Err(err)
+            }
+        }
+    }
+}
+
+/// A scheduling failure as the client's error: an unknown model is 404
+/// (nothing in the mesh serves it), anything else names the filter.
+pub fn no_endpoint_error(
+    model: &str,
+    endpoints: &[kvmesh_filters::sched::EndpointView],
+    e: ScheduleError,
+) -> ProxyError {
+    let served = endpoints.iter().any(|ep| {
+        (ep.models.is_empty() && ep.lora_adapters.is_empty())
+            || ep.models.iter().any(|m| m == model)
+            || ep.lora_adapters.iter().any(|a| a == model)
+    });
+    if !served {
+        let mut known: Vec<&str> = endpoints
+            .iter()
+            .flat_map(|ep| ep.models.iter().chain(&ep.lora_adapters))
+            .map(String::as_str)
+            .collect();
+        known.sort_unstable();
+        known.dedup();
+        known.truncate(16);
+        return ProxyError::ModelNotFound {
+            model: model.to_owned(),
+            known: known.join(", "),
+        };
+    }
+    match e {
+        ScheduleError::NoEndpoint {
+            model,
+            filter,
+            profile,
+        } => ProxyError::NoEndpoint {
+            model,
+            filter,
+            profile,
+        },
+        other => ProxyError::Internal(other.to_string()),
+    }
+}
+
+/// Counts the request towards the pod `target` runs on (its decode pod when
+/// disaggregated), for as long as the response lasts. Called by the execute
+/// stage for each target it tries, so a fallback moves the count.
+pub fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
+    let guard = pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id));
+    if let Some(in_flight) = ctx.in_flight.as_mut() {
+        in_flight.hold_target(guard);
+    }
+}
+
+fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
+    let leg = match target {
+        Target::LocalEngine => Leg::LocalEngine,
+        Target::Peer { sidecar_addr } => Leg::Peer {
+            sidecar_addr: *sidecar_addr,
+        },
+        Target::Disaggregated { decode, .. } => decode.clone(),
+    };
+    match leg {
+        Leg::LocalEngine => Some(fleet.local_id().to_owned()),
+        Leg::Peer { sidecar_addr } => fleet.peer_id(sidecar_addr),
+    }
+}

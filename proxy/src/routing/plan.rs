@@ -1,0 +1,148 @@
+//! A scheduler decision as the execute stage's [`Plan`]: the local pod
+//! becomes [`Target::LocalEngine`], another pod [`Target::Peer`] at the
+//! sidecar address the fleet holds for it (never an address taken from the
+//! request, so the sidecar is no open relay), a prefill/decode pair
+//! [`Target::Disaggregated`]. Fallbacks keep the picker's order; a pod that
+//! left the fleet since the endpoint snapshot is skipped.
+
+use kvmesh_filters::sched::Route;
+
+use crate::fleet::Fleet;
+use crate::path::schedule::MAX_ATTEMPTS;
+use crate::path::{Leg, Plan, Target};
+
+/// The plan for `route`; `None` when its chosen pod is no longer known.
+pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {
+    let (target, fallback_ids) = match route {
+        Route::Aggregated { target } => (target_of(fleet, &target.id)?, &target.fallbacks),
+        Route::Disaggregated { prefill, decode } => {
+            let t = Target::Disaggregated {
+                prefill: leg_of(fleet, &prefill.id)?,
+                decode: leg_of(fleet, &decode.id)?,
+            };
+            (t, &decode.fallbacks)
+        }
+    };
+    // After a refused P/D attempt the decode pod can still serve it whole.
+    let whole_on_decode = match route {
+        Route::Disaggregated { decode, .. } => target_of(fleet, &decode.id),
+        Route::Aggregated { .. } => None,
+    };
+    let fallbacks = whole_on_decode
+        .into_iter()
+        .chain(fallback_ids.iter().filter_map(|id| target_of(fleet, id)))
+        .take(MAX_ATTEMPTS - 1)
+        .collect();
+    Some(Plan {
+        target,
+        fallbacks,
+        reason: "scheduled",
+    })
+}
+
+/// Where requests for pod `id` go.
+pub fn target_of(fleet: &Fleet, id: &str) -> Option<Target> {
+    Some(match leg_of(fleet, id)? {
+        Leg::LocalEngine => Target::LocalEngine,
+        Leg::Peer { sidecar_addr } => Target::Peer { sidecar_addr },
+    })
+}
+
+fn leg_of(fleet: &Fleet, id: &str) -> Option<Leg> {
+    if id == fleet.local_id() {
+        return Some(Leg::LocalEngine);
+    }
+    fleet
+        .sidecar_addr(id)
+        .map(|sidecar_addr| Leg::Peer { sidecar_addr })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::BTreeMap;
+    use std::net::SocketAddr;
+
+    use kvmesh_filters::sched::{Choice, Role};
+
+    use super::*;
+    use crate::fleet::PodInfo;
+
+    fn pod(id: &str, addr: Option<SocketAddr>) -> PodInfo {
+        PodInfo {
+            id: id.to_owned(),
+            sidecar_addr: addr,
+            role: Role::Both,
+            models: vec![],
+            lora_adapters: vec![],
+            labels: BTreeMap::new(),
+        }
+    }
+
+    fn choice(id: &str, fallbacks: &[&str]) -> Choice {
+        Choice {
+            id: id.to_owned(),
+            index: 0,
+            fallbacks: fallbacks.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    fn fleet() -> (Fleet, SocketAddr, SocketAddr) {
+        let b: SocketAddr = "127.0.0.1:7002".parse().unwrap();
+        let c: SocketAddr = "127.0.0.1:7003".parse().unwrap();
+        let f = Fleet::new(pod("a", None));
+        f.upsert_peer(pod("b", Some(b))).unwrap();
+        f.upsert_peer(pod("c", Some(c))).unwrap();
+        (f, b, c)
+    }
+
+    #[test]
+    fn local_and_peer_targets_with_fallbacks_in_order() {
+        let (f, b, c) = fleet();
+        let p = from_route(
+            &f,
+            &Route::Aggregated {
+                target: choice("b", &["gone", "a", "c"]),
+            },
+        )
+        .unwrap();
+        assert_eq!(p.target, Target::Peer { sidecar_addr: b });
+        assert_eq!(
+            p.fallbacks,
+            vec![Target::LocalEngine, Target::Peer { sidecar_addr: c }]
+        );
+        assert_eq!(p.decision(), "peer");
+    }
+
+    #[test]
+    fn disaggregated_falls_back_to_the_decode_pod_whole() {
+        let (f, b, _) = fleet();
+        let p = from_route(
+            &f,
+            &Route::Disaggregated {
+                prefill: choice("b", &[]),
+                decode: choice("a", &["c"]),
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            p.target,
+            Target::Disaggregated {
+                prefill: Leg::Peer { sidecar_addr: b },
+                decode: Leg::LocalEngine
+            }
+        );
+        assert_eq!(p.fallbacks[0], Target::LocalEngine);
+        assert_eq!(p.fallbacks.len(), 2);
+        assert_eq!(p.decision(), "disaggregated");
+    }
+
+    #[test]
+    fn a_pod_that_left_yields_no_plan() {
+        let (f, _, _) = fleet();
+        let r = Route::Aggregated {
+            target: choice("zz", &["a"]),
+        };
+        assert!(from_route(&f, &r).is_none());
+    }
+}

@@ -1,0 +1,68 @@
+//! Hot reload of the filter config: the file named by `scheduling.filters`
+//! is checked every `scheduling.reload_interval` (size and modification
+//! time; no inotify, so it works on every filesystem and with Kubernetes'
+//! ConfigMap symlink swaps). A changed file that loads becomes the active
+//! config at once (requests already scheduling keep the one they hold); one
+//! that does not is logged with its `file:line:col: field` and counted in
+//! `kvmesh_filters_reload_errors_total`, and the previous config stays.
+//! Runs until shutdown.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use kvmesh_filters::sched::FilterConfig;
+
+use super::{compile, FiltersError};
+use crate::app::App;
+use crate::shutdown::Shutdown;
+
+/// What identifies a version of the file: modification time and length.
+type Stamp = Option<(SystemTime, u64)>;
+
+/// The watch loop; spawned once per sidecar that has a filter file.
+pub async fn watch(app: Arc<App>, shutdown: Shutdown) {
+    let Some(path) = app.routing.file().map(Path::to_path_buf) else {
+        return;
+    };
+    let interval = app.config.scheduling.reload_interval.get();
+    let mut seen = stamp(&path).await;
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let now = stamp(&path).await;
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        match load(&path).await {
+            Ok(active) => {
+                app.routing.swap(active);
+                app.metrics.routing.reloaded();
+                tracing::info!(file = %path.display(), "filter config reloaded");
+            }
+            Err(e) => {
+                app.metrics.routing.reload_failed();
+                tracing::error!(error = %e, "filter config rejected; the previous one stays active");
+            }
+        }
+    }
+}
+
+async fn stamp(path: &Path) -> Stamp {
+    let m = tokio::fs::metadata(path).await.ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+async fn load(path: &Path) -> Result<super::Active, FiltersError> {
+    let file = path.display().to_string();
+    let text = tokio::fs::read_to_string(path)
+        .await
+        .map_err(|source| FiltersError::Read {
+            file: file.clone(),
+            source,
+        })?;
+    compile(&FilterConfig::from_yaml(&text, &file)?)
+}
