@@ -381,64 +381,38 @@ impl PrefixIndex {
     pub fn match_prefix(&self, keys: &[BlockKey]) -> Vec<PrefixMatch> {
         let mut guards: Vec<Option<RwLockReadGuard<'_, Shard>>> =
             (0..SHARDS).map(|_| None).collect();
-        let mut active: Vec<PrefixMatch> = Vec::new();
-        let mut done: Vec<PrefixMatch> = Vec::new();
-        // Per active pod: still on an all-GPU run, and holds the current key (any / GPU).
-        let mut gpu_run: Vec<bool> = Vec::new();
-        let mut held: Vec<(bool, bool)> = Vec::new();
-        for (i, &key) in keys.iter().enumerate() {
-            let g = guards[shard_of(key)].get_or_insert_with(|| self.shards[shard_of(key)].read());
-            if i == 0 {
-                g.for_each_holder(key, |h| {
-                    match active.iter().position(|m| m.pod.0 == h.pod) {
-                        Some(p) => gpu_run[p] |= h.medium == Medium::Gpu,
-                        None => {
-                            active.push(PrefixMatch {
-                                pod: PodId(h.pod),
-                                blocks: 0,
-                                gpu_blocks: 0,
-                            });
-                            gpu_run.push(h.medium == Medium::Gpu);
-                        }
-                    }
-                });
-                for (m, &gpu) in active.iter_mut().zip(&gpu_run) {
-                    m.blocks = 1;
-                    m.gpu_blocks = usize::from(gpu);
-                }
-                continue;
+        let mut m = Matcher::default();
+        // Keys are looked up in chunks (8, 16, … 64) before any is examined:
+        // the lookups are independent, so the CPU overlaps their cache misses,
+        // while a miss on the first key still costs only one small chunk.
+        let mut raw: Vec<u64> = Vec::with_capacity(64);
+        let (mut pos, mut chunk) = (0, 8);
+        while pos < keys.len() {
+            let end = (pos + chunk).min(keys.len());
+            raw.clear();
+            for &k in &keys[pos..end] {
+                let s = shard_of(k);
+                raw.push(
+                    guards[s]
+                        .get_or_insert_with(|| self.shards[s].read())
+                        .raw(k),
+                );
             }
-            if active.is_empty() {
+            for (&k, &v) in keys[pos..end].iter().zip(&raw) {
+                if let Some(g) = &guards[shard_of(k)] {
+                    m.step(g, v);
+                }
+                if m.active.is_empty() {
+                    break;
+                }
+            }
+            if m.active.is_empty() {
                 break;
             }
-            held.clear();
-            held.resize(active.len(), (false, false));
-            g.for_each_holder(key, |h| {
-                if let Some(p) = active.iter().position(|m| m.pod.0 == h.pod) {
-                    held[p].0 = true;
-                    held[p].1 |= h.medium == Medium::Gpu;
-                }
-            });
-            let mut j = 0;
-            while j < active.len() {
-                let (any, gpu) = held[j];
-                if !any {
-                    done.push(active.swap_remove(j));
-                    gpu_run.swap_remove(j);
-                    held.swap_remove(j);
-                    continue;
-                }
-                active[j].blocks += 1;
-                gpu_run[j] &= gpu;
-                if gpu_run[j] {
-                    active[j].gpu_blocks += 1;
-                }
-                j += 1;
-            }
+            pos = end;
+            chunk = (chunk * 2).min(64);
         }
-        done.extend(active);
-        done.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.pod.cmp(&b.pod)));
-        done
+        m.finish()
     }
 
     /// Sizes, for metrics and the memory benchmark.
@@ -465,6 +439,75 @@ impl PrefixIndex {
                 + st.epochs.iter().map(|e| e.capacity() * 8).sum::<usize>();
         }
         s
+    }
+}
+
+/// The state of one [`PrefixIndex::match_prefix`] walk.
+#[derive(Debug, Default)]
+struct Matcher {
+    started: bool,
+    active: Vec<PrefixMatch>,
+    /// Per active pod: whether all its blocks so far were on the GPU.
+    gpu_run: Vec<bool>,
+    /// Per active pod, for the current key: held in any medium / on the GPU.
+    held: Vec<(bool, bool)>,
+    done: Vec<PrefixMatch>,
+}
+
+impl Matcher {
+    /// Advances by one key whose packed holders are `v`.
+    fn step(&mut self, shard: &Shard, v: u64) {
+        if !self.started {
+            self.started = true;
+            let (active, gpu_run) = (&mut self.active, &mut self.gpu_run);
+            shard.for_each_raw(v, |h| match active.iter().position(|m| m.pod.0 == h.pod) {
+                Some(p) => gpu_run[p] |= h.medium == Medium::Gpu,
+                None => {
+                    active.push(PrefixMatch {
+                        pod: PodId(h.pod),
+                        blocks: 1,
+                        gpu_blocks: 0,
+                    });
+                    gpu_run.push(h.medium == Medium::Gpu);
+                }
+            });
+            for (m, &gpu) in self.active.iter_mut().zip(&self.gpu_run) {
+                m.gpu_blocks = usize::from(gpu);
+            }
+            return;
+        }
+        self.held.clear();
+        self.held.resize(self.active.len(), (false, false));
+        let (active, held) = (&self.active, &mut self.held);
+        shard.for_each_raw(v, |h| {
+            if let Some(p) = active.iter().position(|m| m.pod.0 == h.pod) {
+                held[p].0 = true;
+                held[p].1 |= h.medium == Medium::Gpu;
+            }
+        });
+        let mut j = 0;
+        while j < self.active.len() {
+            let (any, gpu) = self.held[j];
+            if !any {
+                self.done.push(self.active.swap_remove(j));
+                self.gpu_run.swap_remove(j);
+                self.held.swap_remove(j);
+                continue;
+            }
+            self.active[j].blocks += 1;
+            self.gpu_run[j] &= gpu;
+            if self.gpu_run[j] {
+                self.active[j].gpu_blocks += 1;
+            }
+            j += 1;
+        }
+    }
+
+    fn finish(mut self) -> Vec<PrefixMatch> {
+        self.done.append(&mut self.active);
+        self.done
+            .sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.pod.cmp(&b.pod)));
+        self.done
     }
 }
 

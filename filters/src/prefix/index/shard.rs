@@ -102,17 +102,26 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    /// Calls `f` with each holder of `key`.
-    pub(crate) fn for_each_holder(&self, key: u64, mut f: impl FnMut(Holder)) {
-        match self.map.get(&key) {
-            None => {}
-            Some(&v) if v & MANY == 0 => f(Holder::unpack(v)),
-            Some(&v) => {
-                if let Some(list) = self.overflow.get((v & !MANY) as usize) {
-                    list.iter().copied().for_each(f);
-                }
-            }
+    /// The packed holders of `key`, 0 when absent (a live single holder has
+    /// `refs >= 1`, so it never packs to 0).
+    pub(crate) fn raw(&self, key: u64) -> u64 {
+        self.map.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Calls `f` with each holder in a value from [`Shard::raw`].
+    pub(crate) fn for_each_raw(&self, v: u64, mut f: impl FnMut(Holder)) {
+        if v == 0 {
+        } else if v & MANY == 0 {
+            f(Holder::unpack(v));
+        } else if let Some(list) = self.overflow.get((v & !MANY) as usize) {
+            list.iter().copied().for_each(f);
         }
+    }
+
+    /// Calls `f` with each holder of `key`.
+    #[cfg(test)]
+    pub(crate) fn for_each_holder(&self, key: u64, f: impl FnMut(Holder)) {
+        self.for_each_raw(self.raw(key), f);
     }
 
     pub(crate) fn len(&self) -> usize {
