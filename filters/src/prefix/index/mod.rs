@@ -394,7 +394,12 @@ impl PrefixIndex {
                 let s = shard_of(k);
                 raw.push(
                     guards[s]
-                        .get_or_insert_with(|| self.shards[s].read())
+                        // Several shard guards are held at once: a plain
+                        // `read()` would queue behind a waiting writer while
+                        // holding another shard, and two such readers could
+                        // deadlock with two writers. Recursive reads never
+                        // wait for writers; a writer holds one shard at a time.
+                        .get_or_insert_with(|| self.shards[s].read_recursive())
                         .raw(k),
                 );
             }
