@@ -1,0 +1,250 @@
+//! Ingestion of the local engine's KV cache events into the prefix index.
+//!
+//! One task per sidecar ([`run`], owned by the sidecar's task set, stops on
+//! shutdown) holds a ZMQ SUB on `engine.kv_events.endpoint`: it connects when
+//! the engine binds (the endpoint has `*`, `::` or `ipc://`) and binds when
+//! the engine connects (`engine.kv_events.socket` overrides). Each 3-frame
+//! message is decoded with `kvmesh_filters::prefix::kvevents` (a frame that
+//! does not decode is counted and skipped) and sequence-checked
+//! ([`tracker`]):
+//!
+//! * first join: with a replay endpoint, everything the engine kept is
+//!   replayed from 0 before live batches are applied;
+//! * a gap: the missing batches are replayed from the engine's ROUTER
+//!   (`replay_endpoint`), each step under `replay_timeout`; without one, or
+//!   if the replay fails, the gap is counted and the stream goes on;
+//! * a sequence going backwards (engine restart): the local pod is cleared,
+//!   then resynced by a replay from 0 where possible;
+//! * `AllBlocksCleared` clears the pod inside the index as the batch is
+//!   applied; the stream itself is intact, so no replay is needed.
+//!
+//! A socket error drops the socket and reopens it after a backoff that doubles
+//! up to `engine.kv_events.reconnect_max`.
+//!
+//! Every applied local batch is also sent, in order, on the bounded broadcast
+//! channel of [`crate::prefix::PrefixState::subscribe_local`] (the mesh
+//! forwards it to peers). A receiver that lags loses updates and must resync
+//! its peers from a snapshot of the index; a restart is sent as
+//! [`LocalKvUpdate::Cleared`] before the replayed batches.
+
+pub mod socket;
+pub mod tracker;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, EventBatch, KvMessage};
+use zeromq::SocketRecv;
+
+use crate::app::App;
+use crate::config::prefix::{consumer_endpoint, dial};
+use crate::config::KvEvents;
+use crate::shutdown::Shutdown;
+use tracker::{Step, Tracker};
+
+/// First pause before reopening a failed socket.
+const BACKOFF_START: Duration = Duration::from_millis(100);
+/// Index size metrics are refreshed at most this often.
+const STATS_EVERY: Duration = Duration::from_millis(250);
+
+/// One change to the local pod's cached blocks, as the mesh forwards it.
+#[derive(Debug, Clone)]
+pub enum LocalKvUpdate {
+    /// A batch applied to the local pod, keyed by `model` (see
+    /// [`crate::prefix`] on key models).
+    Batch {
+        seq: u64,
+        model: Arc<str>,
+        batch: Arc<EventBatch>,
+    },
+    /// The engine restarted: everything it held is gone.
+    Cleared,
+}
+
+struct Feed {
+    app: Arc<App>,
+    cfg: KvEvents,
+    replay: Option<String>,
+    tracker: Tracker,
+    last_stats: std::time::Instant,
+}
+
+/// The ingestion task (see the module docs). Returns on shutdown.
+pub async fn run(app: Arc<App>, shutdown: Shutdown) {
+    let Some(cfg) = app.config.engine.kv_events.clone() else {
+        return;
+    };
+    let (endpoint, bind) = consumer_endpoint(&cfg.endpoint, cfg.socket);
+    let mut feed = Feed {
+        replay: cfg.replay_endpoint.as_deref().map(dial),
+        app,
+        cfg,
+        tracker: Tracker::default(),
+        last_stats: std::time::Instant::now(),
+    };
+    let mut backoff = BACKOFF_START;
+    let mut first_join = true;
+    loop {
+        let opened = tokio::select! {
+            _ = shutdown.triggered() => return,
+            r = socket::open_sub(&endpoint, bind, &feed.cfg.topic) => r,
+        };
+        let mut sub = match opened {
+            Ok((sub, resolved)) => {
+                tracing::info!(endpoint = %resolved, bind, "KV events: subscribed");
+                feed.app.metrics.prefix.connected(true);
+                backoff = BACKOFF_START;
+                sub
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "KV events: cannot open the socket; retrying");
+                tokio::select! {
+                    _ = shutdown.triggered() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(feed.cfg.reconnect_max.get());
+                continue;
+            }
+        };
+        if first_join {
+            first_join = false;
+            if feed.replay.is_some() {
+                feed.resync(&shutdown, 0).await;
+            }
+        }
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.triggered() => {
+                    feed.app.metrics.prefix.connected(false);
+                    return;
+                }
+                m = sub.recv() => m,
+            };
+            match msg {
+                Ok(m) => {
+                    let frames = m.into_vec();
+                    match decode_message(&frames) {
+                        Ok(m) => feed.live(&shutdown, m).await,
+                        Err(e) => {
+                            feed.app.metrics.prefix.decode_error();
+                            tracing::debug!(error = %e, "KV events: undecodable message skipped");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV events: socket failed; reopening");
+                    feed.app.metrics.prefix.connected(false);
+                    break;
+                }
+            }
+        }
+        drop(sub);
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(feed.cfg.reconnect_max.get());
+    }
+}
+
+impl Feed {
+    async fn live(&mut self, shutdown: &Shutdown, m: KvMessage) {
+        match self.tracker.on_live(m.seq) {
+            Step::Apply => self.apply(&m),
+            Step::Duplicate => {}
+            Step::Gap { from } => {
+                self.app.metrics.prefix.gap(m.seq - from);
+                tracing::info!(from, to = m.seq, "KV events: sequence gap");
+                if self.replay.is_some() {
+                    self.resync(shutdown, from).await;
+                }
+                if self.tracker.wants(m.seq) {
+                    self.apply(&m);
+                }
+            }
+            Step::Restart => {
+                let prefix = &self.app.prefix;
+                tracing::info!(seq = m.seq, "KV events: engine restarted; clearing the pod");
+                self.app.metrics.prefix.restart();
+                prefix.index().clear_pod(prefix.local_pod().0);
+                prefix.publish_local(LocalKvUpdate::Cleared);
+                if self.replay.is_some() {
+                    self.resync(shutdown, 0).await;
+                }
+                if self.tracker.wants(m.seq) {
+                    self.apply(&m);
+                }
+            }
+        }
+    }
+
+    /// Replays from `from` and applies what is new.
+    async fn resync(&mut self, shutdown: &Shutdown, from: u64) {
+        let Some(ep) = self.replay.clone() else {
+            return;
+        };
+        let m = &self.app.metrics.prefix;
+        let got = tokio::select! {
+            _ = shutdown.triggered() => return,
+            r = socket::replay(&ep, from, self.cfg.replay_timeout.get()) => r,
+        };
+        let replayed = match got {
+            Ok(r) => r,
+            Err(e) => {
+                m.replay("failed");
+                tracing::warn!(error = %e, from, "KV events: replay failed; continuing with a gap");
+                return;
+            }
+        };
+        for _ in 0..replayed.decode_errors {
+            m.decode_error();
+        }
+        let mut contiguous = replayed.complete && replayed.decode_errors == 0;
+        for b in &replayed.batches {
+            if !b.topic.is_empty() && !b.topic.starts_with(&self.cfg.topic) {
+                continue;
+            }
+            if !self.tracker.wants(b.seq) {
+                continue;
+            }
+            if b.seq != self.tracker.next() {
+                // The engine no longer holds the batches in between.
+                contiguous = false;
+            }
+            self.apply(b);
+        }
+        self.app
+            .metrics
+            .prefix
+            .replay(if contiguous { "ok" } else { "incomplete" });
+    }
+
+    fn apply(&mut self, m: &KvMessage) {
+        let prefix = &self.app.prefix;
+        let model: Arc<str> = Arc::from(prefix.event_model(parse_topic(&m.topic).map(|t| t.model)));
+        let stats = prefix.index().apply(prefix.local_pod().0, &model, &m.batch);
+        self.tracker.applied(m.seq);
+        let metrics = &self.app.metrics.prefix;
+        metrics.batch();
+        metrics.events("stored", stats.stored);
+        metrics.events("removed", stats.removed);
+        metrics.events("cleared", stats.cleared);
+        let bs = prefix.index().block_size();
+        if bs > 0 {
+            // Events are the engine's own word; the metrics scraper agrees.
+            self.app.engine_block_size.store(bs, Ordering::Relaxed);
+        }
+        if prefix.has_local_subscribers() {
+            prefix.publish_local(LocalKvUpdate::Batch {
+                seq: m.seq,
+                model,
+                batch: Arc::new(m.batch.clone()),
+            });
+        }
+        if self.last_stats.elapsed() >= STATS_EVERY || stats.cleared > 0 {
+            self.last_stats = std::time::Instant::now();
+            metrics.index(prefix.index().stats());
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! Prompts to token ids, the way the engine will see them.
+//!
+//! Three sources: a tokenizer in this process (the simulator's `builtin`, or a
+//! Hugging Face model directory read once at start: `tokenizer.json`,
+//! `tokenizer_config.json`, `chat_template.jinja`), behind the filters
+//! crate's token prefix cache so shared system prompts and conversation
+//! prefixes are tokenized once; or the local engine's `/tokenize` (vLLM's
+//! request and response shapes, chat through `messages`), one call per
+//! request under a deadline. Long prompts are tokenized only up to
+//! `prefix.max_tokenize_bytes` (their leading blocks are what matches anyway).
+
+use std::borrow::Cow;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use kvmesh_filters::prefix::tokenize::{
+    Builtin, CachedTokenizer, ChatMessage, HfTokenizer, TokenCacheConfig, TokenizeError, Tokenizer,
+};
+use serde::Deserialize;
+
+use crate::body::UpstreamBody;
+use crate::path::Prompt;
+use crate::upstream::UpstreamClient;
+
+/// Largest `/tokenize` response read (a 128k-token prompt is under 1 MiB of JSON).
+const MAX_TOKENIZE_RESPONSE: usize = 8 * 1024 * 1024;
+
+/// Why the tokenizer could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefixError {
+    #[error("tokenizer {dir}: cannot read {file}: {source}")]
+    Read {
+        dir: String,
+        file: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tokenizer {dir}: {source}")]
+    Load {
+        dir: String,
+        #[source]
+        source: TokenizeError,
+    },
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+    #[error("engine /tokenize: {0}")]
+    Engine(String),
+    #[error("engine /tokenize did not answer within {0:?}")]
+    EngineTimeout(Duration),
+}
+
+/// A tokenizer in this process, with the token prefix cache in front.
+pub struct LocalTokenizer {
+    cached: CachedTokenizer<Arc<dyn Tokenizer>>,
+    /// Kept to give templates that print the date the current time.
+    hf: Option<Arc<HfTokenizer>>,
+}
+
+impl std::fmt::Debug for LocalTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTokenizer")
+            .field("hf", &self.hf)
+            .finish()
+    }
+}
+
+/// Token ids of one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// Exact ids of the prompt, or of its first `max_tokenize_bytes` when capped.
+    pub ids: Vec<u32>,
+    pub capped: bool,
+    /// Tokens of the whole prompt (estimated when capped).
+    pub prompt_tokens: usize,
+}
+
+impl LocalTokenizer {
+    /// The simulator's deterministic tokenizer.
+    pub fn builtin(cache_bytes: usize) -> Self {
+        Self::wrap(Arc::new(Builtin), None, cache_bytes)
+    }
+
+    /// A Hugging Face model directory, read once.
+    pub fn from_dir(dir: &Path, cache_bytes: usize) -> Result<Self, PrefixError> {
+        let name = dir.display().to_string();
+        let json = std::fs::read(dir.join("tokenizer.json")).map_err(|source| PrefixError::Read {
+            dir: name.clone(),
+            file: "tokenizer.json",
+            source,
+        })?;
+        let optional = |file: &'static str| -> Result<Option<String>, PrefixError> {
+            match std::fs::read_to_string(dir.join(file)) {
+                Ok(s) => Ok(Some(s)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(source) => Err(PrefixError::Read {
+                    dir: name.clone(),
+                    file,
+                    source,
+                }),
+            }
+        };
+        let config = optional("tokenizer_config.json")?;
+        let template = optional("chat_template.jinja")?;
+        let hf = HfTokenizer::from_parts(&json, config.as_deref(), template.as_deref())
+            .map_err(|source| PrefixError::Load {
+                dir: name.clone(),
+                source,
+            })?;
+        let hf = Arc::new(hf);
+        Ok(Self::wrap(hf.clone(), Some(hf), cache_bytes))
+    }
+
+    fn wrap(inner: Arc<dyn Tokenizer>, hf: Option<Arc<HfTokenizer>>, cache_bytes: usize) -> Self {
+        let config = TokenCacheConfig {
+            max_bytes: cache_bytes,
+            ..TokenCacheConfig::default()
+        };
+        Self {
+            cached: CachedTokenizer::new(inner, config),
+            hf,
+        }
+    }
+
+    pub fn cache(&self) -> &CachedTokenizer<Arc<dyn Tokenizer>> {
+        &self.cached
+    }
+
+    /// Token ids of `prompt` as the engine computes them (`None` when the
+    /// prompt has no text or ids, e.g. embeddings). A batch of prompts is
+    /// keyed by its first (the request runs on one pod).
+    pub fn tokenize(
+        &self,
+        prompt: &Prompt,
+        add_generation_prompt: bool,
+        max_bytes: usize,
+    ) -> Result<Option<Tokenized>, PrefixError> {
+        let (text, special) = match prompt {
+            Prompt::None => return Ok(None),
+            Prompt::Tokens(ids) => return Ok(Some(exact(ids.clone()))),
+            Prompt::TokenBatches(b) => return Ok(b.first().map(|ids| exact(ids.clone()))),
+            Prompt::Text(s) => (Cow::Borrowed(s.as_str()), true),
+            Prompt::Texts(v) => match v.first() {
+                Some(s) => (Cow::Borrowed(s.as_str()), true),
+                None => return Ok(None),
+            },
+            Prompt::Chat(ms) => {
+                if let Some(hf) = &self.hf {
+                    hf.set_now_unix(unix_now());
+                }
+                let text = self.cached.render_chat(ms, add_generation_prompt)?;
+                (Cow::Owned(text), !self.cached.chat_template_adds_bos())
+            }
+        };
+        let c = self.cached.encode_capped(&text, special, max_bytes)?;
+        Ok(Some(Tokenized {
+            ids: c.ids,
+            capped: c.capped,
+            prompt_tokens: c.estimated_tokens,
+        }))
+    }
+}
+
+fn exact(ids: Vec<u32>) -> Tokenized {
+    let n = ids.len();
+    Tokenized {
+        ids,
+        capped: false,
+        prompt_tokens: n,
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+#[derive(Deserialize)]
+struct TokenizeReply {
+    tokens: Vec<u32>,
+}
+
+/// What `/tokenize` is asked: the client's prompt, or its messages.
+fn engine_body(
+    model: Option<&str>,
+    prompt: &Prompt,
+    add_generation_prompt: bool,
+    max_bytes: usize,
+) -> Option<(serde_json::Value, bool)> {
+    let mut capped = false;
+    let mut cut = |s: &str| -> String {
+        if s.len() <= max_bytes {
+            return s.to_owned();
+        }
+        capped = true;
+        let mut end = max_bytes;
+        while end > 0 && !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        // Cut before a space so the last whole word tokenizes as in the full text.
+        let end = s[..end].rfind(' ').unwrap_or(end);
+        s[..end].to_owned()
+    };
+    let mut body = match prompt {
+        Prompt::Text(s) => serde_json::json!({ "prompt": cut(s) }),
+        Prompt::Texts(v) => serde_json::json!({ "prompt": cut(v.first()?) }),
+        Prompt::Chat(ms) => {
+            let total: usize = ms.iter().map(|m| m.content.len()).sum();
+            if total > max_bytes {
+                // A cut chat cannot be rendered faithfully; skip it (counted as capped).
+                return None;
+            }
+            let msgs: Vec<serde_json::Value> = ms
+                .iter()
+                .map(|m: &ChatMessage| serde_json::json!({"role": m.role, "content": m.content}))
+                .collect();
+            serde_json::json!({ "messages": msgs, "add_generation_prompt": add_generation_prompt })
+        }
+        Prompt::None | Prompt::Tokens(_) | Prompt::TokenBatches(_) => return None,
+    };
+    if let (Some(m), Some(obj)) = (model, body.as_object_mut()) {
+        obj.insert("model".to_owned(), serde_json::Value::String(m.to_owned()));
+    }
+    Some((body, capped))
+}
+
+/// Whether the engine would be asked at all (token prompts need no call;
+/// an over-long chat is skipped).
+pub fn engine_skips_chat(prompt: &Prompt, max_bytes: usize) -> bool {
+    matches!(prompt, Prompt::Chat(ms) if ms.iter().map(|m| m.content.len()).sum::<usize>() > max_bytes)
+}
+
+/// Asks the local engine's `/tokenize` for the prompt's ids.
+pub async fn engine_tokenize(
+    client: &UpstreamClient,
+    engine_url: &str,
+    model: Option<&str>,
+    prompt: &Prompt,
+    add_generation_prompt: bool,
+    max_bytes: usize,
+    deadline: Duration,
+) -> Result<Option<Tokenized>, PrefixError> {
+    match prompt {
+        Prompt::Tokens(ids) => return Ok(Some(exact(ids.clone()))),
+        Prompt::TokenBatches(b) => return Ok(b.first().map(|ids| exact(ids.clone()))),
+        _ => {}
+    }
+    let Some((body, capped)) = engine_body(model, prompt, add_generation_prompt, max_bytes) else {
+        return Ok(None);
+    };
+    let uri: Uri = format!("{engine_url}/tokenize")
+        .parse()
+        .map_err(|e| PrefixError::Engine(format!("bad URL: {e}")))?;
+    let bytes = serde_json::to_vec(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(UpstreamBody::Full(Full::new(Bytes::from(bytes))))
+        .map_err(|e| PrefixError::Engine(e.to_string()))?;
+    let call = async {
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| PrefixError::Engine(e.to_string()))?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), MAX_TOKENIZE_RESPONSE)
+            .collect()
+            .await
+            .map_err(|e| PrefixError::Engine(e.to_string()))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(PrefixError::Engine(format!(
+                "status {status}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            )));
+        }
+        let reply: TokenizeReply =
+            serde_json::from_slice(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
+        Ok(reply.tokens)
+    };
+    let mut ids = tokio::time::timeout(deadline, call)
+        .await
+        .map_err(|_| PrefixError::EngineTimeout(deadline))??;
+    if capped {
+        // The last token before the cut may differ from the full prompt's.
+        ids.pop();
+    }
+    let n = ids.len();
+    Ok(Some(Tokenized {
+        ids,
+        capped,
+        prompt_tokens: n,
+    }))
+}
+
+/// The text the approximate index hashes: the prompt, or the chat messages
+/// with their roles (no template is known in this mode).
+pub fn approx_text(prompt: &Prompt) -> Option<Cow<'_, str>> {
+    match prompt {
+        Prompt::Text(s) => Some(Cow::Borrowed(s)),
+        Prompt::Texts(v) => v.first().map(|s| Cow::Borrowed(s.as_str())),
+        Prompt::Chat(ms) => {
+            let mut s = String::with_capacity(ms.iter().map(|m| m.content.len() + 16).sum());
+            for m in ms {
+                s.push_str(&m.role);
+                s.push('\n');
+                s.push_str(&m.content);
+                s.push_str("\n\n");
+            }
+            Some(Cow::Owned(s))
+        }
+        Prompt::None | Prompt::Tokens(_) | Prompt::TokenBatches(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn builtin_tokenizes_completion_and_chat_like_the_simulator() {
+        let t = LocalTokenizer::builtin(1 << 20);
+        let p = Prompt::Text("hello world again".into());
+        let got = t.tokenize(&p, true, 1 << 20).unwrap().unwrap();
+        assert_eq!(got.ids, Builtin.encode("hello world again", true).unwrap());
+        assert!(!got.capped);
+        let ms = vec![ChatMessage {
+            role: "user".into(),
+            content: "hi there".into(),
+        }];
+        let got = t.tokenize(&Prompt::Chat(ms.clone()), true, 1 << 20).unwrap().unwrap();
+        assert_eq!(got.ids, Builtin.encode_chat(&ms, true).unwrap());
+        assert_eq!(t.tokenize(&Prompt::None, true, 10).unwrap(), None);
+    }
+
+    #[test]
+    fn long_prompts_are_capped_and_estimated() {
+        let t = LocalTokenizer::builtin(1 << 20);
+        let text = "word ".repeat(10_000);
+        let got = t.tokenize(&Prompt::Text(text.clone()), true, 1000).unwrap().unwrap();
+        assert!(got.capped);
+        assert!(got.ids.len() < 400, "{}", got.ids.len());
+        assert!(got.prompt_tokens > 5_000, "{}", got.prompt_tokens);
+        // The capped ids are a prefix of the full ids.
+        let full = Builtin.encode(&text, true).unwrap();
+        assert_eq!(&full[..got.ids.len()], &got.ids[..]);
+    }
+
+    #[test]
+    fn engine_body_has_vllms_shape() {
+        let (b, capped) = engine_body(Some("m"), &Prompt::Text("a b c".into()), true, 100).unwrap();
+        assert_eq!(b, serde_json::json!({"model": "m", "prompt": "a b c"}));
+        assert!(!capped);
+        let (b, capped) = engine_body(None, &Prompt::Text("aaa bbb ccc".into()), true, 9).unwrap();
+        assert_eq!(b, serde_json::json!({"prompt": "aaa bbb"}));
+        assert!(capped);
+        let ms = vec![ChatMessage {
+            role: "user".into(),
+            content: "x".into(),
+        }];
+        let (b, _) = engine_body(None, &Prompt::Chat(ms), false, 100).unwrap();
+        assert_eq!(
+            b,
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false})
+        );
+    }
+}
