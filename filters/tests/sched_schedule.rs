@@ -303,3 +303,28 @@ fn sessions_stick_despite_load() {
         );
     }
 }
+
+#[test]
+fn scheduler_is_shareable_across_tasks() {
+    fn assert_send_sync<T: Send + Sync + 'static>(_: &T) {}
+    let sched = std::sync::Arc::new(default_sched());
+    assert_send_sync(&sched);
+    let eps = pool(4);
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (sched, eps) = (sched.clone(), eps.clone());
+            std::thread::spawn(move || {
+                sched
+                    .schedule(&req(0), &eps, t, t)
+                    .unwrap()
+                    .route
+                    .primary()
+                    .id
+                    .clone()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert!(h.join().unwrap().starts_with("10.0.0."));
+    }
+}

@@ -30,6 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use parking_lot::Mutex;
 use serde::Deserialize;
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 use crate::sched::decision::Route;
 use crate::sched::error::ParamError;
@@ -64,9 +65,11 @@ impl NoHitLruParams {
 }
 
 /// Id → sequence of its last cold request, and the reverse for eviction.
+/// xxh3 instead of SipHash: the keys are endpoint ids from discovery, not
+/// client input, and the lookup runs once per candidate per cold request.
 #[derive(Debug, Default)]
 struct Lru {
-    by_id: HashMap<String, u64>,
+    by_id: HashMap<String, u64, Xxh3DefaultBuilder>,
     by_seq: BTreeMap<u64, String>,
     next: u64,
 }
