@@ -1,1 +1,15 @@
-//! placeholder; replaced by the crate's owner.
+//! The shared end-to-end harness of kvmesh: in-process fake upstreams built
+//! with builders ([`fake_upstream`]), a fake engine in vLLM's shapes
+//! ([`vllm`]), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
+//! certificate ([`certs`]) and sidecar start-up helpers ([`sidecar`]).
+//!
+//! Everything listens on `127.0.0.1:0` and waits on readiness, never on sleeps.
+//! This is test support: a failed set-up step panics with its reason, which is
+//! what a test should do.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod certs;
+pub mod client;
+pub mod fake_upstream;
+pub mod sidecar;
+pub mod vllm;

@@ -86,10 +86,7 @@ fn decode(src: &str, origin: &str) -> Result<Config, ConfigError> {
         if let Some(pos) = message.find(" at line ") {
             message.truncate(pos);
         }
-        let message = message
-            .strip_prefix(&format!("{field}: "))
-            .map(str::to_owned)
-            .unwrap_or(message);
+        let message = strip_path_prefix(message, &field);
         ConfigError {
             file: origin.to_owned(),
             line: location.as_ref().map(|l| l.line()),
@@ -98,6 +95,22 @@ fn decode(src: &str, origin: &str) -> Result<Config, ConfigError> {
             message,
         }
     })
+}
+
+/// serde_yaml_ng starts some messages with the path of the field or of its
+/// parent (`engine: unknown field ...`); the path is printed once, by us.
+fn strip_path_prefix(message: String, field: &str) -> String {
+    let mut prefix = field;
+    while !prefix.is_empty() {
+        if let Some(rest) = message
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix(": "))
+        {
+            return rest.to_owned();
+        }
+        prefix = prefix.rfind('.').map_or("", |i| &prefix[..i]);
+    }
+    message
 }
 
 /// Rules that one field's type cannot express. Returns the dotted field and why.
@@ -202,7 +215,7 @@ mod tests {
         let e = from_yaml_str("timeouts:\n  connect: 1s\n  conect: 2s\n", "p.yaml").unwrap_err();
         assert_eq!(e.field, "timeouts.conect");
         assert_eq!(e.line, Some(3));
-        assert!(e.message.contains("unknown field"), "{e}");
+        assert!(e.message.starts_with("unknown field `conect`"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,150 @@
+//! `kvmesh-proxy check-config` as a user runs it: the built binary, real files,
+//! the exit code and the first error with file, line and field.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn kvmesh_proxy(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvmesh-proxy"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run kvmesh-proxy")
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn check(file: &Path) -> (i32, String, String) {
+    let out = kvmesh_proxy(&["check-config", file.to_str().unwrap()]);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_example_passes_check_config() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&examples).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !(name.starts_with("proxy") && name.ends_with(".yaml")) {
+            continue;
+        }
+        // Decoding and validation, without the TLS files of a real pod.
+        let text = std::fs::read_to_string(&path).unwrap();
+        kvmesh_proxy::config::from_yaml_str(&text, &name).unwrap_or_else(|e| panic!("{e}"));
+        if !text.contains("tls:") {
+            let (code, stdout, stderr) = check(&path);
+            assert_eq!(code, 0, "{stderr}");
+            assert!(stdout.contains(": ok"), "{stdout}");
+        }
+        n += 1;
+    }
+    assert!(n >= 3, "expected the proxy examples, found {n}");
+}
+
+#[test]
+fn unknown_key_reports_file_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "p.yaml",
+        "engine:\n  url: http://127.0.0.1:8001\n  knd: vllm\n",
+    );
+    let (code, _, stderr) = check(&f);
+    assert_eq!(code, 2);
+    let want = format!("{}:3:", f.display());
+    assert!(stderr.starts_with(&want), "{stderr}");
+    assert!(
+        stderr.contains(": engine.knd: unknown field `knd`, expected one of"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_values_report_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("timeouts:\n  connect: 5 seconds\n", 2, "timeouts.connect"),
+        ("engine:\n  kind: tgi\n", 2, "engine.kind"),
+        ("listeners:\n  client: localhost\n", 2, "listeners.client"),
+        ("engine:\n  url: https://127.0.0.1:8001\n", 2, "engine.url"),
+        (
+            "limits:\n  max_connections: -1\n",
+            2,
+            "limits.max_connections",
+        ),
+        (
+            "timeouts:\n  overall: 1m\n  first_byte: 30s\n  stream_idle: 2m\n",
+            4,
+            "timeouts.stream_idle",
+        ),
+        ("logging:\n  level: \"[[[\"\n", 2, "logging.level"),
+    ];
+    for (text, line, field) in cases {
+        let f = write(dir.path(), "bad.yaml", text);
+        let (code, _, stderr) = check(&f);
+        assert_eq!(code, 2, "{text:?} was accepted");
+        let want = format!("{}:{line}:", f.display());
+        assert!(stderr.starts_with(&want), "{text:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(": {field}: ")),
+            "{text:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn missing_tls_key_is_reported_with_its_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "tls.yaml",
+        "listeners:\n  tls:\n    cert: /nonexistent/tls.crt\n    key: /nonexistent/tls.key\n",
+    );
+    let (code, _, stderr) = check(&f);
+    assert_eq!(code, 2);
+    assert!(stderr.contains(":3:5: listeners.tls.cert:"), "{stderr}");
+}
+
+#[test]
+fn filters_file_must_be_yaml() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(
+        dir.path(),
+        "p.yaml",
+        "engine:\n  url: http://127.0.0.1:8001\n",
+    );
+    let bad = write(
+        dir.path(),
+        "filters.yaml",
+        "plugins:\n  - type: x\n    [oops\n",
+    );
+    let out = kvmesh_proxy(&[
+        "check-config",
+        p.to_str().unwrap(),
+        "--filters",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("filters.yaml"),
+        "the error does not name the file: {stderr}"
+    );
+}
+
+#[test]
+fn run_rejects_a_bad_flag_value() {
+    let out = kvmesh_proxy(&["run", "--engine", "http://127.0.0.1:1/v1"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no path"));
+}

@@ -1,0 +1,114 @@
+//! Start-up, readiness, the admin port, and graceful shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvmesh_tests::client::{self, admin_get, next_chunk, post_json, send};
+use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+use kvmesh_tests::sidecar::{refused_addr, start_for, wait_ready};
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_an_in_flight_stream() {
+    let (tx, reply) = Reply::sse();
+    let slot = Mutex::new(Some(reply));
+    let engine = FakeUpstream::builder()
+        .route("/v1/completions", move |_| {
+            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
+        })
+        .start()
+        .await;
+    let proxy = start_for(engine.addr()).await;
+    let addr = proxy.addr();
+    let resp = send(
+        &client::http1(),
+        post_json(addr, "/v1/completions", r#"{"prompt":"p","stream":true}"#),
+    )
+    .await;
+    let mut body = resp.into_body();
+    assert!(tx.send("data: 1\n\n").await);
+    assert_eq!(next_chunk(&mut body).await.unwrap(), "data: 1\n\n");
+
+    let stopping = tokio::spawn(proxy.shutdown());
+    // The listener closes first: wait (bounded) until new connections are refused.
+    let mut refused = false;
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        refused,
+        "the client port still accepts after shutdown began"
+    );
+    assert!(
+        !stopping.is_finished(),
+        "shutdown did not wait for the stream"
+    );
+
+    // The in-flight stream still runs to its end.
+    assert!(tx.send("data: 2\n\n").await);
+    assert_eq!(next_chunk(&mut body).await.unwrap(), "data: 2\n\n");
+    assert!(tx.send("data: [DONE]\n\n").await);
+    tx.finish();
+    assert_eq!(next_chunk(&mut body).await.unwrap(), "data: [DONE]\n\n");
+    assert_eq!(next_chunk(&mut body).await, None);
+    tokio::time::timeout(Duration::from_secs(5), stopping)
+        .await
+        .expect("shutdown completes once the stream ended")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn ready_follows_the_engine_health() {
+    let down = start_for(refused_addr().await).await;
+    let r = admin_get(down.admin_addr(), "/ready").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["ready"], false);
+    assert_eq!(admin_get(down.admin_addr(), "/health").await.status, 200);
+    down.shutdown().await;
+
+    let engine = kvmesh_tests::vllm::start().await;
+    let up = start_for(engine.addr()).await;
+    wait_ready(&up).await;
+    assert_eq!(
+        admin_get(up.admin_addr(), "/ready").await.json()["ready"],
+        true
+    );
+    up.shutdown().await;
+}
+
+#[tokio::test]
+async fn metrics_and_config_on_the_admin_port() {
+    let engine = kvmesh_tests::vllm::start().await;
+    let proxy = start_for(engine.addr()).await;
+    let c = client::http1();
+    let stream = r#"{"model":"tiny-llama","prompt":"p","stream":true,"max_tokens":3}"#;
+    let r = client::whole(send(&c, post_json(proxy.addr(), "/v1/completions", stream)).await).await;
+    assert_eq!(r.status, 200);
+    let r = client::fetch(&c, post_json(proxy.addr(), "/v1/completions", "{bad")).await;
+    assert_eq!(r.status, 400);
+
+    let m = admin_get(proxy.admin_addr(), "/metrics").await;
+    assert_eq!(m.status, 200);
+    let text = m.text();
+    for want in [
+        "kvmesh_requests_total{route=\"completions\",status=\"200\"} 1",
+        "kvmesh_requests_total{route=\"completions\",status=\"400\"} 1",
+        "kvmesh_requests_in_flight ",
+        "kvmesh_time_to_first_token_seconds_count{route=\"completions\"} 1",
+        "kvmesh_upstream_latency_seconds_count{route=\"completions\"} 1",
+        "kvmesh_inter_token_latency_seconds_count{route=\"completions\"}",
+        "kvmesh_response_bytes_total{route=\"completions\"}",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+
+    let cfg = admin_get(proxy.admin_addr(), "/config").await.json();
+    assert_eq!(cfg["engine"]["url"], format!("http://{}", engine.addr()));
+    assert_eq!(cfg["timeouts"]["shutdown_drain"], "10s");
+    assert_eq!(cfg["limits"]["max_body_bytes"], 32 * 1024 * 1024);
+    proxy.shutdown().await;
+}
