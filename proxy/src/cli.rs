@@ -225,27 +225,37 @@ fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
 }
 
 fn demo(quick: bool, json: bool) -> ExitCode {
-    let steps = [
-        "start a local fleet of simulated vLLM engines (kvmesh-engine-sim), each with a kvmesh sidecar",
-        "run a shared-prefix chat workload against them: round-robin, then KV-aware routing, then prefill/decode disaggregation",
-        "print a table of TTFT, inter-token latency, throughput and prefix-cache hit rate per mode",
-    ];
-    if json {
-        let v = serde_json::json!({
-            "status": "not_available_yet",
-            "quick": quick,
-            "will": steps,
-        });
-        println!("{v}");
-    } else {
-        println!(
-            "kvmesh-proxy demo{}: not available yet; it will:",
-            if quick { " --quick" } else { "" }
-        );
-        for (i, s) in steps.iter().enumerate() {
-            println!("  {}. {s}", i + 1);
+    // Status lines and the progress line go to stderr, the table or JSON to
+    // stdout, so `demo --json | jq` works.
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvmesh-proxy: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
         }
-        println!("It needs no GPU and no model files; it arrives with the engine simulator.");
+    };
+    let mut opts = crate::demo::DemoOpts::new(quick);
+    opts.progress = true;
+    eprintln!(
+        "kvmesh-proxy demo{}: {} simulated engines with a kvmesh sidecar each, on 127.0.0.1; \
+         a fresh fleet per routing policy, same workload and seed",
+        if quick { " --quick" } else { "" },
+        opts.engines
+    );
+    let result = rt.block_on(crate::demo::run(&opts));
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
+    match result {
+        Ok(report) => {
+            print!("{}", crate::demo::render(&report, json));
+            eprintln!("done in {:.0} s", report.wall_s);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvmesh-proxy demo: {e}");
+            ExitCode::FAILURE
+        }
     }
-    ExitCode::SUCCESS
 }

@@ -16,6 +16,7 @@ mod app;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod fleet;
 pub mod headers;

@@ -1,0 +1,351 @@
+//! A local fleet for the demo and the policy-comparison harness: N simulated
+//! engines (`kvmesh-engine-sim`, time-scaled, KV events on loopback), each
+//! with a kvmesh sidecar started in-process on port-0 listeners, every
+//! sidecar running the same [`Policy`].
+//!
+//! Until the mesh connects sidecars by itself, the fleet introduces them: it
+//! registers every sidecar as a peer in every other sidecar's [`Fleet`], and
+//! a small owned task copies each sidecar's local engine load and in-flight
+//! counts to the others (what the mesh will publish). Everything started here
+//! stops in [`DemoFleet::shutdown`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::rt::TokioExecutor;
+use kvmesh_engine_sim::{Engine, KvEventsConfig, LatencyProfile, SimConfig, SimHandle};
+use kvmesh_filters::sched::Role;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::policy::Policy;
+use super::DemoError;
+use crate::config::{self, Config, EngineUrl};
+use crate::fleet::{Fleet, PodInfo};
+use crate::sidecar::{Sidecar, SidecarHandle};
+
+/// How often the fleet copies loads between sidecars (wall time). The
+/// sidecars scrape their engines at the same pace.
+const SYNC_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Longest wait for a sidecar to report its engine ready.
+const READY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The shape of a fleet: how many engines, how fast, how big their caches.
+#[derive(Debug, Clone)]
+pub struct FleetSpec {
+    /// Engines (and sidecars).
+    pub engines: usize,
+    /// The model every engine serves and every request names.
+    pub model: String,
+    /// Simulated seconds per wall second.
+    pub time_scale: f64,
+    pub profile: LatencyProfile,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks per engine: small enough that placement decides what stays cached.
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    /// Publish KV events (bound on `127.0.0.1`, port from the OS).
+    pub kv_events: bool,
+}
+
+impl FleetSpec {
+    /// `engines` engines with the `large-gpu` profile (a 70B model: prefill
+    /// at 0.3 ms per token, so a cache miss on a long prompt shows in TTFT),
+    /// 10× faster than real time, 256 blocks of 16 tokens each.
+    pub fn demo(engines: usize) -> FleetSpec {
+        FleetSpec {
+            engines,
+            model: "demo-model".to_owned(),
+            time_scale: 10.0,
+            profile: LatencyProfile::large_gpu(),
+            block_size: 16,
+            num_blocks: 256,
+            max_num_seqs: 64,
+            kv_events: true,
+        }
+    }
+
+    /// The role of engine `i` under `policy`: P/D splits the fleet, the
+    /// first half prefill, the rest decode.
+    pub fn role(&self, policy: Policy, i: usize) -> Role {
+        if !policy.disaggregated() {
+            Role::Both
+        } else if i < self.engines / 2 {
+            Role::Prefill
+        } else {
+            Role::Decode
+        }
+    }
+
+    fn sim_config(&self, role: Role) -> SimConfig {
+        let capacity = self.block_size * self.num_blocks;
+        let mut c = SimConfig::new(self.model.clone())
+            .with_time_scale(self.time_scale)
+            .with_profile(self.profile.clone())
+            .with_block_size(self.block_size)
+            .with_num_blocks(self.num_blocks)
+            .with_max_num_seqs(self.max_num_seqs)
+            .with_max_model_len(capacity.min(8192))
+            .with_role(match role {
+                Role::Both => kvmesh_engine_sim::Role::Both,
+                Role::Prefill => kvmesh_engine_sim::Role::Prefill,
+                Role::Decode => kvmesh_engine_sim::Role::Decode,
+            });
+        if self.kv_events {
+            let mut kv = KvEventsConfig::new("tcp://127.0.0.1:0");
+            kv.bind = Some(true);
+            kv.topic = format!("kv@demo@{}", self.model);
+            c = c.with_kv_events(kv);
+        }
+        c
+    }
+}
+
+/// One pod: a simulated engine and its sidecar.
+#[derive(Debug)]
+pub struct DemoPod {
+    pub engine: SimHandle,
+    pub sidecar: SidecarHandle,
+    pub role: Role,
+}
+
+impl DemoPod {
+    /// The pod's identity (its sidecar's client address).
+    pub fn id(&self) -> &str {
+        self.sidecar.fleet().local_id()
+    }
+
+    /// The sidecar's base URL, where clients send requests.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.sidecar.addr())
+    }
+}
+
+/// A running fleet; call [`DemoFleet::shutdown`] to stop it.
+#[derive(Debug)]
+pub struct DemoFleet {
+    pub pods: Vec<DemoPod>,
+    pub policy: Policy,
+    pub spec: FleetSpec,
+    sync: Option<(CancellationToken, JoinHandle<()>)>,
+}
+
+/// Starts `spec.engines` engines and sidecars running `policy`, introduces
+/// the sidecars to each other and returns once every sidecar is ready and
+/// knows every peer's load.
+pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoError> {
+    if spec.engines == 0 || spec.engines > 64 {
+        return Err(DemoError::Config(format!(
+            "engines must be in 1..=64, not {}",
+            spec.engines
+        )));
+    }
+    if policy.disaggregated() && spec.engines < 2 {
+        return Err(DemoError::Config(
+            "P/D needs at least 2 engines".to_owned(),
+        ));
+    }
+    let filters = policy
+        .filter_config()
+        .map_err(|e| DemoError::Config(e.to_string()))?;
+    let mut fleet = DemoFleet {
+        pods: Vec::with_capacity(spec.engines),
+        policy,
+        spec: spec.clone(),
+        sync: None,
+    };
+    // On any failure, stop what already runs before returning the error.
+    let started = async {
+        for i in 0..spec.engines {
+            let role = spec.role(policy, i);
+            let engine = Engine::start_local(spec.sim_config(role)).await?;
+            let sidecar = start_sidecar(spec, &engine, role).await?;
+            sidecar
+                .routing()
+                .install(&filters)
+                .map_err(|e| DemoError::Config(e.to_string()))?;
+            fleet.pods.push(DemoPod {
+                engine,
+                sidecar,
+                role,
+            });
+        }
+        introduce(&fleet.pods)?;
+        for pod in &fleet.pods {
+            wait_ready(pod.sidecar.admin_addr()).await?;
+        }
+        Ok::<(), DemoError>(())
+    }
+    .await;
+    if let Err(e) = started {
+        fleet.shutdown().await;
+        return Err(e);
+    }
+    let fleets: Vec<Arc<Fleet>> = fleet.pods.iter().map(|p| p.sidecar.fleet().clone()).collect();
+    sync_once(&fleets);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(sync_loop(fleets, cancel.clone()));
+    fleet.sync = Some((cancel, task));
+    Ok(fleet)
+}
+
+/// The sidecar's config: the engine beside it, the pod's role and model,
+/// scrapes fast enough for a time-scaled engine, a short drain.
+pub fn sidecar_config(spec: &FleetSpec, engine: &SimHandle, role: Role) -> Result<Config, DemoError> {
+    let mut c = Config::default();
+    c.engine.url = EngineUrl::parse(&engine.base_url()).map_err(DemoError::Config)?;
+    c.engine.metrics_interval = config::Duration::from_millis(20);
+    c.engine.health_interval = config::Duration::from_millis(100);
+    c.pod.role = role;
+    c.pod.models = vec![spec.model.clone()];
+    c.timeouts.shutdown_drain = config::Duration::from_secs(2);
+    Ok(c)
+}
+
+async fn start_sidecar(
+    spec: &FleetSpec,
+    engine: &SimHandle,
+    role: Role,
+) -> Result<SidecarHandle, DemoError> {
+    let mut c = sidecar_config(spec, engine, role)?;
+    let client = TcpListener::bind("127.0.0.1:0").await.map_err(DemoError::Io)?;
+    let admin = TcpListener::bind("127.0.0.1:0").await.map_err(DemoError::Io)?;
+    c.listeners.client = client.local_addr().map_err(DemoError::Io)?;
+    c.listeners.admin = admin.local_addr().map_err(DemoError::Io)?;
+    Sidecar::start(c, client, admin)
+        .await
+        .map_err(|e| DemoError::Sidecar(e.to_string()))
+}
+
+/// Registers every sidecar as a peer of every other one (what `--peers` and
+/// the mesh's membership will do).
+fn introduce(pods: &[DemoPod]) -> Result<(), DemoError> {
+    for a in pods {
+        for b in pods {
+            if a.id() == b.id() {
+                continue;
+            }
+            let info = PodInfo {
+                id: b.id().to_owned(),
+                sidecar_addr: Some(b.sidecar.addr()),
+                role: b.role,
+                models: vec![b.engine.config().model.clone()],
+                lora_adapters: Vec::new(),
+                labels: Default::default(),
+            };
+            a.sidecar
+                .fleet()
+                .upsert_peer(info)
+                .map_err(|e| DemoError::Sidecar(e.to_string()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies each sidecar's local load and in-flight counts into every other
+/// sidecar's fleet.
+fn sync_once(fleets: &[Arc<Fleet>]) {
+    let now = Instant::now();
+    for src in fleets {
+        let id = src.local_id();
+        let Some(local) = src.snapshot(now).into_iter().find(|p| p.info.id == id) else {
+            continue;
+        };
+        let in_flight = src.local_in_flight();
+        for dst in fleets {
+            if dst.local_id() == id {
+                continue;
+            }
+            // The copy is as fresh as the source's scrape.
+            let at = local
+                .load_age_ms
+                .and_then(|ms| now.checked_sub(Duration::from_millis(ms)))
+                .unwrap_or(now);
+            dst.set_load(id, local.load, at);
+            dst.set_healthy(id, local.healthy);
+            dst.set_remote_in_flight(id, in_flight.clone());
+        }
+    }
+}
+
+async fn sync_loop(fleets: Vec<Arc<Fleet>>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(SYNC_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => sync_once(&fleets),
+        }
+    }
+}
+
+/// Polls the sidecar's `/ready` until its engine answers, within a deadline.
+async fn wait_ready(admin: SocketAddr) -> Result<(), DemoError> {
+    let client: HyperClient<_, Empty<Bytes>> =
+        HyperClient::builder(TokioExecutor::new()).build_http();
+    let uri: http::Uri = format!("http://{admin}/ready")
+        .parse()
+        .map_err(|e| DemoError::Config(format!("admin address {admin}: {e}")))?;
+    let deadline = Instant::now() + READY_DEADLINE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(DemoError::NotReady(admin.to_string()));
+        }
+        let attempt = tokio::time::timeout(left, client.get(uri.clone())).await;
+        if matches!(attempt, Ok(Ok(ref r)) if r.status().is_success()) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20).min(left)).await;
+    }
+}
+
+impl DemoFleet {
+    /// The sidecars' base URLs, in pod order: clients spread over all of them.
+    pub fn urls(&self) -> Vec<String> {
+        self.pods.iter().map(DemoPod::url).collect()
+    }
+
+    /// The engines' prefix-cache counters summed over the fleet:
+    /// `(queries, hits)` in tokens, as the engines count them.
+    pub fn engine_prefix_counters(&self) -> (u64, u64) {
+        self.pods.iter().fold((0, 0), |(q, h), p| {
+            let s = p.engine.stats();
+            (q + s.prefix_queries, h + s.prefix_hits)
+        })
+    }
+
+    /// Requests the prefill pods received (zero means P/D never engaged).
+    pub fn prefill_requests(&self) -> usize {
+        self.pods
+            .iter()
+            .filter(|p| p.role == Role::Prefill)
+            .map(|p| p.engine.received_requests().len())
+            .sum()
+    }
+
+    /// Stops the load copier, every sidecar (draining), then every engine.
+    pub async fn shutdown(mut self) {
+        if let Some((cancel, task)) = self.sync.take() {
+            cancel.cancel();
+            // A panic in the copier is already logged by tokio; nothing to add.
+            let _ = task.await;
+        }
+        let mut engines = Vec::with_capacity(self.pods.len());
+        for pod in self.pods.drain(..) {
+            pod.sidecar.shutdown().await;
+            engines.push(pod.engine);
+        }
+        for engine in engines {
+            engine.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! The routing set-ups the demo compares. Each is a filter config from
+//! `deploy/examples/` (compiled into the binary, so the demo needs no files)
+//! plus the fleet shape it needs: every policy runs on ordinary engines
+//! except `pd`, which splits the engines into prefill and decode pods.
+
+use std::fmt;
+
+use kvmesh_filters::sched::{ConfigError, FilterConfig};
+
+/// One routing set-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// What a Kubernetes Service does: every pod in turn, blind to caches and load.
+    RoundRobin,
+    /// Load only: shortest queue, then fewest in flight.
+    LeastQueue,
+    /// Prefix routing from where the mesh sent each prompt (text blocks; no
+    /// tokenizer, no KV events).
+    ApproxPrefix,
+    /// kvmesh's default: the built-in filter config, precise prefix matches
+    /// from the engines' KV events, weighed against load.
+    Kvmesh,
+    /// Prefill/decode disaggregation: long prompts are prefilled on a prefill
+    /// pod and decoded on a decode pod.
+    Pd,
+}
+
+impl Policy {
+    /// Every policy, in table order.
+    pub const ALL: [Policy; 5] = [
+        Policy::RoundRobin,
+        Policy::LeastQueue,
+        Policy::ApproxPrefix,
+        Policy::Kvmesh,
+        Policy::Pd,
+    ];
+
+    /// The name in tables and JSON (`round-robin`, `kvmesh`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastQueue => "least-queue",
+            Policy::ApproxPrefix => "approx-prefix",
+            Policy::Kvmesh => "kvmesh",
+            Policy::Pd => "pd",
+        }
+    }
+
+    /// Parses a [`Policy::name`].
+    pub fn parse(s: &str) -> Option<Policy> {
+        Policy::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// The example file the filter config comes from (for documentation and
+    /// error messages).
+    pub fn source(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "deploy/examples/filters-round-robin.yaml",
+            Policy::LeastQueue => "deploy/examples/filters-least-queue.yaml",
+            Policy::ApproxPrefix => "deploy/examples/filters-approx-prefix.yaml",
+            Policy::Kvmesh => "<builtin default>",
+            Policy::Pd => "deploy/examples/filters-pd-disaggregated.yaml",
+        }
+    }
+
+    /// The filter config the sidecars run with.
+    pub fn filter_config(self) -> Result<FilterConfig, ConfigError> {
+        let text = match self {
+            Policy::RoundRobin => include_str!("../../../deploy/examples/filters-round-robin.yaml"),
+            Policy::LeastQueue => include_str!("../../../deploy/examples/filters-least-queue.yaml"),
+            Policy::ApproxPrefix => {
+                include_str!("../../../deploy/examples/filters-approx-prefix.yaml")
+            }
+            Policy::Kvmesh => return Ok(FilterConfig::builtin_default()),
+            Policy::Pd => {
+                include_str!("../../../deploy/examples/filters-pd-disaggregated.yaml")
+            }
+        };
+        FilterConfig::from_yaml(text, self.source())
+    }
+
+    /// Whether the fleet is split into prefill and decode pods.
+    pub fn disaggregated(self) -> bool {
+        self == Policy::Pd
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_compiles_and_round_trips_its_name() {
+        for p in Policy::ALL {
+            let cfg = p.filter_config();
+            assert!(cfg.is_ok(), "{p}: {:?}", cfg.err());
+            assert!(crate::routing::compile(&cfg.unwrap()).is_ok(), "{p}");
+            assert_eq!(Policy::parse(p.name()), Some(p));
+        }
+        assert_eq!(Policy::parse("fastest"), None);
+    }
+}
