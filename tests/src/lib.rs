@@ -11,5 +11,6 @@
 pub mod certs;
 pub mod client;
 pub mod fake_upstream;
+pub mod route;
 pub mod sidecar;
 pub mod vllm;
