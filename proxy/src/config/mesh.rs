@@ -1,0 +1,122 @@
+//! The `mesh` section of `proxy.yaml`: the mesh port, this pod's advertised
+//! identity, how peers are discovered, and the stream's timings
+//! (docs/mesh.md). Without `listen` the mesh is off and the sidecar routes
+//! to its own engine only.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::Duration;
+
+/// See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Mesh {
+    /// Where the mesh port (h2c state stream) listens; absent: no mesh.
+    pub listen: Option<SocketAddr>,
+    /// This pod's identity, `host:port` of its client port as peers reach it;
+    /// default: the client listener's bound address.
+    pub advertise: Option<String>,
+    /// Peers' mesh addresses, `host:port` (resolved on every refresh).
+    pub peers: Vec<String>,
+    /// A headless Service whose A/AAAA records are the peers.
+    pub dns: Option<DnsDiscovery>,
+    /// A file of peer mesh addresses, one per line (`#` comments), polled.
+    pub file: Option<PathBuf>,
+    /// How often DNS is re-resolved and the file re-read.
+    pub refresh_interval: Duration,
+    /// A peer whose stream is silent this long leaves the scheduling set.
+    pub stale_after: Duration,
+    /// How often the local load and in-flight counts are published.
+    pub load_interval: Duration,
+    /// Frames queued per subscriber; a subscriber that falls this far behind
+    /// is dropped (it reconnects and resyncs from a snapshot).
+    pub subscriber_queue: usize,
+    /// Most subscribers served at once.
+    pub max_subscribers: usize,
+    /// Deadline of connecting to a peer's mesh port (TCP and HTTP/2).
+    pub connect_timeout: Duration,
+    /// Longest pause between reconnect attempts (the backoff doubles up to it).
+    pub reconnect_max: Duration,
+}
+
+/// DNS discovery of a headless Service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsDiscovery {
+    /// e.g. `kvmesh-mesh.default.svc.cluster.local`.
+    pub name: String,
+    /// The mesh port of every pod behind it.
+    pub port: u16,
+}
+
+impl Default for Mesh {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            advertise: None,
+            peers: Vec::new(),
+            dns: None,
+            file: None,
+            refresh_interval: Duration::from_secs(5),
+            stale_after: Duration::from_secs(3),
+            load_interval: Duration::from_millis(200),
+            subscriber_queue: 1024,
+            max_subscribers: 1024,
+            connect_timeout: Duration::from_secs(2),
+            reconnect_max: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Mesh {
+    /// Rules that span fields; `(field, message)` on the first broken one.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let err = |f: &str, m: String| Err((format!("mesh.{f}"), m));
+        if let Some(a) = &self.advertise {
+            if !is_host_port(a) {
+                return err("advertise", format!("{a:?} is not host:port"));
+            }
+        }
+        for p in &self.peers {
+            if !is_host_port(p) {
+                return err("peers", format!("{p:?} is not host:port"));
+            }
+        }
+        if let Some(d) = &self.dns {
+            if d.name.is_empty() || d.port == 0 {
+                return err("dns", "needs a name and a non-zero port".to_owned());
+            }
+        }
+        if self.subscriber_queue == 0 || self.max_subscribers == 0 {
+            return err("subscriber_queue", "must be at least 1".to_owned());
+        }
+        if self.load_interval >= self.stale_after {
+            return err(
+                "load_interval",
+                format!(
+                    "{} must be shorter than stale_after ({}): the load is the stream's heartbeat",
+                    self.load_interval, self.stale_after
+                ),
+            );
+        }
+        let discovers = !self.peers.is_empty() || self.dns.is_some() || self.file.is_some();
+        if discovers && self.listen.is_none() {
+            return err(
+                "listen",
+                "peers are configured but the mesh port is not".to_owned(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `host:port` with a non-empty host and a numeric port.
+pub fn is_host_port(s: &str) -> bool {
+    match s.rsplit_once(':') {
+        Some((h, p)) => !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
+    }
+}

@@ -1,0 +1,205 @@
+//! Membership: which mesh addresses to follow, and one owned subscriber task
+//! per address.
+//!
+//! Sources, unioned: `mesh.peers` (static `host:port`, names re-resolved),
+//! `mesh.dns` (a headless Service's A/AAAA records with tokio's resolver),
+//! `mesh.file` (one `host:port` per line, `#` comments, re-read). All are
+//! refreshed every `refresh_interval`. A source that fails to resolve keeps
+//! its last good set, so a DNS hiccup does not empty the mesh. An address
+//! that leaves every source has its task stopped, and its pod leaves the
+//! fleet. The loop also publishes the peer gauges (known, fresh, lag).
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::subscriber::{self, PeerStatus};
+use crate::app::App;
+use crate::config::Mesh as MeshConfig;
+use crate::fleet::MAX_PODS;
+use crate::shutdown::Shutdown;
+
+/// How often the peer gauges are refreshed.
+const GAUGE_EVERY: Duration = Duration::from_millis(250);
+/// Deadline of one name resolution.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest peers file read.
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+struct Follow {
+    stop: CancellationToken,
+    status: watch::Receiver<PeerStatus>,
+}
+
+/// Last good address sets, per source.
+#[derive(Default)]
+struct Sources {
+    fixed: BTreeSet<SocketAddr>,
+    dns: BTreeSet<SocketAddr>,
+    file: BTreeSet<SocketAddr>,
+}
+
+/// The discovery loop (see the module docs). Returns on shutdown, after
+/// every subscriber task stopped.
+pub async fn run(app: Arc<App>, shutdown: Shutdown) {
+    let cfg = app.config.mesh.clone();
+    let own: Option<SocketAddr> = app.mesh.mesh_addr();
+    let mut follows: HashMap<SocketAddr, Follow> = HashMap::new();
+    let mut tasks = JoinSet::new();
+    let mut sources = Sources::default();
+    let mut next_refresh = Instant::now();
+    loop {
+        while tasks.try_join_next().is_some() {}
+        if Instant::now() >= next_refresh {
+            refresh(&cfg, &mut sources).await;
+            next_refresh = Instant::now() + cfg.refresh_interval.get();
+            let want: BTreeSet<SocketAddr> = sources
+                .fixed
+                .iter()
+                .chain(&sources.dns)
+                .chain(&sources.file)
+                .copied()
+                .filter(|a| Some(*a) != own)
+                .take(MAX_PODS)
+                .collect();
+            follows.retain(|addr, f| {
+                let keep = want.contains(addr);
+                if !keep {
+                    tracing::info!(%addr, "mesh: peer left discovery");
+                    f.stop.cancel();
+                }
+                keep
+            });
+            for addr in want {
+                if follows.contains_key(&addr) {
+                    continue;
+                }
+                let stop = CancellationToken::new();
+                let (tx, rx) = watch::channel(PeerStatus::default());
+                tasks.spawn(subscriber::run(app.clone(), addr, stop.clone(), tx));
+                follows.insert(addr, Follow { stop, status: rx });
+            }
+        }
+        gauges(&app, &follows, cfg.stale_after.get());
+        tokio::select! {
+            _ = shutdown.triggered() => break,
+            _ = tokio::time::sleep(GAUGE_EVERY) => {}
+        }
+    }
+    for f in follows.values() {
+        f.stop.cancel();
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
+    let now = Instant::now();
+    let (mut known, mut fresh, mut lag) = (0, 0, 0u64);
+    for f in follows.values() {
+        let s = f.status.borrow();
+        if s.is_self {
+            continue;
+        }
+        known += 1;
+        if let (true, Some(at)) = (s.synced, s.last_frame) {
+            let age = now.saturating_duration_since(at);
+            if age < stale {
+                fresh += 1;
+                lag = lag.max(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+            }
+        }
+    }
+    app.metrics.mesh.peers(known, fresh);
+    app.metrics.mesh.lag_ms(lag);
+}
+
+async fn refresh(cfg: &MeshConfig, s: &mut Sources) {
+    if let Some(v) = resolve_all(&cfg.peers).await {
+        s.fixed = v;
+    }
+    if let Some(d) = &cfg.dns {
+        match tokio::time::timeout(
+            RESOLVE_TIMEOUT,
+            tokio::net::lookup_host((d.name.as_str(), d.port)),
+        )
+        .await
+        {
+            Ok(Ok(addrs)) => s.dns = addrs.collect(),
+            Ok(Err(e)) => {
+                tracing::warn!(name = %d.name, error = %e, "mesh: DNS discovery failed; keeping the last peers")
+            }
+            Err(_) => {
+                tracing::warn!(name = %d.name, "mesh: DNS discovery timed out; keeping the last peers")
+            }
+        }
+    }
+    if let Some(path) = &cfg.file {
+        match read_peers_file(path).await {
+            Ok(lines) => {
+                if let Some(v) = resolve_all(&lines).await {
+                    s.file = v;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "mesh: peers file unreadable; keeping the last peers")
+            }
+        }
+    }
+}
+
+/// Every `host:port` resolved; `None` if any failed (the caller keeps the
+/// last good set rather than losing the peers that did resolve).
+async fn resolve_all(names: &[String]) -> Option<BTreeSet<SocketAddr>> {
+    let mut out = BTreeSet::new();
+    let mut ok = true;
+    for n in names {
+        if let Ok(a) = n.parse::<SocketAddr>() {
+            out.insert(a);
+            continue;
+        }
+        match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host(n.as_str())).await {
+            Ok(Ok(addrs)) => out.extend(addrs),
+            _ => {
+                tracing::warn!(peer = %n, "mesh: cannot resolve peer");
+                ok = false;
+            }
+        }
+    }
+    ok.then_some(out)
+}
+
+/// The lines of a peers file that name a peer.
+pub async fn read_peers_file(path: &std::path::Path) -> std::io::Result<Vec<String>> {
+    let meta = tokio::fs::metadata(path).await?;
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(std::io::Error::other("peers file larger than 1 MiB"));
+    }
+    let text = tokio::fs::read_to_string(path).await?;
+    Ok(parse_peers(&text))
+}
+
+/// `host:port` entries of a peers file: one per line, `#` starts a comment.
+pub fn parse_peers(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| crate::config::mesh::is_host_port(l))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_file_lines() {
+        let t = "# peers\n10.0.0.1:7000\n  pod-b.svc:7000 # b\nnot-an-addr\n\n:7000\n";
+        assert_eq!(parse_peers(t), vec!["10.0.0.1:7000", "pod-b.svc:7000"]);
+    }
+}

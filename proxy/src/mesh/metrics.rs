@@ -1,0 +1,156 @@
+//! The mesh's metrics: peers known and fresh, stream lag, resyncs, frames,
+//! subscribers served and dropped, and requests by where they ran. Label
+//! values are `&'static str` from closed sets, except `target`, a pod id
+//! (bounded by the fleet's size limit).
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WhereLabels {
+    served: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TargetLabels {
+    target: String,
+}
+
+/// Handles to the mesh metrics.
+pub struct MeshMetrics {
+    peers: Family<StateLabels, Gauge>,
+    lag_ms: Gauge,
+    resyncs: Family<ReasonLabels, Counter>,
+    frames_in: Counter<u64, AtomicU64>,
+    frames_out: Counter<u64, AtomicU64>,
+    subscribers: Gauge,
+    dropped: Family<ReasonLabels, Counter>,
+    requests: Family<WhereLabels, Counter>,
+    forwarded: Family<TargetLabels, Counter>,
+}
+
+impl MeshMetrics {
+    /// Creates the metrics and registers them in `r` (prefix `kvmesh`).
+    pub fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            peers: Family::default(),
+            lag_ms: Gauge::default(),
+            resyncs: Family::default(),
+            frames_in: Counter::default(),
+            frames_out: Counter::default(),
+            subscribers: Gauge::default(),
+            dropped: Family::default(),
+            requests: Family::default(),
+            forwarded: Family::default(),
+        };
+        r.register(
+            "mesh_peers",
+            "Peers by state: known (discovered) and fresh (stream in sync, heard within stale_after)",
+            m.peers.clone(),
+        );
+        r.register_with_unit(
+            "mesh_stream_lag",
+            "Longest time since any fresh peer's last frame",
+            Unit::Other("milliseconds".to_owned()),
+            m.lag_ms.clone(),
+        );
+        r.register(
+            "mesh_resyncs",
+            "Snapshots applied from a peer, by why the stream (re)started: connect, gap, stale, error",
+            m.resyncs.clone(),
+        );
+        r.register(
+            "mesh_frames_received",
+            "Frames applied from peers",
+            m.frames_in.clone(),
+        );
+        r.register(
+            "mesh_frames_sent",
+            "Frames queued to subscribers",
+            m.frames_out.clone(),
+        );
+        r.register(
+            "mesh_subscribers",
+            "Peers subscribed to this sidecar's stream now",
+            m.subscribers.clone(),
+        );
+        r.register(
+            "mesh_subscribers_dropped",
+            "Subscribers dropped by this sidecar: slow (queue full) or over the limit",
+            m.dropped.clone(),
+        );
+        r.register(
+            "mesh_requests",
+            "Inference requests by where they ran: local (routed here), forwarded (to a peer), received (a peer routed it here)",
+            m.requests.clone(),
+        );
+        r.register(
+            "mesh_forwarded",
+            "Requests forwarded to a peer sidecar, by target pod",
+            m.forwarded.clone(),
+        );
+        m
+    }
+
+    pub fn peers(&self, known: usize, fresh: usize) {
+        let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.peers
+            .get_or_create(&StateLabels { state: "known" })
+            .set(n(known));
+        self.peers
+            .get_or_create(&StateLabels { state: "fresh" })
+            .set(n(fresh));
+    }
+
+    pub fn lag_ms(&self, ms: u64) {
+        self.lag_ms.set(i64::try_from(ms).unwrap_or(i64::MAX));
+    }
+
+    pub fn resync(&self, reason: &'static str) {
+        self.resyncs.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    pub fn frame_in(&self) {
+        self.frames_in.inc();
+    }
+
+    pub fn frames_out(&self, n: u64) {
+        self.frames_out.inc_by(n);
+    }
+
+    pub fn subscribers(&self, n: usize) {
+        self.subscribers.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub fn dropped(&self, reason: &'static str) {
+        self.dropped.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// `served`: `local`, `forwarded` or `received`.
+    pub fn request(&self, served: &'static str) {
+        self.requests.get_or_create(&WhereLabels { served }).inc();
+    }
+
+    pub fn forwarded(&self, target: &str) {
+        self.forwarded
+            .get_or_create(&TargetLabels {
+                target: target.to_owned(),
+            })
+            .inc();
+    }
+}

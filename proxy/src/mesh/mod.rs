@@ -1,0 +1,354 @@
+//! The mesh: sidecars that find each other, share what they know, and route
+//! as one (docs/mesh.md).
+//!
+//! * [`Mesh`] is this sidecar's side of the state stream: the local state
+//!   (announce, load, in-flight per target, the local pod's KV blocks in a
+//!   [`mirror::Mirror`], recent approximate decisions) and the subscribers it
+//!   is served to. Every delta gets the next sequence number and is queued to
+//!   every subscriber with `try_send`; a subscriber whose bounded queue is full
+//!   is dropped (it reconnects and resyncs), so the sender's memory is bounded.
+//! * [`server`] serves the stream on the mesh port (h2c).
+//! * [`discovery`] finds peers (static list, DNS, file) and owns one
+//!   [`subscriber`] task per peer, which applies the peer's stream to the
+//!   [`crate::fleet::Fleet`] and the prefix index.
+//! * [`wire`] is the framing.
+//!
+//! [`run`] is the one task the sidecar spawns; everything below it is owned
+//! by it and stops on shutdown.
+
+pub mod discovery;
+pub mod forward;
+pub mod metrics;
+pub mod mirror;
+pub mod server;
+pub mod subscriber;
+pub mod wire;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
+
+use crate::app::App;
+use crate::kvevents::LocalKvUpdate;
+use crate::shutdown::Shutdown;
+use mirror::Mirror;
+use wire::{Announce, LoadMsg, Msg};
+
+/// Recent approximate decisions kept for snapshots.
+const RECENT_DECISIONS: usize = 4096;
+/// Most block keys one published decision carries.
+const MAX_DECISION_KEYS: usize = 1024;
+
+/// This sidecar's side of the state stream (see the module docs).
+pub struct Mesh {
+    announce: Announce,
+    hub: Mutex<Hub>,
+    queue: usize,
+    max_subscribers: usize,
+    /// The local KV updates, taken by [`run`] (subscribed at construction so
+    /// no batch applied after start is missed).
+    local_kv: Mutex<Option<broadcast::Receiver<LocalKvUpdate>>>,
+    /// Whether the mesh port is configured (else nothing is published).
+    enabled: bool,
+}
+
+struct Hub {
+    /// Sequence number of the last delta.
+    seq: u64,
+    subs: Vec<mpsc::Sender<Bytes>>,
+    mirror: Mirror,
+    decisions: VecDeque<(String, Vec<u64>)>,
+    last_load: Option<LoadMsg>,
+    last_in_flight: Vec<(String, u32)>,
+}
+
+/// A new subscriber's stream: the snapshot frames, then its queue.
+pub struct Subscription {
+    pub snapshot: Vec<Bytes>,
+    pub rx: mpsc::Receiver<Bytes>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("id", &self.announce.id)
+            .field("enabled", &self.enabled)
+            .finish()
+    }
+}
+
+impl Mesh {
+    /// The mesh state of a sidecar whose pod is `fleet`'s local pod.
+    /// `mesh_addr`: the bound mesh port (`None`: the mesh is off).
+    pub fn new(
+        config: &crate::config::Config,
+        fleet: &crate::fleet::Fleet,
+        prefix: &crate::prefix::PrefixState,
+        mesh_addr: Option<SocketAddr>,
+    ) -> Self {
+        let m = &config.mesh;
+        let enabled = mesh_addr.is_some();
+        let p = &config.pod;
+        Self {
+            announce: Announce {
+                id: fleet.local_id().to_owned(),
+                mesh_addr: mesh_addr.map(|a| a.to_string()).unwrap_or_default(),
+                role: p.role,
+                models: p.models.clone(),
+                lora_adapters: p.lora_adapters.clone(),
+                labels: p
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                instance: rand::random(),
+            },
+            hub: Mutex::new(Hub {
+                seq: 0,
+                subs: Vec::new(),
+                mirror: Mirror::new(config.prefix.index_max_blocks_per_pod),
+                decisions: VecDeque::new(),
+                last_load: None,
+                last_in_flight: Vec::new(),
+            }),
+            queue: m.subscriber_queue,
+            max_subscribers: m.max_subscribers,
+            local_kv: Mutex::new(enabled.then(|| prefix.subscribe_local())),
+            enabled,
+        }
+    }
+
+    /// This pod's identity, as announced.
+    pub fn local_id(&self) -> &str {
+        &self.announce.id
+    }
+
+    /// The bound mesh port (`None`: the mesh is off).
+    pub fn mesh_addr(&self) -> Option<SocketAddr> {
+        self.announce.mesh_addr.parse().ok()
+    }
+
+    /// Subscribers served now.
+    pub fn subscribers(&self) -> usize {
+        self.hub.lock().subs.len()
+    }
+
+    /// Sequence number of the last delta published.
+    pub fn seq(&self) -> u64 {
+        self.hub.lock().seq
+    }
+
+    /// Publishes an approximate routing decision: `pod` was sent `keys`.
+    pub fn decision(&self, app: &App, pod: &str, keys: &[u64]) {
+        if !self.enabled || keys.is_empty() {
+            return;
+        }
+        let keys = keys[..keys.len().min(MAX_DECISION_KEYS)].to_vec();
+        let mut hub = self.hub.lock();
+        if hub.decisions.len() >= RECENT_DECISIONS {
+            hub.decisions.pop_front();
+        }
+        hub.decisions.push_back((pod.to_owned(), keys.clone()));
+        hub.publish(
+            app,
+            &Msg::Decision {
+                pod: pod.to_owned(),
+                keys,
+            },
+        );
+    }
+
+    /// Registers a subscriber: the snapshot as of now and a queue of every
+    /// later delta, consistent because both are taken under the hub lock.
+    /// `None` when [`crate::config::Mesh::max_subscribers`] are served.
+    pub fn subscribe(&self, app: &App) -> Option<Subscription> {
+        let mut hub = self.hub.lock();
+        hub.subs.retain(|s| !s.is_closed());
+        if hub.subs.len() >= self.max_subscribers {
+            app.metrics.mesh.dropped("over_limit");
+            return None;
+        }
+        let seq = hub.seq;
+        let mut snapshot = vec![wire::encode(seq, &Msg::Hello(self.announce.clone()))];
+        if let Some(l) = hub.last_load {
+            snapshot.push(wire::encode(seq, &Msg::Load(l)));
+        }
+        snapshot.push(wire::encode(
+            seq,
+            &Msg::InFlight(hub.last_in_flight.clone()),
+        ));
+        for (model, batch) in hub.mirror.snapshot() {
+            snapshot.push(wire::encode(
+                seq,
+                &Msg::Kv {
+                    model: model.to_string(),
+                    batch,
+                },
+            ));
+        }
+        for (pod, keys) in &hub.decisions {
+            snapshot.push(wire::encode(
+                seq,
+                &Msg::Decision {
+                    pod: pod.clone(),
+                    keys: keys.clone(),
+                },
+            ));
+        }
+        snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
+        let (tx, rx) = mpsc::channel(self.queue);
+        hub.subs.push(tx);
+        app.metrics.mesh.subscribers(hub.subs.len());
+        Some(Subscription { snapshot, rx })
+    }
+
+    fn local_kv(&self, app: &App, update: LocalKvUpdate) {
+        let mut hub = self.hub.lock();
+        match update {
+            LocalKvUpdate::Batch { model, batch, .. } => {
+                hub.mirror.apply(&model, &batch);
+                hub.publish(
+                    app,
+                    &Msg::Kv {
+                        model: model.to_string(),
+                        batch: (*batch).clone(),
+                    },
+                );
+            }
+            LocalKvUpdate::Cleared => self.cleared(app, &mut hub),
+        }
+    }
+
+    fn cleared(&self, app: &App, hub: &mut Hub) {
+        hub.mirror.clear();
+        let batch = kvmesh_filters::prefix::kvevents::EventBatch {
+            ts: 0.0,
+            events: vec![kvmesh_filters::prefix::kvevents::KvEvent::AllBlocksCleared],
+            dp_rank: None,
+            unknown_events: 0,
+        };
+        hub.publish(
+            app,
+            &Msg::Kv {
+                model: String::new(),
+                batch,
+            },
+        );
+    }
+
+    /// Publishes the local load and in-flight counts (also the heartbeat).
+    fn tick(&self, app: &App) {
+        let now = Instant::now();
+        let fleet = &app.fleet;
+        let local = fleet
+            .snapshot(now)
+            .into_iter()
+            .find(|p| p.info.id == fleet.local_id());
+        let load = local.map(|p| LoadMsg {
+            load: p.load,
+            age_ms: p.load_age_ms.unwrap_or(u64::MAX),
+            healthy: p.healthy,
+        });
+        let mut in_flight: Vec<(String, u32)> = fleet.local_in_flight().into_iter().collect();
+        in_flight.sort_unstable();
+        let mut hub = self.hub.lock();
+        if let Some(l) = load {
+            hub.last_load = Some(l);
+            hub.publish(app, &Msg::Load(l));
+        }
+        hub.last_in_flight = in_flight.clone();
+        hub.publish(app, &Msg::InFlight(in_flight));
+    }
+}
+
+impl Hub {
+    /// Queues one delta to every subscriber; a full queue drops its subscriber.
+    fn publish(&mut self, app: &App, msg: &Msg) {
+        self.seq += 1;
+        if self.subs.is_empty() {
+            return;
+        }
+        let frame = wire::encode(self.seq, msg);
+        let before = self.subs.len();
+        let mut slow = 0;
+        self.subs.retain(|s| match s.try_send(frame.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                slow += 1;
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        });
+        let m = &app.metrics.mesh;
+        for _ in 0..slow {
+            m.dropped("slow");
+        }
+        m.frames_out(self.subs.len() as u64);
+        if self.subs.len() != before {
+            m.subscribers(self.subs.len());
+        }
+    }
+}
+
+/// The mesh task: binds nothing itself (the listener is passed in), serves
+/// the stream, publishes local state and runs discovery. Returns on shutdown.
+pub async fn run(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(server::serve(app.clone(), listener, shutdown.clone()));
+    tasks.spawn(discovery::run(app.clone(), shutdown.clone()));
+    tasks.spawn(publish(app, shutdown.clone()));
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Forwards local KV updates to subscribers and publishes the load on a tick.
+async fn publish(app: Arc<App>, shutdown: Shutdown) {
+    let mesh = app.mesh.clone();
+    let mut kv = mesh.local_kv.lock().take();
+    let mut tick = tokio::time::interval(app.config.mesh.load_interval.get());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tick.tick() => mesh.tick(&app),
+            u = recv(&mut kv) => match u {
+                Ok(update) => mesh.local_kv(&app, update),
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    // Batches were lost: the mirror cannot be trusted, so the
+                    // peers forget this pod's blocks and relearn them live.
+                    tracing::warn!(lost = n, "mesh: local KV updates lagged; peers told to clear this pod");
+                    let mut hub = mesh.hub.lock();
+                    mesh.cleared(&app, &mut hub);
+                }
+                Err(broadcast::error::RecvError::Closed) => kv = None,
+            },
+        }
+    }
+}
+
+async fn recv(
+    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
+) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Binds the mesh listener of `config.mesh.listen`, if any.
+pub async fn bind(config: &crate::config::Config) -> std::io::Result<Option<TcpListener>> {
+    match config.mesh.listen {
+        Some(addr) => TcpListener::bind(addr).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The address a listener is bound to, for logs and handles.
+pub fn local_addr(l: &Option<TcpListener>) -> Option<SocketAddr> {
+    l.as_ref().and_then(|l| l.local_addr().ok())
+}

@@ -1,0 +1,142 @@
+//! The mesh port: HTTP/2 by prior knowledge (h2c). `GET /mesh/v1/stream`
+//! answers `200` with a never-ending body: the snapshot frames, then the
+//! subscriber's queue of deltas ([`super::Mesh::subscribe`]). The body ends
+//! when the sender drops the subscriber (slow) or shuts down; the subscriber
+//! then reconnects and resyncs. Anything else is `404`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::app::App;
+use crate::shutdown::Shutdown;
+
+/// The stream's path on the mesh port.
+pub const STREAM_PATH: &str = "/mesh/v1/stream";
+/// Content type of the stream.
+pub const CONTENT_TYPE: &str = "application/x-kvmesh-stream";
+/// Most mesh connections served at once (peers plus a margin).
+const MAX_CONNECTIONS: usize = 8192;
+
+/// A response body of whole frames.
+pub enum StreamBody {
+    Frames {
+        snapshot: VecDeque<Bytes>,
+        rx: mpsc::Receiver<Bytes>,
+    },
+    Empty,
+}
+
+impl Body for StreamBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            Self::Empty => Poll::Ready(None),
+            Self::Frames { snapshot, rx } => {
+                if let Some(b) = snapshot.pop_front() {
+                    return Poll::Ready(Some(Ok(Frame::data(b))));
+                }
+                rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, Self::Empty)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// Serves the mesh port until shutdown.
+pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
+    let mut conns = JoinSet::new();
+    loop {
+        while conns.try_join_next().is_some() {}
+        let (tcp, _) = tokio::select! {
+            _ = shutdown.triggered() => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "mesh: accept failed");
+                    tokio::select! {
+                        _ = shutdown.triggered() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                    }
+                }
+            },
+        };
+        if conns.len() >= MAX_CONNECTIONS {
+            continue; // dropped: the peer retries with backoff
+        }
+        let _ = tcp.set_nodelay(true);
+        let app = app.clone();
+        let shutdown = shutdown.clone();
+        conns.spawn(async move {
+            let svc = service_fn(move |req| {
+                let app = app.clone();
+                async move { Ok::<_, Infallible>(handle(&app, &req)) }
+            });
+            let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            b.timer(TokioTimer::new())
+                .keep_alive_interval(Some(Duration::from_secs(10)))
+                .keep_alive_timeout(Duration::from_secs(20));
+            let conn = b.serve_connection(TokioIo::new(tcp), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = shutdown.triggered() => {
+                    // Streams never end by themselves: close the connection.
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+                }
+            }
+        });
+    }
+    conns.shutdown().await;
+}
+
+fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
+    if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {
+        return status(StatusCode::NOT_FOUND);
+    }
+    match app.mesh.subscribe(app) {
+        Some(sub) => {
+            let mut r = Response::new(StreamBody::Frames {
+                snapshot: sub.snapshot.into(),
+                rx: sub.rx,
+            });
+            if let Ok(v) = http::HeaderValue::from_str(CONTENT_TYPE) {
+                r.headers_mut().insert(http::header::CONTENT_TYPE, v);
+            }
+            r
+        }
+        None => status(StatusCode::SERVICE_UNAVAILABLE),
+    }
+}
+
+fn status(s: StatusCode) -> Response<StreamBody> {
+    let mut r = Response::new(StreamBody::Empty);
+    *r.status_mut() = s;
+    r
+}

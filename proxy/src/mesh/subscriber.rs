@@ -1,0 +1,356 @@
+//! One peer's state stream, applied here: one owned task per discovered mesh
+//! address ([`run`]).
+//!
+//! Connect (TCP + HTTP/2, under `connect_timeout`), `GET /mesh/v1/stream`,
+//! then read frames, each under the `stale_after` deadline (the peer's load
+//! ticks are its heartbeat). The snapshot replaces everything known about
+//! the peer (its index entries are cleared first); deltas must come with
+//! consecutive sequence numbers. A gap, a malformed frame, a silent or ended
+//! stream: the connection is dropped and re-made after a backoff that
+//! doubles up to `reconnect_max`, and the next snapshot resyncs. A peer that
+//! stays unreachable past `stale_after` leaves the fleet and the index; it
+//! comes back with its next snapshot. A stream announcing this sidecar's own
+//! identity (DNS lists every pod, this one included) is not followed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::Request;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::server::STREAM_PATH;
+use super::wire::{self, Announce, Msg, WireError};
+use crate::app::App;
+use crate::fleet::PodInfo;
+
+/// First pause before reconnecting.
+const BACKOFF_START: Duration = Duration::from_millis(50);
+
+/// What the discovery loop reads about one subscriber.
+#[derive(Debug, Clone, Default)]
+pub struct PeerStatus {
+    /// The peer's pod id, once announced.
+    pub id: Option<String>,
+    /// In sync: snapshot applied and the stream alive.
+    pub synced: bool,
+    pub last_frame: Option<Instant>,
+    /// The address turned out to be this sidecar itself.
+    pub is_self: bool,
+}
+
+/// Why one stream ended.
+#[derive(Debug, thiserror::Error)]
+enum StreamEnd {
+    #[error("connect: {0}")]
+    Connect(String),
+    #[error("peer answered {0}")]
+    Status(http::StatusCode),
+    #[error("stream silent for {0:?}")]
+    Stale(Duration),
+    #[error("stream ended")]
+    Eof,
+    #[error("stream error: {0}")]
+    Body(String),
+    #[error("bad frame: {0}")]
+    Wire(#[from] WireError),
+    #[error("sequence gap: expected {expected}, got {got}")]
+    Gap { expected: u64, got: u64 },
+    #[error("a delta before the snapshot's hello")]
+    NoHello,
+    #[error("this sidecar itself")]
+    IsSelf,
+    #[error("peer announced an identity it cannot be reached at: {0}")]
+    BadIdentity(String),
+}
+
+/// Follows the stream of the peer at `addr` until `stop` (see the module docs).
+pub async fn run(
+    app: Arc<App>,
+    addr: SocketAddr,
+    stop: CancellationToken,
+    status: watch::Sender<PeerStatus>,
+) {
+    let cfg = app.config.mesh.clone();
+    let mut backoff = BACKOFF_START;
+    let mut known: Option<String> = None;
+    let mut lost_at: Option<Instant> = None;
+    let mut reason: &'static str = "connect";
+    loop {
+        let ended = tokio::select! {
+            _ = stop.cancelled() => break,
+            e = follow(&app, addr, &status, &mut known, reason) => e,
+        };
+        let was_synced = status.borrow().synced;
+        status.send_modify(|s| s.synced = false);
+        match &ended {
+            StreamEnd::IsSelf => {
+                status.send_modify(|s| s.is_self = true);
+                stop.cancelled().await;
+                break;
+            }
+            StreamEnd::Connect(_) | StreamEnd::Status(_) => {
+                tracing::debug!(%addr, reason = %ended, "mesh: peer unreachable");
+            }
+            _ => {
+                tracing::info!(%addr, reason = %ended, "mesh: peer stream lost; resyncing");
+                backoff = BACKOFF_START;
+            }
+        }
+        reason = match ended {
+            StreamEnd::Gap { .. } => "gap",
+            StreamEnd::Stale(_) => "stale",
+            StreamEnd::Eof => "reconnect",
+            _ => "error",
+        };
+        let now = Instant::now();
+        if was_synced {
+            lost_at = Some(now);
+        }
+        let since = *lost_at.get_or_insert(now);
+        // A silent stream already waited `stale_after`: forget the peer now.
+        let stale = matches!(ended, StreamEnd::Stale(_))
+            || now.duration_since(since) >= cfg.stale_after.get();
+        if stale {
+            if let Some(id) = known.take() {
+                forget(&app, &id);
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(cfg.reconnect_max.get());
+        if known.is_none() {
+            lost_at = None;
+        }
+    }
+    if let Some(id) = known {
+        forget(&app, &id);
+    }
+}
+
+/// Removes a peer from scheduling and from the index.
+fn forget(app: &App, id: &str) {
+    tracing::info!(peer = id, "mesh: peer left the scheduling set");
+    app.fleet.remove_peer(id);
+    app.prefix.remove_pod(id);
+}
+
+/// One connection: returns why it ended.
+async fn follow(
+    app: &App,
+    addr: SocketAddr,
+    status: &watch::Sender<PeerStatus>,
+    known: &mut Option<String>,
+    reason: &'static str,
+) -> StreamEnd {
+    let cfg = &app.config.mesh;
+    let connect = async {
+        let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let _ = tcp.set_nodelay(true);
+        let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+        // A small window: a subscriber that cannot keep up stops the sender
+        // quickly instead of buffering megabytes in flight.
+        b.initial_stream_window_size(256 * 1024);
+        b.handshake::<_, Empty<Bytes>>(TokioIo::new(tcp))
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let (mut send, conn) = match tokio::time::timeout(cfg.connect_timeout.get(), connect).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return StreamEnd::Connect(e),
+        Err(_) => return StreamEnd::Connect("timed out".to_owned()),
+    };
+    tokio::pin!(conn);
+    let req = match Request::get(format!("http://{addr}{STREAM_PATH}")).body(Empty::new()) {
+        Ok(r) => r,
+        Err(e) => return StreamEnd::Connect(e.to_string()),
+    };
+    let head = tokio::select! {
+        r = tokio::time::timeout(cfg.connect_timeout.get(), send.send_request(req)) => r,
+        _ = conn.as_mut() => return StreamEnd::Eof,
+    };
+    let resp = match head {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return StreamEnd::Connect(e.to_string()),
+        Err(_) => return StreamEnd::Connect("no response head".to_owned()),
+    };
+    if !resp.status().is_success() {
+        return StreamEnd::Status(resp.status());
+    }
+    let mut body = resp.into_body();
+    let mut reader = Reader {
+        app,
+        status,
+        known,
+        buf: BytesMut::new(),
+        peer: None,
+        next_seq: None,
+        reason,
+    };
+    let stale = cfg.stale_after.get();
+    loop {
+        let frame = tokio::select! {
+            f = tokio::time::timeout(stale, body.frame()) => f,
+            _ = conn.as_mut() => return StreamEnd::Eof,
+        };
+        let data = match frame {
+            Err(_) => return StreamEnd::Stale(stale),
+            Ok(None) => return StreamEnd::Eof,
+            Ok(Some(Err(e))) => return StreamEnd::Body(e.to_string()),
+            Ok(Some(Ok(f))) => match f.into_data() {
+                Ok(d) => d,
+                Err(_) => continue, // trailers: nothing to apply
+            },
+        };
+        reader.buf.extend_from_slice(&data);
+        if let Err(e) = reader.drain().await {
+            return e;
+        }
+    }
+}
+
+struct Reader<'a> {
+    app: &'a App,
+    status: &'a watch::Sender<PeerStatus>,
+    known: &'a mut Option<String>,
+    buf: BytesMut,
+    /// The peer's id once its hello is applied.
+    peer: Option<String>,
+    /// The sequence the next delta must carry (after the snapshot).
+    next_seq: Option<u64>,
+    reason: &'static str,
+}
+
+impl Reader<'_> {
+    /// Applies every whole frame in the buffer.
+    async fn drain(&mut self) -> Result<(), StreamEnd> {
+        while let Some(h) = wire::header(&self.buf)? {
+            let total = wire::HEADER_LEN + h.len as usize;
+            if self.buf.len() < total {
+                break;
+            }
+            self.buf.advance(wire::HEADER_LEN);
+            let payload = self.buf.split_to(h.len as usize);
+            let msg = wire::decode(h.kind, &payload)?;
+            self.apply(h.seq, msg).await?;
+        }
+        Ok(())
+    }
+
+    async fn apply(&mut self, seq: u64, msg: Msg) -> Result<(), StreamEnd> {
+        let app = self.app;
+        app.metrics.mesh.frame_in();
+        self.status
+            .send_modify(|s| s.last_frame = Some(Instant::now()));
+        if let Msg::Hello(a) = msg {
+            return self.hello(a).await;
+        }
+        let Some(peer) = self.peer.clone() else {
+            return Err(StreamEnd::NoHello);
+        };
+        match self.next_seq {
+            // Snapshot frames all carry the snapshot's sequence.
+            None => {}
+            Some(expected) if seq == expected => self.next_seq = Some(expected + 1),
+            Some(expected) => return Err(StreamEnd::Gap { expected, got: seq }),
+        }
+        match msg {
+            Msg::Hello(_) => {}
+            Msg::SnapshotEnd => {
+                self.next_seq = Some(seq + 1);
+                app.metrics.mesh.resync(self.reason);
+                self.status.send_modify(|s| s.synced = true);
+                tracing::info!(peer, "mesh: peer in sync");
+            }
+            Msg::Load(l) => {
+                let now = Instant::now();
+                let at = now
+                    .checked_sub(Duration::from_millis(l.age_ms.min(3_600_000)))
+                    .unwrap_or(now);
+                if l.age_ms != u64::MAX {
+                    app.fleet.set_load(&peer, l.load, at);
+                }
+                app.fleet.set_healthy(&peer, l.healthy);
+            }
+            Msg::InFlight(counts) => {
+                app.fleet
+                    .set_remote_in_flight(&peer, counts.into_iter().collect());
+            }
+            Msg::Kv { model, batch } => {
+                app.prefix.apply(&peer, &model, &batch);
+            }
+            Msg::Decision { pod, keys } => {
+                if app.prefix.mode() == crate::prefix::Mode::Approximate {
+                    app.prefix.approx().record(&pod, &keys);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn hello(&mut self, a: Announce) -> Result<(), StreamEnd> {
+        let app = self.app;
+        if a.id == app.fleet.local_id() {
+            return Err(StreamEnd::IsSelf);
+        }
+        let sidecar_addr = resolve(&a.id)
+            .await
+            .ok_or_else(|| StreamEnd::BadIdentity(a.id.clone()))?;
+        if let Some(old) = self.known.take() {
+            // A restarted or renamed peer: start from nothing.
+            if old != a.id {
+                app.fleet.remove_peer(&old);
+            }
+            app.prefix.remove_pod(&old);
+        }
+        let info = PodInfo {
+            id: a.id.clone(),
+            sidecar_addr: Some(sidecar_addr),
+            role: a.role,
+            models: a.models,
+            lora_adapters: a.lora_adapters,
+            labels: a.labels.into_iter().collect(),
+        };
+        if let Err(e) = app.fleet.upsert_peer(info) {
+            tracing::warn!(peer = %a.id, error = %e, "mesh: peer not added");
+            return Err(StreamEnd::BadIdentity(a.id));
+        }
+        *self.known = Some(a.id.clone());
+        self.status.send_modify(|s| s.id = Some(a.id.clone()));
+        self.peer = Some(a.id);
+        self.next_seq = None;
+        Ok(())
+    }
+}
+
+/// The announced `host:port` as a socket address (a name is resolved once).
+async fn resolve(id: &str) -> Option<SocketAddr> {
+    if let Ok(a) = id.parse() {
+        return Some(a);
+    }
+    let found = tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(id)).await;
+    found.ok()?.ok()?.next()
+}
+
+/// Frames of a stream body, for tests that read a stream by hand.
+pub fn split_frames(buf: &mut BytesMut) -> Result<Vec<(u64, Msg)>, WireError> {
+    let mut out = Vec::new();
+    while let Some(h) = wire::header(buf)? {
+        let total = wire::HEADER_LEN + h.len as usize;
+        if buf.len() < total {
+            break;
+        }
+        buf.advance(wire::HEADER_LEN);
+        let payload = buf.split_to(h.len as usize);
+        out.push((h.seq, wire::decode(h.kind, &payload)?));
+    }
+    Ok(out)
+}
