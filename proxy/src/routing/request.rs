@@ -2,11 +2,11 @@
 //! (load, health, freshness, prefix match) and the request as the
 //! scheduler's [`RequestView`] (model or LoRA adapter, session, prompt size).
 //!
-//! Prompt size: exact when the prefix stage tokenized the prompt (its block
-//! keys give the number of full blocks), else estimated at 4 bytes of text
-//! per token, which is what a load-only policy and the P/D decider need.
-
-use std::collections::HashMap;
+//! Prefix match: the prefix stage's per-pod match of `ctx.block_keys`
+//! (`PrefixState::matches`). Prompt size: exact when the prefix stage
+//! tokenized the prompt, else estimated at 4 bytes of text per token, which
+//! is what a load-only policy and the P/D decider need; prompt blocks are the
+//! block keys when there are some.
 
 use kvmesh_filters::sched::{EndpointView, PathKind, RequestView as SchedView};
 use tokio::time::Instant;
@@ -26,14 +26,13 @@ pub fn build(
     view: &RequestView,
     now: Instant,
 ) -> (SchedView, Vec<EndpointView>) {
-    let block_size = match app
-        .engine_block_size
-        .load(std::sync::atomic::Ordering::Relaxed)
-    {
+    // The block size the prefix stage cut the keys with, so matches and
+    // prompt blocks count the same blocks.
+    let block_size = match app.prefix.block_size(app) {
         0 => DEFAULT_BLOCK_SIZE,
         n => n,
     };
-    let matches = prefix_matches(app, ctx);
+    let matches = app.prefix.matches(ctx);
     let endpoints = app
         .fleet
         .endpoints(now, block_size, |id| matches.get(id).copied().unwrap_or(0));
@@ -45,15 +44,6 @@ pub fn build(
         block_size,
     );
     (req, endpoints)
-}
-
-/// Blocks of this request's prompt each pod holds, by pod id.
-///
-/// The seam for the prefix stage: until its `PrefixState` is wired in, no pod
-/// holds anything (prefix scorers give every pod the same score). Replace the
-/// body with the state's per-pod match for `ctx.block_keys`.
-fn prefix_matches(_app: &App, _ctx: &RequestCtx) -> HashMap<String, u32> {
-    HashMap::new()
 }
 
 /// The scheduler's view of the request. A body without `model` means the
@@ -77,9 +67,14 @@ pub fn request_view(
                 .iter()
                 .any(|e| e.lora_adapters.iter().any(|a| a == m))
     });
-    let estimated = prompt_tokens(&view.prompt);
     let keyed_blocks = u32::try_from(ctx.block_keys.len()).unwrap_or(u32::MAX);
-    let prompt_tokens = estimated.max(keyed_blocks.saturating_mul(block_size));
+    let (prompt_tokens, exact) = match ctx.prompt_tokens {
+        Some(n) => (n, true),
+        None => (
+            prompt_tokens(&view.prompt).max(keyed_blocks.saturating_mul(block_size)),
+            false,
+        ),
+    };
     let prompt_blocks = if keyed_blocks > 0 {
         keyed_blocks
     } else {
@@ -105,7 +100,7 @@ pub fn request_view(
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned),
         prompt_tokens,
-        prompt_tokens_exact: false,
+        prompt_tokens_exact: exact,
         prompt_blocks,
     }
 }
