@@ -98,6 +98,18 @@ pub enum ProxyError {
         filter: String,
         profile: String,
     },
+    #[error("the request was forwarded between sidecars {hops} times (the limit is {limit}): a forwarding loop")]
+    HopLimit { hops: u32, limit: u32 },
+    #[error("the prefill leg at {upstream} answered {status}: {message}")]
+    PrefillFailed {
+        upstream: UpstreamName,
+        status: u16,
+        message: String,
+        /// Whether another prefill attempt may succeed (429, 502, 503, 504, a deadline).
+        retryable: bool,
+    },
+    #[error("x-prefiller-host-port {value:?} refused: {reason}")]
+    BadPrefiller { value: String, reason: &'static str },
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),
     #[error("internal proxy error: {0}")]
@@ -131,7 +143,10 @@ impl ProxyError {
             | Self::MethodNotAllowed { .. }
             | Self::ClientBody(_)
             | Self::ClientTimeout { .. }
-            | Self::ModelNotFound { .. } => Culprit::Client,
+            | Self::ModelNotFound { .. }
+            | Self::HopLimit { .. }
+            | Self::BadPrefiller { .. } => Culprit::Client,
+            Self::PrefillFailed { upstream, .. } => upstream.culprit(),
             Self::Connect { upstream, .. }
             | Self::FirstByteTimeout { upstream, .. }
             | Self::IdleTimeout { upstream, .. }
@@ -156,6 +171,9 @@ impl ProxyError {
             | Self::ClientBody(_)
             | Self::ClientTimeout { .. }
             | Self::ModelNotFound { .. }
+            | Self::HopLimit { .. }
+            | Self::PrefillFailed { .. }
+            | Self::BadPrefiller { .. }
             | Self::NoEndpoint { .. }
             | Self::Unsupported(_)
             | Self::Internal(_) => Retry::Never,

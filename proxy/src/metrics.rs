@@ -61,6 +61,12 @@ pub struct Metrics {
     bytes_out: Family<RouteLabels, Counter<u64, AtomicU64>>,
     /// Scheduling decisions, filter reloads, engine scrapes.
     pub routing: crate::routing::metrics::RoutingMetrics,
+    /// Tokenization, KV event ingestion and the prefix index.
+    pub prefix: crate::prefix::metrics::PrefixMetrics,
+    /// Peers, the state stream, forwarding.
+    pub mesh: crate::mesh::metrics::MeshMetrics,
+    /// Prefill/decode disaggregation.
+    pub pd: crate::pd::metrics::PdMetrics,
 }
 
 /// Decrements the in-flight gauge when the response body is finished or dropped.
@@ -93,6 +99,9 @@ impl Metrics {
         let bytes_in = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
         let bytes_out = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
         let routing = crate::routing::metrics::RoutingMetrics::register(&mut registry);
+        let prefix = crate::prefix::metrics::PrefixMetrics::register(&mut registry);
+        let mesh = crate::mesh::metrics::MeshMetrics::register(&mut registry);
+        let pd = crate::pd::metrics::PdMetrics::register(&mut registry);
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
@@ -143,6 +152,9 @@ impl Metrics {
             bytes_in,
             bytes_out,
             routing,
+            prefix,
+            mesh,
+            pd,
         }
     }
 

@@ -51,6 +51,13 @@ pub fn openai_error(err: &ProxyError) -> ErrorReply {
         E::OverallTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "deadline_exceeded"),
         E::ModelNotFound { .. } => (StatusCode::NOT_FOUND, "model_not_found"),
         E::NoEndpoint { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_endpoint"),
+        E::HopLimit { .. } => (StatusCode::LOOP_DETECTED, "loop_detected"),
+        // A client error on prefill is the client's to see; an engine failure is a gateway's.
+        E::PrefillFailed { status, .. } => match StatusCode::from_u16(*status) {
+            Ok(s) if s.is_client_error() => (s, "prefill_rejected"),
+            _ => (StatusCode::BAD_GATEWAY, "prefill_failed"),
+        },
+        E::BadPrefiller { .. } => (StatusCode::FORBIDDEN, "prefiller_not_allowed"),
         E::Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported"),
         E::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
     };

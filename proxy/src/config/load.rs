@@ -162,6 +162,9 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     if c.limits.max_connections == 0 {
         return err("limits.max_connections", "must be at least 1".to_owned());
     }
+    super::prefix::validate(c)?;
+    c.mesh.validate()?;
+    c.pd.validate()?;
     if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&c.logging.level) {
         return err(
             "logging.level",

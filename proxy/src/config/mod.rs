@@ -11,6 +11,9 @@
 //! beside it and its checks in [`load::validate`].
 
 pub mod load;
+pub mod mesh;
+pub mod pd;
+pub mod prefix;
 mod units;
 
 use std::net::SocketAddr;
@@ -19,6 +22,9 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use load::{from_yaml_str, load_file, ConfigError};
+pub use mesh::Mesh;
+pub use pd::{OnPrefillFailure, Pd, PdConnector};
+pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};
 pub use units::{ByteSize, Duration, EngineUrl};
 
 /// The whole `proxy.yaml`.
@@ -35,6 +41,12 @@ pub struct Config {
     pub pod: Pod,
     /// How requests are placed: the filter config file and its reloading.
     pub scheduling: Scheduling,
+    /// How prompts become block keys: tokenizer, block size, index limits.
+    pub prefix: Prefix,
+    /// The mesh: this pod's mesh port, identity, peer discovery (docs/mesh.md).
+    pub mesh: Mesh,
+    /// How a request split into prefill and decode is carried out (docs/pd.md).
+    pub pd: Pd,
 }
 
 /// Where the sidecar listens.
@@ -76,6 +88,9 @@ pub struct Engine {
     /// Deadline of one scrape (vLLM's `/metrics` can stall for seconds); a
     /// scrape that misses it is skipped, and the load data ages.
     pub metrics_timeout: Duration,
+    /// The engine's KV cache event sockets; absent: no events (approximate
+    /// prefix routing, or the engine's `/tokenize` with an empty index).
+    pub kv_events: Option<KvEvents>,
 }
 
 /// Which engine speaks on `engine.url`; it decides metric names and P/D protocol.
@@ -191,6 +206,7 @@ impl Default for Engine {
             metrics_path: "/metrics".to_owned(),
             metrics_interval: Duration::from_millis(250),
             metrics_timeout: Duration::from_millis(1000),
+            kv_events: None,
         }
     }
 }

@@ -24,6 +24,11 @@ pub async fn execute(
     plan: Plan,
     mut req: ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
+    crate::mesh::forward::check_arrival(&req.head.headers)?;
+    if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
+        return crate::pd::execute(app, ctx, crate::pd::PdPlan::llmd(prefiller), &req).await;
+    }
+    let prefill_fallbacks = plan.prefill_fallbacks;
     let targets = std::iter::once(plan.target)
         .chain(plan.fallbacks)
         .take(MAX_ATTEMPTS);
@@ -32,10 +37,10 @@ pub async fn execute(
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
-            Target::Disaggregated { .. } => {
-                return Err(ProxyError::Unsupported(
-                    "disaggregated prefill/decode (the P/D stage)",
-                ))
+            Target::Disaggregated { prefill, decode } => {
+                ctx.attempts += 1;
+                let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
+                return crate::pd::execute(app, ctx, pd, &req).await;
             }
         };
         // A streamed body can be sent once; after a refusal it is still unread,
@@ -45,8 +50,13 @@ pub async fn execute(
         }
         ctx.attempts += 1;
         crate::routing::track(app, ctx, &target);
-        match forward(app, ctx, upstream, &mut req).await {
+        match forward(app, ctx, upstream.clone(), &mut req).await {
             Ok(resp) => {
+                let peer = match &upstream {
+                    Upstream::Peer(a) => Some(*a),
+                    _ => None,
+                };
+                crate::mesh::forward::served(app, ctx, peer);
                 ctx.served_by = Some(upstream.served());
                 return Ok(resp);
             }
@@ -60,18 +70,49 @@ pub async fn execute(
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Upstream {
+/// Where one attempt goes.
+#[derive(Debug, Clone)]
+pub(crate) enum Upstream {
+    /// This pod's engine.
     Engine,
+    /// Another pod's sidecar, which runs the request on its engine.
     Peer(SocketAddr),
+    /// An engine outside the mesh named by an llm-d EPP (`x-prefiller-host-port`).
+    Direct(Authority),
 }
 
 impl Upstream {
-    fn served(self) -> Served {
+    fn served(&self) -> Served {
         match self {
-            Self::Engine => Served::LocalEngine,
-            Self::Peer(a) => Served::Peer(a),
+            Self::Engine | Self::Direct(_) => Served::LocalEngine,
+            Self::Peer(a) => Served::Peer(*a),
         }
+    }
+
+    /// The name errors and logs use.
+    pub(crate) fn name(&self, app: &App) -> UpstreamName {
+        match self {
+            Self::Engine => UpstreamName::Engine(app.config.engine.url.authority().to_string()),
+            Self::Peer(addr) => UpstreamName::Peer(addr.to_string()),
+            Self::Direct(a) => UpstreamName::Engine(a.to_string()),
+        }
+    }
+
+    /// The address to connect to, and the name errors use.
+    fn resolve(&self, app: &App) -> Result<(Authority, UpstreamName), ProxyError> {
+        Ok(match self {
+            Self::Engine => {
+                let a = app.config.engine.url.authority().clone();
+                let n = UpstreamName::Engine(a.to_string());
+                (a, n)
+            }
+            Self::Peer(addr) => {
+                let a = Authority::try_from(addr.to_string())
+                    .map_err(|e| ProxyError::Internal(format!("peer address {addr}: {e}")))?;
+                (a, UpstreamName::Peer(addr.to_string()))
+            }
+            Self::Direct(a) => (a.clone(), UpstreamName::Engine(a.to_string())),
+        })
     }
 }
 
@@ -82,19 +123,22 @@ async fn forward(
     upstream: Upstream,
     req: &mut ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let (authority, name) = match upstream {
-        Upstream::Engine => {
-            let a = app.config.engine.url.authority().clone();
-            let n = UpstreamName::Engine(a.to_string());
-            (a, n)
-        }
-        Upstream::Peer(addr) => {
-            let a = Authority::try_from(addr.to_string())
-                .map_err(|e| ProxyError::Internal(format!("peer address {addr}: {e}")))?;
-            (a, UpstreamName::Peer(addr.to_string()))
-        }
-    };
-    let out = build_request(app, ctx, upstream, authority, req)?;
+    let body = client_body(app, req)?;
+    let (resp, name) = send(app, ctx, &upstream, &req.head, body).await?;
+    Ok(relay(app, ctx, name, resp))
+}
+
+/// Sends one request (the client's head, rewritten for the hop, with `body`)
+/// and waits for the response head under the first-byte deadline.
+pub(crate) async fn send(
+    app: &App,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    head: &http::request::Parts,
+    body: UpstreamBody,
+) -> Result<(Response<hyper::body::Incoming>, UpstreamName), ProxyError> {
+    let (authority, name) = upstream.resolve(app)?;
+    let out = build_request(app, ctx, upstream, authority, head, body)?;
     let timeouts = &app.config.timeouts;
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
     let head_wait = timeouts.first_byte.get().min(overall_left);
@@ -122,6 +166,18 @@ async fn forward(
     };
     app.metrics
         .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
+    Ok((resp, name))
+}
+
+/// Relays an upstream response to the client, chunk by chunk, under the idle
+/// and overall deadlines.
+pub(crate) fn relay(
+    app: &App,
+    ctx: &RequestCtx,
+    name: UpstreamName,
+    resp: Response<hyper::body::Incoming>,
+) -> Response<ResponseBody> {
+    let timeouts = &app.config.timeouts;
     let (mut head, incoming) = resp.into_parts();
     strip_hop_by_hop(&mut head.headers);
     let sse = head
@@ -147,18 +203,32 @@ async fn forward(
             request_id: ctx.id().to_owned(),
         },
     );
-    Ok(Response::from_parts(head, body))
+    Response::from_parts(head, body)
+}
+
+/// The client's body for one attempt: buffered bodies can be sent again.
+fn client_body(app: &App, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
+    Ok(match &mut req.body {
+        ClientBody::Buffered(b) => UpstreamBody::Full(Full::new(b.clone())),
+        ClientBody::Streaming(b) => {
+            let incoming = b
+                .take()
+                .ok_or_else(|| ProxyError::Internal("streamed body sent twice".to_owned()))?;
+            let limit = usize::try_from(app.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+            UpstreamBody::Stream(Limited::new(incoming, limit))
+        }
+    })
 }
 
 fn build_request(
     app: &App,
     ctx: &RequestCtx,
-    upstream: Upstream,
+    upstream: &Upstream,
     authority: Authority,
-    req: &mut ClientRequest,
+    head: &http::request::Parts,
+    body: UpstreamBody,
 ) -> Result<Request<UpstreamBody>, ProxyError> {
-    let path = req
-        .head
+    let path = head
         .uri
         .path_and_query()
         .cloned()
@@ -169,31 +239,31 @@ fn build_request(
         .path_and_query(path)
         .build()
         .map_err(|e| ProxyError::Internal(format!("upstream URI: {e}")))?;
-    let body = match &mut req.body {
-        ClientBody::Buffered(b) => UpstreamBody::Full(Full::new(b.clone())),
-        ClientBody::Streaming(b) => {
-            let incoming = b
-                .take()
-                .ok_or_else(|| ProxyError::Internal("streamed body sent twice".to_owned()))?;
-            let limit = usize::try_from(app.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
-            UpstreamBody::Stream(Limited::new(incoming, limit))
-        }
-    };
+    // A body the proxy rewrote (a P/D leg) has its own length: let the client
+    // pool compute it from the body rather than send the client's.
+    let rewritten = matches!(body, UpstreamBody::Full(_));
     let mut out = Request::new(body);
-    *out.method_mut() = req.head.method.clone();
+    *out.method_mut() = head.method.clone();
     *out.uri_mut() = uri;
     let headers = out.headers_mut();
-    headers.clone_from(&req.head.headers);
+    headers.clone_from(&head.headers);
     strip_hop_by_hop(headers);
+    if rewritten {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    // llm-d's P/D headers are for this sidecar; the engine never sees them.
+    headers.remove(crate::pd::llmd::PREFILLER);
     // The client pool sets Host from the upstream URI, as a reverse proxy should.
     headers.remove(header::HOST);
     headers.insert(REQUEST_ID, ctx.request_id.clone());
     match upstream {
-        Upstream::Peer(_) => {
+        Upstream::Peer(addr) => {
+            crate::mesh::forward::prepare(app, *addr, &head.headers, headers)?;
             headers.insert(ROUTED, HeaderValue::from_static("1"));
         }
-        Upstream::Engine => {
+        Upstream::Engine | Upstream::Direct(_) => {
             headers.remove(ROUTED);
+            headers.remove(crate::headers::HOPS);
         }
     }
     Ok(out)

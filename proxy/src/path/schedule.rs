@@ -43,6 +43,9 @@ pub struct Plan {
     /// Tried in order when a target refuses the connection before any byte was
     /// sent; at most `MAX_ATTEMPTS - 1` are used.
     pub fallbacks: Vec<Target>,
+    /// For a disaggregated target: other prefill pods, best first, tried when
+    /// the chosen prefill pod refuses or fails before answering.
+    pub prefill_fallbacks: Vec<Leg>,
     /// A short, stable reason for logs and metric labels.
     pub reason: &'static str,
 }
@@ -53,6 +56,7 @@ impl Plan {
         Self {
             target: Target::LocalEngine,
             fallbacks: Vec::new(),
+            prefill_fallbacks: Vec::new(),
             reason,
         }
     }

@@ -33,9 +33,19 @@ pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {
         .chain(fallback_ids.iter().filter_map(|id| target_of(fleet, id)))
         .take(MAX_ATTEMPTS - 1)
         .collect();
+    let prefill_fallbacks = match route {
+        Route::Disaggregated { prefill, .. } => prefill
+            .fallbacks
+            .iter()
+            .filter_map(|id| leg_of(fleet, id))
+            .take(MAX_ATTEMPTS - 1)
+            .collect(),
+        Route::Aggregated { .. } => Vec::new(),
+    };
     Some(Plan {
         target,
         fallbacks,
+        prefill_fallbacks,
         reason: "scheduled",
     })
 }

@@ -1,0 +1,103 @@
+//! P/D metrics: requests by connector and outcome (so the fraction served
+//! aggregated after a prefill failure is `outcome="fallback_aggregated"` over
+//! the total), prefill retries, and each leg's time to its response head.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// How a disaggregated request ended up being served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Prefill handed its KV cache to decode.
+    Disaggregated,
+    /// Prefill answered without transfer parameters: decode recomputed.
+    Recompute,
+    /// Prefill failed for good: the decode pod served the request whole.
+    FallbackAggregated,
+    /// The request failed.
+    Failed,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Disaggregated => "disaggregated",
+            Self::Recompute => "recompute",
+            Self::FallbackAggregated => "fallback_aggregated",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    connector: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LegLabels {
+    leg: &'static str,
+}
+
+/// Handles to the P/D metrics.
+pub struct PdMetrics {
+    requests: Family<RequestLabels, Counter>,
+    prefill_retries: Counter,
+    leg_latency: Family<LegLabels, Histogram, fn() -> Histogram>,
+}
+
+/// 1 ms .. ~33 s, doubling: a prefill of a long prompt takes seconds.
+fn leg_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+impl PdMetrics {
+    /// Creates the metrics and registers them in `r` (prefix `kvmesh`).
+    pub fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            requests: Family::default(),
+            prefill_retries: Counter::default(),
+            leg_latency: Family::new_with_constructor(leg_histogram as fn() -> Histogram),
+        };
+        r.register(
+            "pd_requests",
+            "Disaggregated requests by connector and outcome (disaggregated, recompute, fallback_aggregated, failed)",
+            m.requests.clone(),
+        );
+        r.register(
+            "pd_prefill_retries",
+            "Prefill legs sent again after a connect error or a retryable status",
+            m.prefill_retries.clone(),
+        );
+        r.register_with_unit(
+            "pd_leg_latency",
+            "Time from sending a P/D leg to its response head (prefill: its whole response)",
+            Unit::Seconds,
+            m.leg_latency.clone(),
+        );
+        m
+    }
+
+    pub fn outcome(&self, connector: &'static str, outcome: Outcome) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                connector,
+                outcome: outcome.label(),
+            })
+            .inc();
+    }
+
+    pub fn prefill_retry(&self) {
+        self.prefill_retries.inc();
+    }
+
+    pub fn leg(&self, leg: &'static str, secs: f64) {
+        self.leg_latency
+            .get_or_create(&LegLabels { leg })
+            .observe(secs);
+    }
+}

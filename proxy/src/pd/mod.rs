@@ -1,0 +1,116 @@
+//! Prefill/decode disaggregation: carrying out a request the scheduler split
+//! into a prefill pod and a decode pod, with unmodified engines.
+//!
+//! | connector | engines | protocol |
+//! |---|---|---|
+//! | `nixl` | vLLM `NixlConnector` | [`twoleg`]: prefill with `do_remote_decode`, then decode with the returned `kv_transfer_params` |
+//! | `kvagent` | engines with the kvmesh connector | [`twoleg`], plus the transfer id and the decode node's agent in the parameters |
+//! | `sglang` | SGLang PD | [`sglang`]: one body with bootstrap fields to both, concurrently |
+//!
+//! Failure rules (docs/pd.md): prefill is retried, with backoff, only after a
+//! connect error or a retryable status, on the next prefill pod; a prefill
+//! that answers without parameters lets decode recompute; a prefill that fails
+//! for good serves the request aggregated on the decode pod, or fails it, as
+//! `pd.on_prefill_failure` says; a client that disconnects drops both legs,
+//! which cancels them; every leg has a deadline.
+//!
+//! A request carrying llm-d's `x-prefiller-host-port` ([`llmd`]) runs the same
+//! protocol with the prefiller the header names and the local engine.
+
+mod body;
+pub mod llmd;
+pub mod metrics;
+mod sglang;
+mod twoleg;
+
+use http::uri::Authority;
+use http::Response;
+use serde_json::{json, Map, Value};
+
+use crate::app::App;
+use crate::body::ResponseBody;
+use crate::config::PdConnector;
+use crate::error::ProxyError;
+use crate::path::classify::{ClientBody, ClientRequest};
+use crate::path::execute::Upstream;
+use crate::path::{Leg, RequestCtx};
+
+/// Where the legs of one disaggregated request go.
+#[derive(Debug, Clone)]
+pub struct PdPlan {
+    /// Prefill pods, best first (retries walk this list).
+    prefill: Vec<Upstream>,
+    decode: Upstream,
+}
+
+impl PdPlan {
+    /// The scheduler's split: a prefill pod (with fallbacks) and a decode pod.
+    pub fn scheduled(prefill: Leg, prefill_fallbacks: Vec<Leg>, decode: Leg) -> Self {
+        Self {
+            prefill: std::iter::once(prefill)
+                .chain(prefill_fallbacks)
+                .map(upstream)
+                .collect(),
+            decode: upstream(decode),
+        }
+    }
+
+    /// An llm-d EPP's split: its prefiller, and this pod's engine decoding.
+    pub fn llmd(prefiller: Authority) -> Self {
+        Self {
+            prefill: vec![Upstream::Direct(prefiller)],
+            decode: Upstream::Engine,
+        }
+    }
+}
+
+fn upstream(leg: Leg) -> Upstream {
+    match leg {
+        Leg::LocalEngine => Upstream::Engine,
+        Leg::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
+    }
+}
+
+/// Runs the configured connector for one request.
+pub async fn execute(
+    app: &App,
+    ctx: &mut RequestCtx,
+    plan: PdPlan,
+    req: &ClientRequest,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let ClientBody::Buffered(bytes) = &req.body else {
+        return Err(ProxyError::Internal(
+            "P/D needs the inference body read whole".to_owned(),
+        ));
+    };
+    let client = body::object(bytes)?;
+    match app.config.pd.connector {
+        PdConnector::Nixl => twoleg::run(app, ctx, &plan, req, &client, "nixl", &Map::new()).await,
+        PdConnector::Kvagent => {
+            let extra = kvagent_params(app, &plan);
+            twoleg::run(app, ctx, &plan, req, &client, "kvagent", &extra).await
+        }
+        PdConnector::Sglang => sglang::run(app, ctx, &plan, req, &client).await,
+    }
+}
+
+/// What the kvagent connector adds to the prefill leg: a transfer id both
+/// engines' connectors use, and the decode node's agent that receives the
+/// blocks (the decode pod's host at `pd.kvagent_port`).
+fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
+    let host = match &plan.decode {
+        Upstream::Engine => app.config.engine.url.authority().host().to_owned(),
+        Upstream::Peer(addr) => addr.ip().to_string(),
+        Upstream::Direct(a) => a.host().to_owned(),
+    };
+    let mut m = Map::new();
+    m.insert(
+        "kvmesh_transfer_id".to_owned(),
+        json!(uuid::Uuid::new_v4().to_string()),
+    );
+    m.insert(
+        "kvmesh_dest_agent".to_owned(),
+        json!(format!("{host}:{}", app.config.pd.kvagent_port)),
+    );
+    m
+}

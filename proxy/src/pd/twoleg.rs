@@ -1,0 +1,167 @@
+//! The two-leg protocol of vLLM's `NixlConnector` (and of the kvagent
+//! connector, which adds its own parameters): prefill first with
+//! `do_remote_decode`, then decode with the `kv_transfer_params` prefill
+//! returned (protocols.md §4.1). Both legs carry the same `X-Request-Id`.
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use super::body;
+use super::metrics::Outcome;
+use super::PdPlan;
+use crate::app::App;
+use crate::body::{ResponseBody, UpstreamBody};
+use crate::config::OnPrefillFailure;
+use crate::error::ProxyError;
+use crate::path::classify::ClientRequest;
+use crate::path::execute::{relay, send, Upstream};
+use crate::path::RequestCtx;
+
+/// Largest prefill response read (it holds one token and the parameters).
+const MAX_PREFILL_RESPONSE: usize = 4 << 20;
+
+/// Statuses after which another prefill attempt may succeed.
+fn retryable(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 429 | 502 | 503 | 504)
+}
+
+pub async fn run(
+    app: &App,
+    ctx: &mut RequestCtx,
+    plan: &PdPlan,
+    req: &ClientRequest,
+    client: &Map<String, Value>,
+    connector: &'static str,
+    extra: &Map<String, Value>,
+) -> Result<Response<ResponseBody>, ProxyError> {
+    let metrics = &app.metrics.pd;
+    let prefill_body = body::prefill_leg(client, req.head.uri.path(), extra)?;
+    let (decode_body, outcome) = match prefill(app, ctx, plan, req, prefill_body).await {
+        Ok(Some(params)) => (
+            body::decode_leg(client, Some(&params))?,
+            Outcome::Disaggregated,
+        ),
+        Ok(None) => {
+            tracing::warn!(
+                request_id = ctx.id(),
+                "prefill returned no kv_transfer_params; decode recomputes the prompt"
+            );
+            (body::decode_leg(client, None)?, Outcome::Recompute)
+        }
+        Err(e) => match app.config.pd.on_prefill_failure {
+            OnPrefillFailure::Aggregated => {
+                tracing::warn!(request_id = ctx.id(), error = %e, "prefill failed; serving aggregated on the decode pod");
+                (body::decode_leg(client, None)?, Outcome::FallbackAggregated)
+            }
+            OnPrefillFailure::Error => {
+                metrics.outcome(connector, Outcome::Failed);
+                return Err(e);
+            }
+        },
+    };
+    let sent = Instant::now();
+    let body = UpstreamBody::Full(Full::new(decode_body));
+    match send(app, ctx, &plan.decode, &req.head, body).await {
+        Ok((resp, name)) => {
+            metrics.leg("decode", sent.elapsed().as_secs_f64());
+            metrics.outcome(connector, outcome);
+            Ok(relay(app, ctx, name, resp))
+        }
+        Err(e) => {
+            metrics.outcome(connector, Outcome::Failed);
+            Err(e)
+        }
+    }
+}
+
+/// The prefill leg, retried on the plan's prefill pods in turn: the transfer
+/// parameters it returned (`None` when it sent none), or why it failed.
+async fn prefill(
+    app: &App,
+    ctx: &RequestCtx,
+    plan: &PdPlan,
+    req: &ClientRequest,
+    body: Bytes,
+) -> Result<Option<Value>, ProxyError> {
+    let pd = &app.config.pd;
+    let attempts = pd.prefill_retries as usize + 1;
+    let mut backoff = pd.retry_backoff.get();
+    let mut last = None;
+    for attempt in 0..attempts {
+        if attempt > 0 {
+            app.metrics.pd.prefill_retry();
+            tokio::time::sleep(backoff).await;
+            backoff = backoff.saturating_mul(2);
+        }
+        let upstream = &plan.prefill[attempt % plan.prefill.len()];
+        let leg = tokio::time::timeout(
+            pd.prefill_timeout.get(),
+            prefill_once(app, ctx, upstream, req, body.clone()),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(ProxyError::PrefillFailed {
+                upstream: upstream.name(app),
+                status: StatusCode::GATEWAY_TIMEOUT.as_u16(),
+                message: format!("no prefill response within {}", pd.prefill_timeout),
+                retryable: true,
+            })
+        });
+        match leg {
+            Ok(params) => return Ok(params),
+            Err(e) if prefill_retryable(&e) => {
+                tracing::debug!(request_id = ctx.id(), attempt, error = %e, "prefill attempt failed");
+                last = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| ProxyError::Internal("no prefill attempt was made".to_owned())))
+}
+
+fn prefill_retryable(e: &ProxyError) -> bool {
+    match e {
+        ProxyError::PrefillFailed { retryable, .. } => *retryable,
+        other => other.retry() != crate::error::Retry::Never,
+    }
+}
+
+async fn prefill_once(
+    app: &App,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    req: &ClientRequest,
+    body: Bytes,
+) -> Result<Option<Value>, ProxyError> {
+    let sent = Instant::now();
+    let (resp, name) = send(
+        app,
+        ctx,
+        upstream,
+        &req.head,
+        UpstreamBody::Full(Full::new(body)),
+    )
+    .await?;
+    let status = resp.status();
+    let bytes = Limited::new(resp.into_body(), MAX_PREFILL_RESPONSE)
+        .collect()
+        .await
+        .map_err(|e| ProxyError::UpstreamFailed {
+            upstream: name.clone(),
+            reason: format!("reading the prefill response: {e}"),
+        })?
+        .to_bytes();
+    app.metrics.pd.leg("prefill", sent.elapsed().as_secs_f64());
+    if !status.is_success() {
+        return Err(ProxyError::PrefillFailed {
+            upstream: name,
+            status: status.as_u16(),
+            message: String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned(),
+            retryable: retryable(status),
+        });
+    }
+    Ok(body::transfer_params(&bytes))
+}

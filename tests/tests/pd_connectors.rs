@@ -1,0 +1,370 @@
+//! P/D through the sidecar against simulated engines in prefill and decode
+//! roles: the two legs carry exactly the fields each protocol needs (asserted
+//! on what the engines received), streaming works through the split, and
+//! every failure rule holds (retry, fallback to aggregated, recompute, error,
+//! cancellation), for vLLM's NixlConnector protocol, SGLang's, and llm-d's
+//! `x-prefiller-host-port` entry point.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
+use kvmesh_proxy::config::{Config, Duration as CfgDuration, OnPrefillFailure, PdConnector};
+use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, next_chunk, request, send};
+use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
+use kvmesh_tests::sidecar::start;
+use serde_json::{json, Value};
+
+const PREFILLER: &str = "x-prefiller-host-port";
+
+async fn engine(role: SimRole, flavor: Flavor) -> SimHandle {
+    sim_with(
+        SimConfig::new(MODEL)
+            .with_time_scale(10.0)
+            .with_role(role)
+            .with_flavor(flavor),
+    )
+    .await
+}
+
+async fn decode_sidecar(decode: &SimHandle, tune: impl FnOnce(&mut Config)) -> SidecarHandle {
+    let mut c = config(decode, &[], None);
+    c.pd.retry_backoff = CfgDuration::from_millis(5);
+    tune(&mut c);
+    start(c).await
+}
+
+/// The inference requests an engine received (health and metrics polls left out).
+fn inference(engine: &SimHandle) -> Vec<ReceivedRequest> {
+    engine
+        .received_requests()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/v1/"))
+        .collect()
+}
+
+fn long_prompt() -> String {
+    "the quick brown fox jumps over the lazy dog ".repeat(40)
+}
+
+async fn completion(
+    sidecar: &SidecarHandle,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> kvmesh_tests::client::Whole {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    let req = request(
+        "POST",
+        sidecar.addr(),
+        "/v1/completions",
+        body.to_string(),
+        &h,
+    );
+    fetch(&http1(), req).await
+}
+
+fn external_tokens(engine: &SimHandle) -> u64 {
+    engine.stats().external_kv_tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_legs_carry_exactly_the_protocol_fields() {
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let p = prefill.addr().to_string();
+    let body = json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "min_tokens": 2, "temperature": 0});
+    let resp = completion(
+        &sidecar,
+        body.clone(),
+        &[(PREFILLER, &p), ("x-request-id", "pd-req-1")],
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let out = resp.json();
+    assert_eq!(out["usage"]["completion_tokens"], 8);
+
+    let p_reqs = inference(&prefill);
+    assert_eq!(p_reqs.len(), 1);
+    let pb = p_reqs[0].json().unwrap();
+    assert_eq!(pb["kv_transfer_params"]["do_remote_decode"], true);
+    assert_eq!(pb["kv_transfer_params"]["do_remote_prefill"], false);
+    assert_eq!(pb["stream"], false);
+    assert_eq!(pb["max_tokens"], 1);
+    assert_eq!(pb["min_tokens"], 1);
+    assert_eq!(pb["prompt"], body["prompt"]);
+    assert_eq!(
+        p_reqs[0].header(PREFILLER),
+        None,
+        "the header never reaches an engine"
+    );
+
+    let d_reqs = inference(&decode);
+    assert_eq!(d_reqs.len(), 1);
+    let db = d_reqs[0].json().unwrap();
+    let params = &db["kv_transfer_params"];
+    assert_eq!(params["do_remote_prefill"], true);
+    assert_eq!(params["remote_engine_id"], json!(prefill.engine_id()));
+    assert!(params["remote_block_ids"].is_array(), "{params}");
+    assert_eq!(db["max_tokens"], 8, "decode gets the client's limits");
+    assert_eq!(db["min_tokens"], 2);
+    assert_eq!(d_reqs[0].header(PREFILLER), None);
+    // One request id on both legs.
+    assert_eq!(p_reqs[0].header("x-request-id"), Some("pd-req-1"));
+    assert_eq!(d_reqs[0].header("x-request-id"), Some("pd-req-1"));
+    // The decode engine really took the prompt's KV from the prefill engine.
+    assert!(external_tokens(&decode) > 0);
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="nixl",outcome="disaggregated"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_chat_through_pd_keeps_the_clients_stream() {
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let p = prefill.addr().to_string();
+    let body = json!({
+        "model": MODEL, "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 6,
+        "messages": [{"role": "system", "content": long_prompt()}, {"role": "user", "content": "hi"}],
+    });
+    let req = request(
+        "POST",
+        sidecar.addr(),
+        "/v1/chat/completions",
+        body.to_string(),
+        &[("content-type", "application/json"), (PREFILLER, &p)],
+    );
+    let mut resp = send(&http1(), req).await;
+    assert_eq!(resp.status(), 200);
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(resp.body_mut()).await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.contains("\"usage\""));
+    let pb = inference(&prefill)[0].json().unwrap();
+    assert_eq!(pb["stream"], false);
+    assert!(pb.get("stream_options").is_none());
+    let db = inference(&decode)[0].json().unwrap();
+    assert_eq!(db["stream"], true);
+    assert_eq!(db["stream_options"]["include_usage"], true);
+    assert!(external_tokens(&decode) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_is_retried_then_served_aggregated() {
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    prefill.faults().fail_all(Some(503));
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |c| c.pd.prefill_retries = 2).await;
+    let p = prefill.addr().to_string();
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 4}),
+        &[(PREFILLER, &p)],
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(inference(&prefill).len(), 3, "one attempt and two retries");
+    let db = inference(&decode)[0].json().unwrap();
+    assert!(
+        db.get("kv_transfer_params").is_none(),
+        "decode computes the prompt itself"
+    );
+    assert_eq!(external_tokens(&decode), 0);
+    assert_eq!(
+        metric(&sidecar, "kvmesh_pd_prefill_retries_total").await,
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="nixl",outcome="fallback_aggregated"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_prefill_is_not_retried_and_fails_when_configured_to() {
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    prefill.faults().fail_all(Some(400));
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |c| {
+        c.pd.on_prefill_failure = OnPrefillFailure::Error
+    })
+    .await;
+    let p = prefill.addr().to_string();
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 4}),
+        &[(PREFILLER, &p)],
+    )
+    .await;
+    assert_eq!(resp.status, 400, "{}", resp.text());
+    assert_eq!(resp.json()["error"]["code"], "prefill_rejected");
+    assert_eq!(inference(&prefill).len(), 1, "a 400 is not retryable");
+    assert!(inference(&decode).is_empty(), "decode never started");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_without_transfer_params_lets_decode_recompute() {
+    // An aggregated engine answers the prefill leg but, like a vLLM without a
+    // KV connector, returns no kv_transfer_params.
+    let prefill = FakeUpstream::builder()
+        .route("/v1/completions", |_| {
+            Reply::json(
+                200,
+                r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":"length"}]}"#,
+            )
+        })
+        .start()
+        .await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let p = prefill.addr().to_string();
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 3}),
+        &[(PREFILLER, &p)],
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert!(inference(&decode)[0]
+        .json()
+        .unwrap()
+        .get("kv_transfer_params")
+        .is_none());
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="nixl",outcome="recompute"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_cancels_the_decode_leg() {
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let p = prefill.addr().to_string();
+    let body = json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 4000, "stream": true, "ignore_eos": true});
+    let req = request(
+        "POST",
+        sidecar.addr(),
+        "/v1/completions",
+        body.to_string(),
+        &[("content-type", "application/json"), (PREFILLER, &p)],
+    );
+    let mut resp = send(&http1(), req).await;
+    assert!(
+        next_chunk(resp.body_mut()).await.is_some(),
+        "decoding started"
+    );
+    assert_eq!(decode.stats().running, 1);
+    drop(resp);
+    eventually("the decode engine dropped the cancelled request", || {
+        let running = decode.stats().running;
+        async move { (running == 0).then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_gets_one_body_with_bootstrap_fields_on_both_pods() {
+    let prefill = engine(SimRole::Prefill, Flavor::Sglang).await;
+    let decode = engine(SimRole::Decode, Flavor::Sglang).await;
+    let sidecar = decode_sidecar(&decode, |c| {
+        c.pd.connector = PdConnector::Sglang;
+        c.engine.kind = kvmesh_proxy::config::EngineKind::Sglang;
+        c.pd.sglang_bootstrap_port = prefill.addr().port();
+    })
+    .await;
+    let p = prefill.addr().to_string();
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 5}),
+        &[(PREFILLER, &p)],
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(
+        resp.json()["usage"]["completion_tokens"],
+        5,
+        "the decode response is returned"
+    );
+    let (pb, db) = (
+        inference(&prefill)[0].json().unwrap(),
+        inference(&decode)[0].json().unwrap(),
+    );
+    assert_eq!(pb, db, "the same body goes to both pods");
+    assert_eq!(pb["bootstrap_host"], "127.0.0.1");
+    assert_eq!(pb["bootstrap_port"], json!(prefill.addr().port()));
+    let room = pb["bootstrap_room"].as_u64().unwrap();
+    assert!(room < 1 << 63);
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="sglang",outcome="disaggregated"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefill_failure_fails_the_request_at_once() {
+    let prefill = engine(SimRole::Prefill, Flavor::Sglang).await;
+    prefill.faults().fail_all(Some(500));
+    let decode = engine(SimRole::Decode, Flavor::Sglang).await;
+    let sidecar = decode_sidecar(&decode, |c| c.pd.connector = PdConnector::Sglang).await;
+    let p = prefill.addr().to_string();
+    let started = std::time::Instant::now();
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": "p", "max_tokens": 5}),
+        &[(PREFILLER, &p)],
+    )
+    .await;
+    assert_eq!(resp.status, 502, "{}", resp.text());
+    assert_eq!(resp.json()["error"]["code"], "prefill_failed");
+    // The decode half (waiting for its KV) was dropped, not awaited to its timeout.
+    assert!(started.elapsed() < Duration::from_secs(20));
+    eventually("the decode half is gone", || {
+        let running = decode.stats().running + decode.stats().waiting;
+        async move { (running == 0).then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefiller_outside_the_allow_list_is_refused() {
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let sidecar = decode_sidecar(&decode, |c| {
+        c.pd.allowed_prefillers = vec!["10.1.2.3:8000".to_owned()]
+    })
+    .await;
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": "p"}),
+        &[(PREFILLER, "127.0.0.1:9")],
+    )
+    .await;
+    assert_eq!(resp.status, 403);
+    assert_eq!(resp.json()["error"]["code"], "prefiller_not_allowed");
+    assert!(inference(&decode).is_empty());
+}
