@@ -20,6 +20,8 @@ pub struct App {
     pub fleet: Arc<Fleet>,
     /// The local engine's KV block size in tokens, from its metrics (0: not yet known).
     pub engine_block_size: Arc<AtomicU32>,
+    /// Tokenizer, block keys and the prefix index (precise and approximate).
+    pub prefix: Arc<crate::prefix::PrefixState>,
     /// Set by the readiness probe once the local engine answers its health check.
     pub engine_ready: Arc<AtomicBool>,
 }

@@ -29,7 +29,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the sidecar in front of the local engine.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Validate a proxy.yaml (and a filters.yaml) without starting; exits non-zero
     /// with the file, line and field of the first error.
     CheckConfig {
@@ -48,6 +48,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the token ids and block hashes of a request body read on stdin.
+    Prefix(crate::prefix::command::PrefixArgs),
 }
 
 /// Flags override the file; flags alone are enough to run beside an engine.
@@ -68,6 +70,13 @@ pub struct RunArgs {
     /// filters.yaml (scheduling plugins and profiles).
     #[arg(long, value_name = "FILE")]
     pub filters: Option<PathBuf>,
+    /// The engine's KV event PUB endpoint, as given to the engine (e.g.
+    /// tcp://*:5557: the sidecar connects; tcp://HOST:PORT: it binds).
+    #[arg(long, value_name = "URL")]
+    pub engine_kv_events: Option<String>,
+    /// How prompts are tokenized: a model directory, builtin, engine or none.
+    #[arg(long, value_name = "DIR|builtin|engine|none", value_parser = config::TokenizerChoice::parse)]
+    pub tokenizer: Option<config::TokenizerChoice>,
 }
 
 /// Runs the command line; the binary's whole `main`.
@@ -75,11 +84,12 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         None => run(cli.run),
-        Some(Command::Run(args)) => run(args),
+        Some(Command::Run(args)) => run(*args),
         Some(Command::CheckConfig { file, filters }) => {
             check_config(file.as_deref(), filters.as_deref())
         }
         Some(Command::Demo { quick, json }) => demo(quick, json),
+        Some(Command::Prefix(args)) => crate::prefix::command::main(&args),
     }
 }
 
@@ -100,6 +110,13 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     }
     if let Some(f) = &args.filters {
         c.scheduling.filters = Some(f.clone());
+    }
+    if let Some(ep) = &args.engine_kv_events {
+        let kv = c.engine.kv_events.get_or_insert_with(config::KvEvents::default);
+        kv.endpoint = ep.clone();
+    }
+    if let Some(t) = &args.tokenizer {
+        c.prefix.tokenizer = t.clone();
     }
     config::load::validate(&c).map_err(|(field, message)| ConfigError {
         file: "<flags>".to_owned(),

@@ -36,6 +36,7 @@ pub struct SidecarHandle {
     tasks: JoinSet<()>,
     fleet: Arc<Fleet>,
     routing: Arc<Routing>,
+    prefix: Arc<crate::prefix::PrefixState>,
 }
 
 /// Why a sidecar could not start.
@@ -53,6 +54,9 @@ pub enum StartError {
     /// The filter config (`scheduling.filters`) cannot be used.
     #[error("filter config: {0}")]
     Filters(#[from] FiltersError),
+    /// The tokenizer (`prefix.tokenizer`) cannot be loaded.
+    #[error("prefix: {0}")]
+    Prefix(#[from] crate::prefix::PrefixError),
     #[error("reading a listener's address: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -93,6 +97,7 @@ impl Sidecar {
             crate::fleet::EngineLoad::default(),
             tokio::time::Instant::now(),
         );
+        let prefix = Arc::new(crate::prefix::PrefixState::new(&config, fleet.local_id())?);
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
@@ -101,6 +106,7 @@ impl Sidecar {
             routing: routing.clone(),
             fleet: fleet.clone(),
             engine_block_size: Arc::new(AtomicU32::new(0)),
+            prefix: prefix.clone(),
             engine_ready: Arc::new(AtomicBool::new(false)),
         });
         let shutdown = Shutdown::new();
@@ -136,6 +142,7 @@ impl Sidecar {
             shutdown.clone(),
         ));
         tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
+        tasks.spawn(crate::kvevents::run(app.clone(), shutdown.clone()));
         tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
         tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");
         Ok(SidecarHandle {
@@ -145,6 +152,7 @@ impl Sidecar {
             tasks,
             fleet,
             routing,
+            prefix,
         })
     }
 
@@ -175,6 +183,11 @@ impl SidecarHandle {
     /// The pods this sidecar routes to (add peers with [`Fleet::upsert_peer`]).
     pub fn fleet(&self) -> &Arc<Fleet> {
         &self.fleet
+    }
+
+    /// The prefix index and tokenizer (tests read what was ingested).
+    pub fn prefix(&self) -> &Arc<crate::prefix::PrefixState> {
+        &self.prefix
     }
 
     /// The active filter config ([`Routing::install`] replaces it).

@@ -172,7 +172,14 @@ pub fn consumer_endpoint(endpoint: &str, mode: SocketMode) -> (String, bool) {
         SocketMode::Connect => false,
         SocketMode::Bind => true,
     };
-    (if bind { endpoint.to_owned() } else { dial(endpoint) }, bind)
+    (
+        if bind {
+            endpoint.to_owned()
+        } else {
+            dial(endpoint)
+        },
+        bind,
+    )
 }
 
 /// A wildcard bind address as a loopback dial address.

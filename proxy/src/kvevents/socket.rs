@@ -95,14 +95,21 @@ pub struct Replayed {
 
 /// Asks the engine's replay socket for every kept batch from `start_seq`.
 /// `step` bounds the connect and the wait for each reply.
-pub async fn replay(endpoint: &str, start_seq: u64, step: Duration) -> Result<Replayed, SocketError> {
+pub async fn replay(
+    endpoint: &str,
+    start_seq: u64,
+    step: Duration,
+) -> Result<Replayed, SocketError> {
     let total = tokio::time::Instant::now() + MAX_REPLAY_TOTAL;
     let mut d = DealerSocket::new();
     tokio::time::timeout(step, d.connect(endpoint))
         .await
         .map_err(|_| timeout("replay connect", endpoint, step))?
         .map_err(|e| zmq_err("replay connect", endpoint, e))?;
-    let frames: Vec<Bytes> = replay_request(start_seq).into_iter().map(Bytes::from).collect();
+    let frames: Vec<Bytes> = replay_request(start_seq)
+        .into_iter()
+        .map(Bytes::from)
+        .collect();
     let req = ZmqMessage::try_from(frames).map_err(|e| zmq_err("replay request", endpoint, e))?;
     tokio::time::timeout(step, d.send(req))
         .await

@@ -15,7 +15,9 @@ pub enum Step {
     /// Already applied (by a replay); skip it.
     Duplicate,
     /// Batches `from..seq` are missing.
-    Gap { from: u64 },
+    Gap {
+        from: u64,
+    },
     /// The engine restarted: forget the pod, then resync from 0.
     Restart,
 }

@@ -28,8 +28,11 @@ pub struct RequestCtx {
     /// Another sidecar already routed this request here: execute locally.
     pub already_routed: bool,
     // ---- prefix ----
-    /// Chained block keys of the prompt (empty until the prefix stage exists).
+    /// Chained block keys of the prompt (token blocks in precise mode, text
+    /// chunks in approximate mode; empty when not computed).
     pub block_keys: Vec<u64>,
+    /// Prompt tokens, when the prompt was tokenized (estimated past the cap).
+    pub prompt_tokens: Option<u32>,
     // ---- schedule ----
     /// Why the scheduler chose its target, for logs and metrics.
     pub decision: &'static str,
@@ -59,6 +62,7 @@ impl RequestCtx {
             session: h.get(&SESSION_ID).cloned(),
             already_routed: h.contains_key(&ROUTED),
             block_keys: Vec::new(),
+            prompt_tokens: None,
             decision: "",
             served_by: None,
             attempts: 0,

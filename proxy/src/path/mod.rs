@@ -4,7 +4,7 @@
 //! | stage | file | job |
 //! |---|---|---|
 //! | classify | `classify.rs` | method check, bounded body read, parse the [`RequestView`] once |
-//! | prefix | `prefix.rs` | prompt to block keys (no-op until the prefix stage exists) |
+//! | prefix | `prefix.rs` | prompt to block keys, once, inference calls only (`crate::prefix`) |
 //! | schedule | `schedule.rs` | choose a [`Target`] and fallbacks |
 //! | execute | `execute.rs` | forward to the engine or a peer sidecar, relay the response |
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
@@ -33,7 +33,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
     let mut ctx = RequestCtx::new(&req, app.metrics.in_flight());
     let result = async {
         let req = classify::classify(&app, &mut ctx, req).await?;
-        prefix::prefix(&app, &mut ctx)?;
+        prefix::prefix(&app, &mut ctx).await?;
         let plan = schedule::schedule(&app, &mut ctx)?;
         execute::execute(&app, &mut ctx, plan, req).await
     }

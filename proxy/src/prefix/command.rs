@@ -93,9 +93,17 @@ pub fn compute(args: &PrefixArgs, body: &[u8]) -> Result<serde_json::Value, Comm
     let salt = view.cache_salt.as_deref();
     let hashes = match args.hash {
         HashKind::Local => {
-            let model = args.model.as_deref().or(view.model.as_deref()).unwrap_or("");
-            LocalHasher::new(args.hash_seed.as_deref().unwrap_or(""))
-                .block_keys(model, salt, &ids, args.block_size)
+            let model = args
+                .model
+                .as_deref()
+                .or(view.model.as_deref())
+                .unwrap_or("");
+            LocalHasher::new(args.hash_seed.as_deref().unwrap_or("")).block_keys(
+                model,
+                salt,
+                &ids,
+                args.block_size,
+            )
         }
         HashKind::VllmSha256Cbor => {
             VllmCborHasher::new(args.hash_seed.as_deref()).block_hashes(&ids, args.block_size, salt)
@@ -150,10 +158,16 @@ mod tests {
         let got: Vec<u32> = serde_json::from_value(v["token_ids"].clone()).unwrap();
         assert_eq!(got, ids);
         let keys: Vec<u64> = serde_json::from_value(v["block_hashes"].clone()).unwrap();
-        assert_eq!(keys, LocalHasher::new("").block_keys("m", Some("t"), &ids, 4));
+        assert_eq!(
+            keys,
+            LocalHasher::new("").block_keys("m", Some("t"), &ids, 4)
+        );
         let v = compute(&args(HashKind::VllmSha256Cbor), body).unwrap();
         let hashes: Vec<u64> = serde_json::from_value(v["block_hashes"].clone()).unwrap();
-        assert_eq!(hashes, VllmCborHasher::new(None).block_hashes(&ids, 4, Some("t")));
+        assert_eq!(
+            hashes,
+            VllmCborHasher::new(None).block_hashes(&ids, 4, Some("t"))
+        );
         assert_eq!(hashes.len(), ids.len() / 4);
     }
 

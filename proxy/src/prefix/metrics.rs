@@ -140,7 +140,9 @@ impl PrefixMetrics {
     }
 
     pub fn tokenized(&self, outcome: &'static str, secs: f64) {
-        self.tokenize.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.tokenize
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
         self.tokenize_latency.observe(secs);
         if outcome == "capped" {
             self.capped.inc();

@@ -190,7 +190,7 @@ impl PrefixState {
         if pod == self.local_name {
             return;
         }
-        if let Some(id) = self.index.pod(pod).ok() {
+        if let Ok(id) = self.index.pod(pod) {
             self.index.remove_pod(id);
         }
         self.approx.remove_pod(pod);
@@ -254,7 +254,9 @@ impl PrefixState {
             Source::Local(t) => {
                 let r = t.tokenize(&view.prompt, add_gen, max);
                 let s = t.cache().stats();
-                app.metrics.prefix.token_cache(s.reused_bytes, s.tokenized_bytes);
+                app.metrics
+                    .prefix
+                    .token_cache(s.reused_bytes, s.tokenized_bytes);
                 r
             }
             Source::Engine => {

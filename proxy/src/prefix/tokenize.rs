@@ -87,11 +87,12 @@ impl LocalTokenizer {
     /// A Hugging Face model directory, read once.
     pub fn from_dir(dir: &Path, cache_bytes: usize) -> Result<Self, PrefixError> {
         let name = dir.display().to_string();
-        let json = std::fs::read(dir.join("tokenizer.json")).map_err(|source| PrefixError::Read {
-            dir: name.clone(),
-            file: "tokenizer.json",
-            source,
-        })?;
+        let json =
+            std::fs::read(dir.join("tokenizer.json")).map_err(|source| PrefixError::Read {
+                dir: name.clone(),
+                file: "tokenizer.json",
+                source,
+            })?;
         let optional = |file: &'static str| -> Result<Option<String>, PrefixError> {
             match std::fs::read_to_string(dir.join(file)) {
                 Ok(s) => Ok(Some(s)),
@@ -105,11 +106,12 @@ impl LocalTokenizer {
         };
         let config = optional("tokenizer_config.json")?;
         let template = optional("chat_template.jinja")?;
-        let hf = HfTokenizer::from_parts(&json, config.as_deref(), template.as_deref())
-            .map_err(|source| PrefixError::Load {
+        let hf = HfTokenizer::from_parts(&json, config.as_deref(), template.as_deref()).map_err(
+            |source| PrefixError::Load {
                 dir: name.clone(),
                 source,
-            })?;
+            },
+        )?;
         let hf = Arc::new(hf);
         Ok(Self::wrap(hf.clone(), Some(hf), cache_bytes))
     }
@@ -334,7 +336,10 @@ mod tests {
             role: "user".into(),
             content: "hi there".into(),
         }];
-        let got = t.tokenize(&Prompt::Chat(ms.clone()), true, 1 << 20).unwrap().unwrap();
+        let got = t
+            .tokenize(&Prompt::Chat(ms.clone()), true, 1 << 20)
+            .unwrap()
+            .unwrap();
         assert_eq!(got.ids, Builtin.encode_chat(&ms, true).unwrap());
         assert_eq!(t.tokenize(&Prompt::None, true, 10).unwrap(), None);
     }
@@ -343,7 +348,10 @@ mod tests {
     fn long_prompts_are_capped_and_estimated() {
         let t = LocalTokenizer::builtin(1 << 20);
         let text = "word ".repeat(10_000);
-        let got = t.tokenize(&Prompt::Text(text.clone()), true, 1000).unwrap().unwrap();
+        let got = t
+            .tokenize(&Prompt::Text(text.clone()), true, 1000)
+            .unwrap()
+            .unwrap();
         assert!(got.capped);
         assert!(got.ids.len() < 400, "{}", got.ids.len());
         assert!(got.prompt_tokens > 5_000, "{}", got.prompt_tokens);
