@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::policy::Policy;
+use super::policy::{Policy, PrefixSource};
 use super::DemoError;
 use crate::config::{self, Config, EngineUrl};
 use crate::fleet::{Fleet, PodInfo};
@@ -100,8 +100,11 @@ impl FleetSpec {
                 Role::Decode => kvmesh_engine_sim::Role::Decode,
             });
         if self.kv_events {
+            // The engine binds both sockets on loopback ports from the OS;
+            // the sidecar connects (vLLM's rule for a bound endpoint).
             let mut kv = KvEventsConfig::new("tcp://127.0.0.1:0");
             kv.bind = Some(true);
+            kv.replay_endpoint = Some("tcp://127.0.0.1:0".to_owned());
             kv.topic = format!("kv@demo@{}", self.model);
             c = c.with_kv_events(kv);
         }
@@ -149,9 +152,7 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
         )));
     }
     if policy.disaggregated() && spec.engines < 2 {
-        return Err(DemoError::Config(
-            "P/D needs at least 2 engines".to_owned(),
-        ));
+        return Err(DemoError::Config("P/D needs at least 2 engines".to_owned()));
     }
     let filters = policy
         .filter_config()
@@ -167,7 +168,7 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
         for i in 0..spec.engines {
             let role = spec.role(policy, i);
             let engine = Engine::start_local(spec.sim_config(role)).await?;
-            let sidecar = start_sidecar(spec, &engine, role).await?;
+            let sidecar = start_sidecar(spec, policy, &engine, role).await?;
             sidecar
                 .routing()
                 .install(&filters)
@@ -189,7 +190,11 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
         fleet.shutdown().await;
         return Err(e);
     }
-    let fleets: Vec<Arc<Fleet>> = fleet.pods.iter().map(|p| p.sidecar.fleet().clone()).collect();
+    let fleets: Vec<Arc<Fleet>> = fleet
+        .pods
+        .iter()
+        .map(|p| p.sidecar.fleet().clone())
+        .collect();
     sync_once(&fleets);
     let cancel = CancellationToken::new();
     let task = tokio::spawn(sync_loop(fleets, cancel.clone()));
@@ -198,9 +203,29 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
 }
 
 /// The sidecar's config: the engine beside it, the pod's role and model,
-/// scrapes fast enough for a time-scaled engine, a short drain.
-pub fn sidecar_config(spec: &FleetSpec, engine: &SimHandle, role: Role) -> Result<Config, DemoError> {
+/// where prefix matches come from under `policy`, scrapes fast enough for a
+/// time-scaled engine, a short drain.
+pub fn sidecar_config(
+    spec: &FleetSpec,
+    policy: Policy,
+    engine: &SimHandle,
+    role: Role,
+) -> Result<Config, DemoError> {
     let mut c = Config::default();
+    match (policy.prefix_source(), engine.kv_endpoints()) {
+        (PrefixSource::KvEvents, Some(kv)) => {
+            c.engine.kv_events = Some(config::KvEvents {
+                endpoint: kv.events.clone(),
+                replay_endpoint: kv.replay.clone(),
+                socket: config::SocketMode::Connect,
+                ..config::KvEvents::default()
+            });
+            // The simulator tokenizes with the builtin tokenizer: the
+            // sidecar's block keys then match the engine's blocks exactly.
+            c.prefix.tokenizer = config::TokenizerChoice::Builtin;
+        }
+        _ => c.prefix.tokenizer = config::TokenizerChoice::None,
+    }
     c.engine.url = EngineUrl::parse(&engine.base_url()).map_err(DemoError::Config)?;
     c.engine.metrics_interval = config::Duration::from_millis(20);
     c.engine.health_interval = config::Duration::from_millis(100);
@@ -212,12 +237,17 @@ pub fn sidecar_config(spec: &FleetSpec, engine: &SimHandle, role: Role) -> Resul
 
 async fn start_sidecar(
     spec: &FleetSpec,
+    policy: Policy,
     engine: &SimHandle,
     role: Role,
 ) -> Result<SidecarHandle, DemoError> {
-    let mut c = sidecar_config(spec, engine, role)?;
-    let client = TcpListener::bind("127.0.0.1:0").await.map_err(DemoError::Io)?;
-    let admin = TcpListener::bind("127.0.0.1:0").await.map_err(DemoError::Io)?;
+    let mut c = sidecar_config(spec, policy, engine, role)?;
+    let client = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(DemoError::Io)?;
+    let admin = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(DemoError::Io)?;
     c.listeners.client = client.local_addr().map_err(DemoError::Io)?;
     c.listeners.admin = admin.local_addr().map_err(DemoError::Io)?;
     Sidecar::start(c, client, admin)

@@ -236,7 +236,10 @@ async fn run_policy(
             .iter()
             .find_map(|r| r.error.clone())
             .unwrap_or_default();
-        note = Some(format!("{} requests failed; first: {first}", summary.errors));
+        note = Some(format!(
+            "{} requests failed; first: {first}",
+            summary.errors
+        ));
     }
     if policy.disaggregated() && prefill_requests == 0 {
         note = Some("no request reached a prefill pod: P/D never engaged".to_owned());
@@ -264,7 +267,10 @@ async fn drive(
     };
     if policy.disaggregated() {
         if let Err(why) = probe(&cfg, &wl.workload).await {
-            say(opts, &format!("[{}] {policy}: not available: {why}", wl.name));
+            say(
+                opts,
+                &format!("[{}] {policy}: not available: {why}", wl.name),
+            );
             return Ok(Err(why));
         }
     }
@@ -280,7 +286,9 @@ async fn probe(cfg: &RunConfig, workload: &Workload) -> Result<(), String> {
     let target = cfg.targets.first().ok_or("no sidecar")?;
     let uri = target.uri(req.path()).map_err(|e| e.to_string())?;
     let body = req.body(&cfg.model).map_err(|e| e.to_string())?;
-    let rec = Client::new(cfg.client.clone()).send(uri, body, req.stream).await;
+    let rec = Client::new(cfg.client.clone())
+        .send(uri, body, req.stream)
+        .await;
     if rec.is_ok() {
         Ok(())
     } else {

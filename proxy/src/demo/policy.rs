@@ -79,10 +79,30 @@ impl Policy {
         FilterConfig::from_yaml(text, self.source())
     }
 
+    /// Where the sidecars' prefix matches come from under this policy.
+    pub fn prefix_source(self) -> PrefixSource {
+        match self {
+            Policy::RoundRobin | Policy::LeastQueue => PrefixSource::Unused,
+            Policy::ApproxPrefix => PrefixSource::Approximate,
+            Policy::Kvmesh | Policy::Pd => PrefixSource::KvEvents,
+        }
+    }
+
     /// Whether the fleet is split into prefill and decode pods.
     pub fn disaggregated(self) -> bool {
         self == Policy::Pd
     }
+}
+
+/// How a policy's sidecars learn what each engine has cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixSource {
+    /// The policy ignores caches: no tokenizer, no KV events.
+    Unused,
+    /// Text blocks of the prompts each pod was sent (no tokenizer, no events).
+    Approximate,
+    /// The engines' KV events, prompts tokenized as the engine does.
+    KvEvents,
 }
 
 impl fmt::Display for Policy {

@@ -150,8 +150,18 @@ pub fn to_simulated(s: &Summary, scale: f64) -> Summary {
 }
 
 const HEADERS: [&str; 12] = [
-    "policy", "ok/reqs", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99", "tok/s", "hit",
-    "ttft p50 x", "ttft p90 x", "tok/s x",
+    "policy",
+    "ok/reqs",
+    "ttft p50",
+    "ttft p90",
+    "ttft p99",
+    "itl p50",
+    "itl p99",
+    "tok/s",
+    "hit",
+    "ttft p50 x",
+    "ttft p90 x",
+    "tok/s x",
 ];
 
 fn ms(v: Option<f64>) -> String {
