@@ -3,13 +3,19 @@
 //! with a kvmesh sidecar started in-process on port-0 listeners, every
 //! sidecar running the same [`Policy`].
 //!
-//! Until the mesh connects sidecars by itself, the fleet introduces them: it
-//! registers every sidecar as a peer in every other sidecar's [`Fleet`], and
-//! a small owned task copies each sidecar's local engine load and in-flight
-//! counts to the others (what the mesh will publish). Everything started here
+//! The sidecars find each other through the mesh (each follows the others'
+//! mesh ports, listed in a peers file the fleet writes), which carries load,
+//! in-flight counts and KV events between them. If the mesh does not connect
+//! within a deadline, the fleet introduces them itself: it registers every
+//! sidecar as a peer in every other sidecar's [`Fleet`], and a small owned
+//! task copies each sidecar's local engine load and in-flight counts to the
+//! others ([`Discovery::Direct`]; no KV events cross pods then). Everything
+//! started here
 //! stops in [`DemoFleet::shutdown`].
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +39,9 @@ use crate::sidecar::{Sidecar, SidecarHandle};
 /// How often the fleet copies loads between sidecars (wall time). The
 /// sidecars scrape their engines at the same pace.
 const SYNC_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Longest wait for the mesh to connect every sidecar to every other one.
+const MESH_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Longest wait for a sidecar to report its engine ready.
 const READY_DEADLINE: Duration = Duration::from_secs(10);
@@ -139,6 +148,21 @@ pub struct DemoFleet {
     pub policy: Policy,
     pub spec: FleetSpec,
     sync: Option<(CancellationToken, JoinHandle<()>)>,
+    /// The mesh's peers file (every sidecar's mesh address), removed on shutdown.
+    peers_file: Option<PathBuf>,
+    /// How the sidecars found each other.
+    pub discovery: Discovery,
+}
+
+/// How the sidecars of a fleet learned about each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discovery {
+    /// The mesh: each sidecar follows the others' mesh ports (from a peers
+    /// file) and receives their load, in-flight counts and KV events.
+    Mesh,
+    /// The harness registered peers in each fleet and copies loads itself
+    /// (the mesh did not connect in time).
+    Direct,
 }
 
 /// Starts `spec.engines` engines and sidecars running `policy`, introduces
@@ -162,13 +186,17 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
         policy,
         spec: spec.clone(),
         sync: None,
+        peers_file: Some(peers_file_path()),
+        discovery: Discovery::Mesh,
     };
     // On any failure, stop what already runs before returning the error.
     let started = async {
+        let peers_file = fleet.peers_file.clone().unwrap_or_default();
+        std::fs::write(&peers_file, b"").map_err(DemoError::Io)?;
         for i in 0..spec.engines {
             let role = spec.role(policy, i);
             let engine = Engine::start_local(spec.sim_config(role)).await?;
-            let sidecar = start_sidecar(spec, policy, &engine, role).await?;
+            let sidecar = start_sidecar(spec, policy, &engine, role, &peers_file).await?;
             sidecar
                 .routing()
                 .install(&filters)
@@ -179,9 +207,20 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
                 role,
             });
         }
-        introduce(&fleet.pods)?;
         for pod in &fleet.pods {
             wait_ready(pod.sidecar.admin_addr()).await?;
+        }
+        // The mesh's peers file: every sidecar follows every other one.
+        let addrs: String = fleet
+            .pods
+            .iter()
+            .filter_map(|p| p.sidecar.mesh_addr())
+            .map(|a| format!("{a}\n"))
+            .collect();
+        std::fs::write(&peers_file, addrs).map_err(DemoError::Io)?;
+        if !wait_mesh(&fleet.pods).await {
+            introduce(&fleet.pods)?;
+            fleet.discovery = Discovery::Direct;
         }
         Ok::<(), DemoError>(())
     }
@@ -189,6 +228,9 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
     if let Err(e) = started {
         fleet.shutdown().await;
         return Err(e);
+    }
+    if fleet.discovery == Discovery::Mesh {
+        return Ok(fleet);
     }
     let fleets: Vec<Arc<Fleet>> = fleet
         .pods
@@ -240,8 +282,13 @@ async fn start_sidecar(
     policy: Policy,
     engine: &SimHandle,
     role: Role,
+    peers_file: &Path,
 ) -> Result<SidecarHandle, DemoError> {
     let mut c = sidecar_config(spec, policy, engine, role)?;
+    c.mesh.listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    c.mesh.file = Some(peers_file.to_path_buf());
+    c.mesh.refresh_interval = config::Duration::from_millis(50);
+    c.mesh.load_interval = config::Duration::from_millis(20);
     let client = TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(DemoError::Io)?;
@@ -253,6 +300,37 @@ async fn start_sidecar(
     Sidecar::start(c, client, admin)
         .await
         .map_err(|e| DemoError::Sidecar(e.to_string()))
+}
+
+/// A fresh peers-file path in the temp directory.
+fn peers_file_path() -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "kvmesh-demo-{}-{}.peers",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// Waits (bounded) until every sidecar's fleet holds every other pod with a
+/// fresh load, as the mesh reports them; false if it did not happen in time.
+async fn wait_mesh(pods: &[DemoPod]) -> bool {
+    let deadline = Instant::now() + MESH_DEADLINE;
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        let joined = pods.iter().all(|p| {
+            let snap = p.sidecar.fleet().snapshot(now);
+            snap.len() == pods.len()
+                && snap
+                    .iter()
+                    .all(|s| s.load_age_ms.is_some_and(|ms| ms < 1000))
+        });
+        if joined {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 /// Registers every sidecar as a peer of every other one (what `--peers` and
@@ -376,6 +454,10 @@ impl DemoFleet {
         }
         for engine in engines {
             engine.shutdown().await;
+        }
+        if let Some(path) = self.peers_file.take() {
+            // Best effort: a leftover file in the temp directory harms nothing.
+            let _ = std::fs::remove_file(path);
         }
     }
 }

@@ -221,6 +221,15 @@ async fn run_policy(
     policy: Policy,
 ) -> Result<PolicyReport, DemoError> {
     let fleet = fleet::start(&wl.spec, policy).await?;
+    if fleet.discovery == fleet::Discovery::Direct {
+        say(
+            opts,
+            &format!(
+                "[{}] {policy}: the mesh did not connect; peers registered directly",
+                wl.name
+            ),
+        );
+    }
     let outcome = drive(opts, wl, policy, &fleet).await;
     let prefill_requests = fleet.prefill_requests();
     fleet.shutdown().await;
