@@ -26,6 +26,8 @@ pub struct Cli {
     pub run: RunArgs,
 }
 
+// Parsed once per process: the size of `Run` does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the sidecar in front of the local engine.
@@ -77,6 +79,47 @@ pub struct RunArgs {
     /// How prompts are tokenized: a model directory, builtin, engine or none.
     #[arg(long, value_name = "DIR|builtin|engine|none", value_parser = config::TokenizerChoice::parse)]
     pub tokenizer: Option<config::TokenizerChoice>,
+    /// The mesh port other sidecars subscribe to, e.g. 0.0.0.0:7000.
+    #[arg(long, value_name = "ADDR")]
+    pub mesh_listen: Option<SocketAddr>,
+    /// Peers' mesh addresses, HOST:PORT,... (added to `mesh.peers`).
+    #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// This pod's identity as peers reach its client port, HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+    /// The model the local engine serves (replaces `pod.models`).
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// The local engine's role: prefill, decode or both.
+    #[arg(long, value_name = "ROLE", value_parser = parse_role)]
+    pub role: Option<kvmesh_filters::sched::Role>,
+    /// How prefill hands KV to decode when a request is split.
+    #[arg(long, value_name = "nixl|sglang|kvagent", value_parser = parse_connector)]
+    pub pd_connector: Option<config::PdConnector>,
+    /// Split a request into prefill + decode when the decode pod lacks at
+    /// least this many of its prompt tokens (turns P/D on).
+    #[arg(long, value_name = "N")]
+    pub pd_min_uncached_tokens: Option<u32>,
+}
+
+fn parse_connector(s: &str) -> Result<config::PdConnector, String> {
+    match s {
+        "nixl" => Ok(config::PdConnector::Nixl),
+        "sglang" => Ok(config::PdConnector::Sglang),
+        "kvagent" => Ok(config::PdConnector::Kvagent),
+        _ => Err(format!("{s:?} is not nixl, sglang or kvagent")),
+    }
+}
+
+fn parse_role(s: &str) -> Result<kvmesh_filters::sched::Role, String> {
+    use kvmesh_filters::sched::Role;
+    match s {
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        "both" => Ok(Role::Both),
+        _ => Err(format!("{s:?} is not prefill, decode or both")),
+    }
 }
 
 /// Runs the command line; the binary's whole `main`.
@@ -117,6 +160,25 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     }
     if let Some(t) = &args.tokenizer {
         c.prefix.tokenizer = t.clone();
+    }
+    if let Some(a) = args.mesh_listen {
+        c.mesh.listen = Some(a);
+    }
+    c.mesh.peers.extend(args.peers.iter().cloned());
+    if let Some(a) = &args.advertise {
+        c.mesh.advertise = Some(a.clone());
+    }
+    if let Some(m) = &args.model {
+        c.pod.models = vec![m.clone()];
+    }
+    if let Some(r) = args.role {
+        c.pod.role = r;
+    }
+    if let Some(k) = args.pd_connector {
+        c.pd.connector = k;
+    }
+    if let Some(n) = args.pd_min_uncached_tokens {
+        c.pd.min_uncached_tokens = Some(n);
     }
     config::load::validate(&c).map_err(|(field, message)| ConfigError {
         file: "<flags>".to_owned(),

@@ -368,3 +368,79 @@ async fn a_prefiller_outside_the_allow_list_is_refused() {
     assert_eq!(resp.json()["error"]["code"], "prefiller_not_allowed");
     assert!(inference(&decode).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_decode_pod() {
+    use kvmesh_filters::sched::Role;
+    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
+
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let prefill_sidecar = start(config(&prefill, &[], None)).await;
+    // `--role decode --pd-min-uncached-tokens 64`: no filter file at all.
+    let sidecar = decode_sidecar(&decode, |c| {
+        c.pod.role = Role::Decode;
+        c.pd.min_uncached_tokens = Some(64);
+    })
+    .await;
+    let peer = prefill_sidecar.addr().to_string();
+    sidecar
+        .fleet()
+        .upsert_peer(PodInfo {
+            id: peer.clone(),
+            sidecar_addr: Some(prefill_sidecar.addr()),
+            role: Role::Prefill,
+            models: vec![MODEL.to_owned()],
+            lora_adapters: vec![],
+            labels: Default::default(),
+        })
+        .unwrap();
+    sidecar
+        .fleet()
+        .set_load(&peer, EngineLoad::default(), tokio::time::Instant::now());
+
+    // A short prompt stays aggregated on the decode pod ...
+    let short = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2}),
+        &[],
+    )
+    .await;
+    assert_eq!(short.status, 200, "{}", short.text());
+    assert!(inference(&prefill).is_empty());
+    // ... a long one (over the built-in config's 1024-token minimum) is
+    // split: prefill on the peer, decode here.
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let long = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
+        &[],
+    )
+    .await;
+    assert_eq!(long.status, 200, "{}", long.text());
+    let p_reqs = inference(&prefill);
+    assert_eq!(p_reqs.len(), 1, "the prefill leg reached the peer's engine");
+    assert_eq!(
+        p_reqs[0].json().unwrap()["kv_transfer_params"]["do_remote_decode"],
+        true
+    );
+    assert_eq!(
+        p_reqs[0].header("x-kvmesh-routed"),
+        None,
+        "the peer's sidecar ran it locally"
+    );
+    let last = inference(&decode).pop().unwrap().json().unwrap();
+    assert_eq!(
+        last["kv_transfer_params"]["remote_engine_id"],
+        json!(prefill.engine_id())
+    );
+    assert!(external_tokens(&decode) > 0);
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_routing_decisions_total{decision="disaggregated",reason="scheduled"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}

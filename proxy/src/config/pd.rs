@@ -32,6 +32,10 @@ pub struct Pd {
     pub accept_prefiller_header: bool,
     /// If not empty, the only `host:port` values that header may name (SSRF guard).
     pub allowed_prefillers: Vec<String>,
+    /// Disaggregate when the prompt part the chosen decode pod lacks has at
+    /// least this many tokens: sets the filter config's P/D decider threshold
+    /// (and turns on the built-in P/D filter config when the file has no decider).
+    pub min_uncached_tokens: Option<u32>,
 }
 
 /// The P/D protocols the sidecar speaks.
@@ -69,6 +73,7 @@ impl Default for Pd {
             kvagent_port: 7600,
             accept_prefiller_header: true,
             allowed_prefillers: Vec::new(),
+            min_uncached_tokens: None,
         }
     }
 }

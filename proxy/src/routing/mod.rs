@@ -12,6 +12,7 @@
 
 pub mod debug;
 pub mod metrics;
+pub mod pd_threshold;
 pub mod plan;
 pub mod reload;
 pub mod request;
@@ -64,12 +65,20 @@ pub struct Routing {
 
 /// Reads and compiles a filter config file.
 pub fn load_filters(path: &Path) -> Result<Active, FiltersError> {
+    load_filters_with(path, None)
+}
+
+/// Reads a filter config file and compiles it with the P/D threshold override.
+pub fn load_filters_with(path: &Path, pd_threshold: Option<u32>) -> Result<Active, FiltersError> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|source| FiltersError::Read {
         file: file.clone(),
         source,
     })?;
-    compile(&FilterConfig::from_yaml(&text, &file)?)
+    compile(&pd_threshold::apply(
+        FilterConfig::from_yaml(&text, &file)?,
+        pd_threshold,
+    )?)
 }
 
 /// Compiles a filter config already in memory.
@@ -86,7 +95,11 @@ pub fn compile(cfg: &FilterConfig) -> Result<Active, FiltersError> {
 pub fn local_pod(config: &Config, client_addr: std::net::SocketAddr) -> PodInfo {
     let p = &config.pod;
     PodInfo {
-        id: client_addr.to_string(),
+        id: config
+            .mesh
+            .advertise
+            .clone()
+            .unwrap_or_else(|| client_addr.to_string()),
         sidecar_addr: None,
         role: p.role,
         models: p.models.clone(),
@@ -109,8 +122,11 @@ impl Routing {
     pub fn from_config(config: &Config) -> Result<Self, FiltersError> {
         let file = config.scheduling.filters.clone();
         let active = match &file {
-            Some(path) => load_filters(path)?,
-            None => compile(&FilterConfig::builtin_default())?,
+            Some(path) => load_filters_with(path, config.pd.min_uncached_tokens)?,
+            None => compile(&pd_threshold::apply(
+                FilterConfig::builtin_default(),
+                config.pd.min_uncached_tokens,
+            )?)?,
         };
         Ok(Self {
             active: RwLock::new(Arc::new(active)),

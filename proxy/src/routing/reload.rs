@@ -37,7 +37,7 @@ pub async fn watch(app: Arc<App>, shutdown: Shutdown) {
             continue;
         }
         seen = now;
-        match load(&path).await {
+        match load(&path, app.config.pd.min_uncached_tokens).await {
             Ok(active) => {
                 app.routing.swap(active);
                 app.metrics.routing.reloaded();
@@ -56,7 +56,7 @@ async fn stamp(path: &Path) -> Stamp {
     Some((m.modified().ok()?, m.len()))
 }
 
-async fn load(path: &Path) -> Result<super::Active, FiltersError> {
+async fn load(path: &Path, pd_threshold: Option<u32>) -> Result<super::Active, FiltersError> {
     let file = path.display().to_string();
     let text = tokio::fs::read_to_string(path)
         .await
@@ -64,5 +64,6 @@ async fn load(path: &Path) -> Result<super::Active, FiltersError> {
             file: file.clone(),
             source,
         })?;
-    compile(&FilterConfig::from_yaml(&text, &file)?)
+    let cfg = FilterConfig::from_yaml(&text, &file)?;
+    compile(&super::pd_threshold::apply(cfg, pd_threshold)?)
 }
