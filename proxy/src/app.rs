@@ -24,4 +24,6 @@ pub struct App {
     pub prefix: Arc<crate::prefix::PrefixState>,
     /// Set by the readiness probe once the local engine answers its health check.
     pub engine_ready: Arc<AtomicBool>,
+    /// The mesh: this sidecar's state stream and its subscribers.
+    pub mesh: Arc<crate::mesh::Mesh>,
 }

@@ -10,6 +10,9 @@ pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub const SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
 /// Set by a sidecar forwarding to a peer's sidecar: the peer must not route again.
 pub const ROUTED: HeaderName = HeaderName::from_static("x-kvmesh-routed");
+/// Sidecar hops a forwarded request took (set with [`ROUTED`]); over the
+/// mesh's limit the request is refused, so forwarding can never loop.
+pub const HOPS: HeaderName = HeaderName::from_static("x-kvmesh-hops");
 
 /// Longest client request id we keep; longer ones are replaced.
 const MAX_REQUEST_ID: usize = 128;

@@ -25,7 +25,6 @@ pub mod logging;
 pub mod mesh;
 pub mod metrics;
 pub mod path;
-pub mod prefix;
 pub mod pd;
 pub mod prefix;
 mod ready;

@@ -37,6 +37,7 @@ pub struct SidecarHandle {
     fleet: Arc<Fleet>,
     routing: Arc<Routing>,
     prefix: Arc<crate::prefix::PrefixState>,
+    mesh: Arc<crate::mesh::Mesh>,
 }
 
 /// Why a sidecar could not start.
@@ -98,6 +99,15 @@ impl Sidecar {
             tokio::time::Instant::now(),
         );
         let prefix = Arc::new(crate::prefix::PrefixState::new(&config, fleet.local_id())?);
+        let mesh_listener = crate::mesh::bind(&config)
+            .await
+            .map_err(|source| StartError::Bind {
+                what: "mesh",
+                addr: config.mesh.listen.unwrap_or(addr),
+                source,
+            })?;
+        let mesh_addr = crate::mesh::local_addr(&mesh_listener);
+        let mesh = Arc::new(crate::mesh::Mesh::new(&config, &fleet, &prefix, mesh_addr));
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
@@ -108,6 +118,7 @@ impl Sidecar {
             engine_block_size: Arc::new(AtomicU32::new(0)),
             prefix: prefix.clone(),
             engine_ready: Arc::new(AtomicBool::new(false)),
+            mesh: mesh.clone(),
         });
         let shutdown = Shutdown::new();
         let t = &config.timeouts;
@@ -143,6 +154,9 @@ impl Sidecar {
         ));
         tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
         tasks.spawn(crate::kvevents::run(app.clone(), shutdown.clone()));
+        if let Some(l) = mesh_listener {
+            tasks.spawn(crate::mesh::run(app.clone(), l, shutdown.clone()));
+        }
         tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
         tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");
         Ok(SidecarHandle {
@@ -153,6 +167,7 @@ impl Sidecar {
             fleet,
             routing,
             prefix,
+            mesh,
         })
     }
 
@@ -188,6 +203,16 @@ impl SidecarHandle {
     /// The prefix index and tokenizer (tests read what was ingested).
     pub fn prefix(&self) -> &Arc<crate::prefix::PrefixState> {
         &self.prefix
+    }
+
+    /// The mesh state stream (its mesh port, subscribers, decisions).
+    pub fn mesh(&self) -> &Arc<crate::mesh::Mesh> {
+        &self.mesh
+    }
+
+    /// The bound mesh port, if the mesh is on.
+    pub fn mesh_addr(&self) -> Option<SocketAddr> {
+        self.mesh.mesh_addr()
     }
 
     /// The active filter config ([`Routing::install`] replaces it).

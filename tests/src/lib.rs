@@ -11,6 +11,7 @@
 pub mod certs;
 pub mod client;
 pub mod fake_upstream;
+pub mod mesh;
 pub mod prefix;
 pub mod route;
 pub mod sidecar;

@@ -165,7 +165,6 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     super::prefix::validate(c)?;
     c.mesh.validate()?;
     c.pd.validate()?;
-    super::prefix::validate(c)?;
     if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&c.logging.level) {
         return err(
             "logging.level",

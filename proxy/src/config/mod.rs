@@ -11,7 +11,6 @@
 //! beside it and its checks in [`load::validate`].
 
 pub mod load;
-pub mod prefix;
 pub mod mesh;
 pub mod pd;
 pub mod prefix;
@@ -23,7 +22,6 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use load::{from_yaml_str, load_file, ConfigError};
-pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};
 pub use mesh::Mesh;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
 pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};

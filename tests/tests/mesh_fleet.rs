@@ -1,0 +1,416 @@
+//! The mesh end to end: simulated engines publishing KV events, one sidecar
+//! each, the sidecars finding each other through a peers file and sharing
+//! their state streams. Requests sent to any sidecar land on the pod that
+//! holds their prefix (as when one sidecar routes for all); a restarted
+//! sidecar rejoins and resyncs; a stalled peer leaves the scheduling set; a
+//! forwarding loop is refused; an unknown model is a clear error; a slow
+//! subscriber is dropped, not buffered.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvmesh_engine_sim::SimHandle;
+use kvmesh_proxy::mesh::wire::{self, Announce, Msg};
+use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, post_json, request};
+use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
+use kvmesh_tests::route::{eventually, metric, MODEL};
+use tokio::net::TcpListener;
+
+struct Mesh {
+    engines: Vec<SimHandle>,
+    sidecars: Vec<SidecarHandle>,
+    peers: tempfile::NamedTempFile,
+}
+
+async fn mesh(n: usize) -> Mesh {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let mut engines = Vec::new();
+    let mut sidecars = Vec::new();
+    for _ in 0..n {
+        let e = kv_sim().await;
+        sidecars.push(start_on(mesh_config(&e, peers.path()), None).await);
+        engines.push(e);
+    }
+    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    write_peers(peers.path(), &addrs);
+    let m = Mesh {
+        engines,
+        sidecars,
+        peers,
+    };
+    m.wait_full().await;
+    m
+}
+
+impl Mesh {
+    /// Every sidecar knows every pod, with a fresh load.
+    async fn wait_full(&self) {
+        let n = self.sidecars.len();
+        for s in &self.sidecars {
+            eventually("every peer known", || async {
+                let now = tokio::time::Instant::now();
+                let pods = s.fleet().snapshot(now);
+                (pods.len() == n && pods.iter().all(|p| p.load_age_ms.is_some_and(|a| a < 1000)))
+                    .then_some(())
+            })
+            .await;
+        }
+    }
+
+    /// Every sidecar's index holds the same entries (every pod's blocks).
+    async fn wait_converged(&self) {
+        eventually("indexes converged", || async {
+            let e: Vec<usize> = self
+                .sidecars
+                .iter()
+                .map(|s| s.prefix().index().stats().entries)
+                .collect();
+            (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
+        })
+        .await;
+    }
+
+    /// Prefix-cache (hits, queries) in tokens, summed over the engines.
+    fn engine_hits(&self) -> (u64, u64) {
+        self.engines.iter().fold((0, 0), |(h, q), e| {
+            let s = e.stats();
+            (h + s.prefix_hits, q + s.prefix_queries)
+        })
+    }
+
+    async fn shutdown(self) {
+        for s in self.sidecars {
+            s.shutdown().await;
+        }
+        for e in self.engines {
+            e.shutdown().await;
+        }
+        drop(self.peers);
+    }
+}
+
+/// The completion calls an engine received (health and metrics polls aside).
+fn completions(e: &SimHandle) -> Vec<kvmesh_engine_sim::ReceivedRequest> {
+    let mut v = e.received_requests();
+    v.retain(|r| r.path == "/v1/completions");
+    v
+}
+
+async fn complete(addr: SocketAddr, body: &str) {
+    let r = fetch(&http1(), post_json(addr, "/v1/completions", body)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// Round 1 sends each group's first user; once every index has converged,
+/// round 2 sends the other users. Returns round 2's engine hit rate.
+async fn shared_prefix_round(
+    m: &Mesh,
+    groups: std::ops::Range<usize>,
+    via: impl Fn(usize) -> SocketAddr,
+) -> f64 {
+    let mut i = 0;
+    for g in groups.clone() {
+        complete(via(i), &shared_prefix_body(g, 0)).await;
+        i += 1;
+    }
+    m.wait_converged().await;
+    let (h0, q0) = m.engine_hits();
+    for u in 1..4 {
+        for g in groups.clone() {
+            complete(via(i), &shared_prefix_body(g, u)).await;
+            i += 1;
+        }
+    }
+    let (h1, q1) = m.engine_hits();
+    (h1 - h0) as f64 / (q1 - q0).max(1) as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_to_any_sidecar_land_where_their_prefix_is_cached() {
+    let m = mesh(4).await;
+    let addrs: Vec<SocketAddr> = m.sidecars.iter().map(|s| s.addr()).collect();
+    // The mesh: clients spread round-robin over all four sidecars.
+    let mesh_rate = shared_prefix_round(&m, 0..8, |i| addrs[i % 4]).await;
+    // One router: every request through the first sidecar (fresh groups).
+    let single_rate = shared_prefix_round(&m, 100..108, |_| addrs[0]).await;
+    eprintln!("engine prefix hit rate: mesh {mesh_rate:.3}, single router {single_rate:.3}");
+    assert!(single_rate > 0.8, "single router hit rate {single_rate}");
+    assert!(
+        mesh_rate > single_rate - 0.05,
+        "mesh {mesh_rate} vs single {single_rate}"
+    );
+    let mut forwarded = 0.0;
+    for s in &m.sidecars {
+        forwarded += metric(s, "kvmesh_mesh_requests_total{served=\"forwarded\"}")
+            .await
+            .unwrap_or(0.0);
+        let fresh = metric(s, "kvmesh_mesh_peers{state=\"fresh\"}").await;
+        assert_eq!(fresh, Some(3.0));
+    }
+    assert!(forwarded > 0.0, "round-robin clients needed forwarding");
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_sidecar_rejoins_and_resyncs_from_a_snapshot() {
+    let mut m = mesh(2).await;
+    let a_id = m.sidecars[0].fleet().local_id().to_owned();
+    // Served by A's engine itself (marked as already routed).
+    let body = shared_prefix_body(7, 0);
+    let r = fetch(
+        &http1(),
+        request(
+            "POST",
+            m.sidecars[0].addr(),
+            "/v1/completions",
+            body,
+            &[
+                ("content-type", "application/json"),
+                ("x-kvmesh-routed", "1"),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    m.wait_converged().await;
+    let b = m.sidecars.pop().unwrap();
+    let (b_client, b_mesh) = (b.addr(), b.mesh_addr().unwrap());
+    let b_id = b.fleet().local_id().to_owned();
+    b.shutdown().await;
+    eventually("A drops B", || async {
+        (!m.sidecars[0].fleet().contains(&b_id)).then_some(())
+    })
+    .await;
+    // B comes back on the same addresses with nothing in its index.
+    let mut cfg = mesh_config(&m.engines[1], m.peers.path());
+    cfg.mesh.listen = Some(b_mesh);
+    let b = start_on(cfg, Some(TcpListener::bind(b_client).await.unwrap())).await;
+    eventually("A knows B again", || async {
+        m.sidecars[0].fleet().contains(&b_id).then_some(())
+    })
+    .await;
+    eventually("B knows A", || async {
+        b.fleet().contains(&a_id).then_some(())
+    })
+    .await;
+    let a_entries = m.sidecars[0].prefix().index().stats().entries;
+    eventually("B resynced A's blocks", || async {
+        (b.prefix().index().stats().entries == a_entries).then_some(())
+    })
+    .await;
+    assert!(a_entries > 0);
+    assert!(
+        metric(&b, "kvmesh_mesh_resyncs_total{reason=\"connect\"}")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    m.sidecars.push(b);
+    m.shutdown().await;
+}
+
+/// A mesh peer that sends its hello and snapshot, then falls silent; its
+/// client port counts the connections it gets.
+async fn stalled_peer(id_listener: &TcpListener) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let mesh = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = mesh.local_addr().unwrap();
+    let id = id_listener.local_addr().unwrap().to_string();
+    // One connection only: once dropped, the peer stays unreachable.
+    let task = tokio::spawn(async move {
+        {
+            let Ok((tcp, _)) = mesh.accept().await else {
+                return;
+            };
+            drop(mesh);
+            let id = id.clone();
+            {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let hello = wire::encode(
+                        0,
+                        &Msg::Hello(Announce {
+                            id: id.clone(),
+                            mesh_addr: String::new(),
+                            role: kvmesh_filters::sched::Role::Both,
+                            models: vec![MODEL.to_owned()],
+                            lora_adapters: vec![],
+                            labels: vec![],
+                            instance: 1,
+                        }),
+                    );
+                    let end = wire::encode(0, &Msg::SnapshotEnd);
+                    let frames = futures_util::stream::iter([hello, end])
+                        .map(|b| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)))
+                        .chain(futures_util::stream::pending());
+                    async move {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::StreamBody::new(frames),
+                        ))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            }
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_peer_leaves_the_scheduling_set_and_requests_go_elsewhere() {
+    let m = mesh(2).await;
+    let fake_client = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake_id = fake_client.local_addr().unwrap().to_string();
+    let (fake_mesh, task) = stalled_peer(&fake_client).await;
+    let mut addrs: Vec<SocketAddr> = m.sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    addrs.push(fake_mesh);
+    write_peers(m.peers.path(), &addrs);
+    let a = &m.sidecars[0];
+    eventually("the fake peer joins", || async {
+        a.fleet().contains(&fake_id).then_some(())
+    })
+    .await;
+    eventually("the silent peer is dropped", || async {
+        (!a.fleet().contains(&fake_id)).then_some(())
+    })
+    .await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    let accept = tokio::spawn(async move {
+        while let Ok((_s, _)) = fake_client.accept().await {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    for i in 0..8 {
+        complete(a.addr(), &shared_prefix_body(200 + i, 0)).await;
+    }
+    assert_eq!(
+        hits.load(Ordering::Relaxed),
+        0,
+        "nothing went to the stalled peer"
+    );
+    assert!(
+        metric(a, "kvmesh_mesh_resyncs_total{reason=\"connect\"}")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    accept.abort();
+    task.abort();
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forwarding_cannot_loop_and_unknown_models_are_clear_errors() {
+    let m = mesh(2).await;
+    let a = &m.sidecars[0];
+    let body = shared_prefix_body(1, 0);
+    let hdr = |hops: &'static str| {
+        request(
+            "POST",
+            a.addr(),
+            "/v1/completions",
+            body.clone(),
+            &[
+                ("content-type", "application/json"),
+                ("x-kvmesh-routed", "1"),
+                ("x-kvmesh-hops", hops),
+            ],
+        )
+    };
+    let before = completions(&m.engines[0]).len();
+    let r = fetch(&http1(), hdr("2")).await;
+    assert_eq!(r.status, 508, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "loop_detected");
+    assert_eq!(
+        completions(&m.engines[0]).len(),
+        before,
+        "a looping request reaches no engine"
+    );
+    // One hop is the normal forwarded case: served by this pod's own engine.
+    let r = fetch(&http1(), hdr("1")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(completions(&m.engines[0]).len(), before + 1);
+    let last = completions(&m.engines[0]).pop().unwrap();
+    assert_eq!(
+        last.header("x-kvmesh-hops"),
+        None,
+        "mesh headers stop at the engine"
+    );
+    // A model nothing in the mesh serves.
+    let r = fetch(
+        &http1(),
+        post_json(
+            a.addr(),
+            "/v1/completions",
+            r#"{"model":"nope","prompt":"hi","max_tokens":1}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    assert!(r.text().contains(MODEL));
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_subscriber_is_dropped_not_buffered() {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let e = kv_sim().await;
+    let mut cfg = mesh_config(&e, peers.path());
+    cfg.mesh.subscriber_queue = 4;
+    cfg.mesh.load_interval = kvmesh_proxy::config::Duration::from_millis(10);
+    let s = start_on(cfg, None).await;
+    // A subscriber with a small window that never reads its stream.
+    let tcp = tokio::net::TcpStream::connect(s.mesh_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(16 * 1024)
+        .handshake::<_, Empty<Bytes>>(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let driver = tokio::spawn(conn);
+    let req = http::Request::get(format!("http://{}/mesh/v1/stream", s.mesh_addr().unwrap()))
+        .body(Empty::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(s.mesh().subscribers(), 1);
+    // KV events of long prompts and the load ticks fill the window, then the queue.
+    for i in 0..6 {
+        complete(s.addr(), &shared_prefix_body(300 + i, 0)).await;
+    }
+    eventually("the slow subscriber is dropped", || async {
+        (s.mesh().subscribers() == 0).then_some(())
+    })
+    .await;
+    assert!(
+        metric(&s, "kvmesh_mesh_subscribers_dropped_total{reason=\"slow\"}")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    // What was queued drains, then the stream ends: the subscriber must resync.
+    let mut body = resp.into_body();
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(f) = body.frame().await {
+            if f.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the dropped stream ends");
+    driver.abort();
+    s.shutdown().await;
+    e.shutdown().await;
+}
