@@ -47,7 +47,8 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
         } else if name == names.running {
             running += value;
             seen = true;
-        } else if name == names.kv_usage || (kind == EngineKind::Vllm && name == LEGACY_VLLM_USAGE) {
+        } else if name == names.kv_usage || (kind == EngineKind::Vllm && name == LEGACY_VLLM_USAGE)
+        {
             usage_sum += value;
             usage_n += 1;
             seen = true;
@@ -174,7 +175,10 @@ mod tests {
 
     #[test]
     fn garbage_and_foreign_text_yield_nothing_and_never_panic() {
-        assert_eq!(parse_engine_metrics(EngineKind::Vllm, "<html>nope</html>"), None);
+        assert_eq!(
+            parse_engine_metrics(EngineKind::Vllm, "<html>nope</html>"),
+            None
+        );
         assert_eq!(parse_engine_metrics(EngineKind::Sglang, VLLM), None);
         let odd = "vllm:num_requests_waiting{a=\"}\"} NaN\nvllm:num_requests_running 1e99\n{\n=\"";
         let load = parse_engine_metrics(EngineKind::Vllm, odd).unwrap();

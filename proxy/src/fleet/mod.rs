@@ -298,8 +298,9 @@ impl PodState {
     }
 
     fn load_age_ms(&self, now: Instant) -> Option<u64> {
-        self.load_at
-            .map(|at| u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX))
+        self.load_at.map(|at| {
+            u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX)
+        })
     }
 }
 

@@ -48,7 +48,10 @@ fn in_flight_counts_local_guards_and_peer_reports() {
     assert_eq!(f.local_in_flight().get("10.0.0.2:8000"), Some(&2));
     f.set_remote_in_flight(
         "10.0.0.2:8000",
-        HashMap::from([("10.0.0.2:8000".to_owned(), 5), ("10.0.0.1:8000".to_owned(), 1)]),
+        HashMap::from([
+            ("10.0.0.2:8000".to_owned(), 5),
+            ("10.0.0.1:8000".to_owned(), 1),
+        ]),
     );
     // An unknown reporter is ignored: only peers publish.
     f.set_remote_in_flight("x:1", HashMap::from([("10.0.0.2:8000".to_owned(), 100)]));
@@ -67,7 +70,13 @@ fn endpoint_views_carry_load_role_prefix_and_staleness() {
     let now = Instant::now();
     f.set_load(
         "10.0.0.2:8000",
-        EngineLoad { waiting: 3, running: 2, kv_usage: 0.5, block_size: 32, num_blocks: 100 },
+        EngineLoad {
+            waiting: 3,
+            running: 2,
+            kv_usage: 0.5,
+            block_size: 32,
+            num_blocks: 100,
+        },
         now,
     );
     let later = now + std::time::Duration::from_millis(250);
@@ -75,7 +84,13 @@ fn endpoint_views_carry_load_role_prefix_and_staleness() {
     let peer = views.iter().find(|v| v.id == "10.0.0.2:8000").unwrap();
     assert_eq!(peer.role, Role::Decode);
     assert_eq!((peer.load.waiting, peer.load.running), (3, 2));
-    assert_eq!(peer.prefix, PrefixMatch { matched_blocks: 7, block_size: 32 });
+    assert_eq!(
+        peer.prefix,
+        PrefixMatch {
+            matched_blocks: 7,
+            block_size: 32
+        }
+    );
     assert_eq!(peer.staleness_ms, 250);
     assert_eq!(peer.address, "10.0.0.2:8000");
     let local = views.iter().find(|v| v.id == "10.0.0.1:8000").unwrap();
@@ -87,7 +102,10 @@ fn endpoint_views_carry_load_role_prefix_and_staleness() {
 #[test]
 fn removing_a_peer_drops_what_it_published() {
     let f = fleet();
-    f.set_remote_in_flight("10.0.0.2:8000", HashMap::from([("10.0.0.1:8000".to_owned(), 9)]));
+    f.set_remote_in_flight(
+        "10.0.0.2:8000",
+        HashMap::from([("10.0.0.1:8000".to_owned(), 9)]),
+    );
     f.remove_peer("10.0.0.2:8000");
     let views = f.endpoints(Instant::now(), 16, |_| 0);
     assert_eq!(views.len(), 1);
