@@ -219,19 +219,23 @@ async fn a_restarted_sidecar_rejoins_and_resyncs_from_a_snapshot() {
 
 /// A mesh peer that sends its hello and snapshot, then falls silent; its
 /// client port counts the connections it gets.
-async fn stalled_peer(id_listener: &TcpListener) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+async fn stalled_peer(
+    id_listener: &TcpListener,
+    subscribers: usize,
+) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let mesh = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = mesh.local_addr().unwrap();
     let id = id_listener.local_addr().unwrap().to_string();
-    // One connection only: once dropped, the peer stays unreachable.
+    // One connection per subscriber (`subscribers` of them): once dropped,
+    // the peer stays unreachable.
     let task = tokio::spawn(async move {
-        {
+        let mut conns = tokio::task::JoinSet::new();
+        for _ in 0..subscribers {
             let Ok((tcp, _)) = mesh.accept().await else {
                 return;
             };
-            drop(mesh);
             let id = id.clone();
-            {
+            conns.spawn(async move {
                 let svc = hyper::service::service_fn(move |_req| {
                     let hello = wire::encode(
                         0,
@@ -258,8 +262,10 @@ async fn stalled_peer(id_listener: &TcpListener) -> (SocketAddr, tokio::task::Jo
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(tcp), svc)
                     .await;
-            }
+            });
         }
+        drop(mesh);
+        while conns.join_next().await.is_some() {}
     });
     (addr, task)
 }
@@ -269,7 +275,7 @@ async fn a_stalled_peer_leaves_the_scheduling_set_and_requests_go_elsewhere() {
     let m = mesh(2).await;
     let fake_client = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let fake_id = fake_client.local_addr().unwrap().to_string();
-    let (fake_mesh, task) = stalled_peer(&fake_client).await;
+    let (fake_mesh, task) = stalled_peer(&fake_client, 2).await;
     let mut addrs: Vec<SocketAddr> = m.sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
     addrs.push(fake_mesh);
     write_peers(m.peers.path(), &addrs);
@@ -413,4 +419,38 @@ async fn a_slow_subscriber_is_dropped_not_buffered() {
     driver.abort();
     s.shutdown().await;
     e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dns_discovery_finds_a_peer_and_static_peers_with_names_resolve() {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let (ea, eb, ec) = (kv_sim().await, kv_sim().await, kv_sim().await);
+    let a = start_on(mesh_config(&ea, peers.path()), None).await;
+    let port = a.mesh_addr().unwrap().port();
+    // B finds A through DNS (the name resolves to loopback), C through a
+    // static `host:port` with a name.
+    let mut cb = mesh_config(&eb, peers.path());
+    cb.mesh.file = None;
+    cb.mesh.dns = Some(kvmesh_proxy::config::mesh::DnsDiscovery {
+        name: "localhost".to_owned(),
+        port,
+    });
+    let b = start_on(cb, None).await;
+    let mut cc = mesh_config(&ec, peers.path());
+    cc.mesh.file = None;
+    cc.mesh.peers = vec![format!("localhost:{port}")];
+    let c = start_on(cc, None).await;
+    let a_id = a.fleet().local_id().to_owned();
+    for s in [&b, &c] {
+        eventually("A discovered", || async {
+            s.fleet().contains(&a_id).then_some(())
+        })
+        .await;
+    }
+    for s in [a, b, c] {
+        s.shutdown().await;
+    }
+    for e in [ea, eb, ec] {
+        e.shutdown().await;
+    }
 }

@@ -120,3 +120,43 @@ pub fn is_host_port(s: &str) -> bool {
         None => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use crate::config::from_yaml_str;
+
+    fn load(yaml: &str) -> Result<crate::config::Config, String> {
+        from_yaml_str(yaml, "proxy.yaml").map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_full_mesh_section_loads() {
+        let c = load(
+            "mesh:\n  listen: 0.0.0.0:7000\n  advertise: pod-a.ns:8000\n  peers: [10.0.0.2:7000, pod-c.ns:7000]\n  dns: {name: kvmesh.ns.svc, port: 7000}\n  file: /etc/kvmesh/peers\n  stale_after: 2s\n",
+        )
+        .unwrap();
+        assert_eq!(c.mesh.peers.len(), 2);
+        assert_eq!(c.mesh.dns.unwrap().port, 7000);
+        assert_eq!(c.mesh.advertise.as_deref(), Some("pod-a.ns:8000"));
+    }
+
+    #[test]
+    fn bad_mesh_sections_name_the_field() {
+        for (yaml, field) in [
+            (
+                "mesh:\n  listen: 0.0.0.0:7000\n  peers: [nope]\n",
+                "mesh.peers",
+            ),
+            ("mesh:\n  peers: [10.0.0.2:7000]\n", "mesh.listen"),
+            (
+                "mesh:\n  listen: 0.0.0.0:7000\n  load_interval: 5s\n",
+                "mesh.load_interval",
+            ),
+            ("mesh:\n  listen: 0.0.0.0:7000\n  bogus: 1\n", "mesh"),
+        ] {
+            let e = load(yaml).unwrap_err();
+            assert!(e.contains(field), "{yaml}: {e}");
+        }
+    }
+}
