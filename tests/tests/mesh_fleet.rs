@@ -454,3 +454,62 @@ async fn dns_discovery_finds_a_peer_and_static_peers_with_names_resolve() {
         e.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
+    let m = mesh(2).await;
+    // B's engine caches the prompt, so A forwards the next one to B.
+    let warm = request(
+        "POST",
+        m.sidecars[1].addr(),
+        "/v1/completions",
+        shared_prefix_body(400, 0),
+        &[
+            ("content-type", "application/json"),
+            ("x-kvmesh-routed", "1"),
+        ],
+    );
+    assert_eq!(fetch(&http1(), warm).await.status, 200);
+    m.wait_converged().await;
+    for e in &m.engines {
+        e.faults().delay_first_byte(Some(Duration::from_secs(2)));
+    }
+    let req = post_json(
+        m.sidecars[0].addr(),
+        "/v1/completions",
+        &shared_prefix_body(400, 0),
+    );
+    let held = tokio::spawn(async move { fetch(&http1(), req).await.status });
+    // Every sidecar counts it once: its own guard, or the publisher's report
+    // (a forwarded request is published by its forwarder only).
+    let total = |s: &SidecarHandle| -> u32 {
+        s.fleet()
+            .snapshot(tokio::time::Instant::now())
+            .iter()
+            .map(|p| p.in_flight_local + p.in_flight_mesh)
+            .sum()
+    };
+    for s in &m.sidecars {
+        eventually("the request is seen", || async {
+            (total(s) == 1).then_some(())
+        })
+        .await;
+    }
+    for s in &m.sidecars {
+        assert_eq!(total(s), 1, "counted once while it runs");
+    }
+    assert_eq!(held.await.unwrap(), 200);
+    let fwd = metric(
+        &m.sidecars[0],
+        "kvmesh_mesh_requests_total{served=\"forwarded\"}",
+    )
+    .await;
+    assert_eq!(fwd, Some(1.0), "the held request was forwarded to B");
+    for s in &m.sidecars {
+        eventually("the request is gone", || async {
+            (total(s) == 0).then_some(())
+        })
+        .await;
+    }
+    m.shutdown().await;
+}

@@ -68,15 +68,21 @@ pub struct Fleet {
     pods: RwLock<BTreeMap<String, PodState>>,
     /// In-flight counts published by peers: reporter -> (target -> count).
     remote_in_flight: RwLock<HashMap<String, HashMap<String, u32>>>,
+    /// Of the local pod's in-flight requests, those a peer forwarded here
+    /// (the forwarder already publishes them; see [`Fleet::published_in_flight`]).
+    received: Arc<AtomicU32>,
 }
 
 /// Counts one request in flight towards a pod until dropped.
 #[derive(Debug)]
-pub struct InFlightGuard(Arc<AtomicU32>);
+pub struct InFlightGuard(Arc<AtomicU32>, Option<Arc<AtomicU32>>);
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(r) = &self.1 {
+            r.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -99,6 +105,7 @@ impl Fleet {
             local_id,
             pods: RwLock::new(pods),
             remote_in_flight: RwLock::new(HashMap::new()),
+            received: Arc::new(AtomicU32::new(0)),
         }
     }
 
@@ -161,7 +168,29 @@ impl Fleet {
         let pods = self.pods.read();
         let counter = pods.get(id)?.in_flight.clone();
         counter.fetch_add(1, Ordering::Relaxed);
-        Some(InFlightGuard(counter))
+        Some(InFlightGuard(counter, None))
+    }
+
+    /// Counts a request a peer forwarded here (already routed) towards the
+    /// local pod until the guard drops.
+    pub fn begin_received(&self) -> Option<InFlightGuard> {
+        let mut g = self.begin(&self.local_id)?;
+        self.received.fetch_add(1, Ordering::Relaxed);
+        g.1 = Some(self.received.clone());
+        Some(g)
+    }
+
+    /// What this sidecar publishes to its peers: its in-flight counts per
+    /// target, less the requests peers forwarded here (their forwarders
+    /// publish those), so no request is counted twice across the mesh.
+    pub fn published_in_flight(&self) -> HashMap<String, u32> {
+        let received = self.received.load(Ordering::Relaxed);
+        let mut counts = self.local_in_flight();
+        if let Some(n) = counts.get_mut(&self.local_id) {
+            *n = n.saturating_sub(received);
+        }
+        counts.retain(|_, n| *n > 0);
+        counts
     }
 
     /// This sidecar's own in-flight counts per target, for publishing to peers.
@@ -268,7 +297,9 @@ impl Fleet {
     fn mesh_in_flight(&self) -> HashMap<String, u32> {
         let mut sum: HashMap<String, u32> = HashMap::new();
         for counts in self.remote_in_flight.read().values() {
-            for (target, n) in counts {
+            // The local pod's own count is exact (requests forwarded here are
+            // counted on arrival); peers' reports of it would count them twice.
+            for (target, n) in counts.iter().filter(|(t, _)| **t != self.local_id) {
                 let slot = sum.entry(target.clone()).or_default();
                 *slot = slot.saturating_add(*n);
             }

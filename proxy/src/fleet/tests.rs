@@ -60,8 +60,25 @@ fn in_flight_counts_local_guards_and_peer_reports() {
     let views = f.endpoints(now, 16, |_| 0);
     let peer = views.iter().find(|v| v.id == "10.0.0.2:8000").unwrap();
     assert_eq!(peer.load.in_flight, 1 + 5);
+    // The local pod's count is this sidecar's own, exact: a peer's report of
+    // requests it forwarded here would count them twice.
     let local = views.iter().find(|v| v.id == "10.0.0.1:8000").unwrap();
-    assert_eq!(local.load.in_flight, 1);
+    assert_eq!(local.load.in_flight, 0);
+}
+
+#[test]
+fn requests_forwarded_here_are_counted_locally_but_not_published() {
+    let f = fleet();
+    let _own = f.begin("10.0.0.1:8000").unwrap();
+    let received = f.begin_received().unwrap();
+    let _fwd = f.begin("10.0.0.2:8000").unwrap();
+    assert_eq!(f.local_in_flight().get("10.0.0.1:8000"), Some(&2));
+    let published = f.published_in_flight();
+    assert_eq!(published.get("10.0.0.1:8000"), Some(&1));
+    assert_eq!(published.get("10.0.0.2:8000"), Some(&1));
+    drop(received);
+    assert_eq!(f.published_in_flight().get("10.0.0.1:8000"), Some(&1));
+    assert_eq!(f.local_in_flight().get("10.0.0.1:8000"), Some(&1));
 }
 
 #[test]

@@ -255,7 +255,7 @@ impl Mesh {
             age_ms: p.load_age_ms.unwrap_or(u64::MAX),
             healthy: p.healthy,
         });
-        let mut in_flight: Vec<(String, u32)> = fleet.local_in_flight().into_iter().collect();
+        let mut in_flight: Vec<(String, u32)> = fleet.published_in_flight().into_iter().collect();
         in_flight.sort_unstable();
         let mut hub = self.hub.lock();
         if let Some(l) = load {

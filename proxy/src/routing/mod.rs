@@ -261,7 +261,12 @@ pub fn no_endpoint_error(
 /// disaggregated), for as long as the response lasts. Called by the execute
 /// stage for each target it tries, so a fallback moves the count.
 pub fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
-    let guard = pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id));
+    let guard = if ctx.already_routed && *target == Target::LocalEngine {
+        // Forwarded here by a peer, which publishes it to the mesh itself.
+        app.fleet.begin_received()
+    } else {
+        pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id))
+    };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);
     }
