@@ -39,8 +39,17 @@ fn ttft(s: &Summary) -> [Option<f64>; 3] {
     [s.ttft_p50_ms, s.ttft_p90_ms, s.ttft_p99_ms]
 }
 
+fn e2e(s: &Summary) -> [Option<f64>; 3] {
+    [s.e2e_p50_ms, s.e2e_p90_ms, s.e2e_p99_ms]
+}
+
 fn itl(s: &Summary) -> [Option<f64>; 3] {
     [s.itl_p50_ms, s.itl_p90_ms, s.itl_p99_ms]
+}
+
+fn size_of(report: &Report) -> (u32, u32) {
+    let rows = report.workloads.len().max(1) as i32;
+    ((2 * PANEL_W) as u32, (LEGEND_H + rows * ROW_H) as u32)
 }
 
 /// Draws `report` into a PNG at `path`.
@@ -49,13 +58,35 @@ pub fn write_png(report: &Report, path: &Path) -> Result<(), LoadgenError> {
         path: path.to_path_buf(),
         reason: e,
     };
-    let rows = report.workloads.len().max(1) as i32;
-    let size = ((2 * PANEL_W) as u32, (LEGEND_H + rows * ROW_H) as u32);
-    let root = BitMapBackend::new(path, size).into_drawing_area();
+    let root = BitMapBackend::new(path, size_of(report)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     draw_all(&root, report).map_err(|e| err(e.to_string()))?;
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+/// Draws `report` into memory: RGB bytes, width, height (for tests and
+/// callers that encode elsewhere).
+pub fn render_rgb(report: &Report) -> Result<(Vec<u8>, u32, u32), LoadgenError> {
+    let (w, h) = size_of(report);
+    let mut buf = vec![0u8; w as usize * h as usize * 3];
+    let err = |e: String| LoadgenError::Plot {
+        path: "<memory>".into(),
+        reason: e,
+    };
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        draw_all(&root, report).map_err(|e| err(e.to_string()))?;
+        root.present().map_err(|e| err(e.to_string()))?;
+    }
+    Ok((buf, w, h))
+}
+
+/// The colour of the i-th policy in plots.
+pub fn policy_color(i: usize) -> (u8, u8, u8) {
+    let c = PALETTE[i % PALETTE.len()];
+    (c.0, c.1, c.2)
 }
 
 fn draw_all<DB: DrawingBackend>(
@@ -86,10 +117,19 @@ fn draw_all<DB: DrawingBackend>(
     };
     for (row, w) in report.workloads.iter().enumerate() {
         let top = LEGEND_H + row as i32 * ROW_H;
-        for (col, (title, pick)) in [("TTFT", ttft as Pick), ("ITL", itl as Pick)]
-            .iter()
-            .enumerate()
-        {
+        // Non-streaming runs have no TTFT or ITL: show end-to-end latency
+        // in the first panel, and say why the second one is empty.
+        let has = |pick: Pick| {
+            w.policies
+                .iter()
+                .any(|p| pick(&p.summary).iter().any(Option::is_some))
+        };
+        let first = if has(ttft) {
+            ("TTFT", ttft as Pick)
+        } else {
+            ("e2e latency", e2e as Pick)
+        };
+        for (col, (title, pick)) in [first, ("ITL", itl as Pick)].iter().enumerate() {
             let panel = Panel {
                 x0: col as i32 * PANEL_W + 70,
                 y0: top + 40,
@@ -98,6 +138,17 @@ fn draw_all<DB: DrawingBackend>(
             };
             let heading = format!("{} - {title}", w.name);
             draw_text(root, (panel.x0, top + 12), &heading, 2, &BLACK)?;
+            if !has(*pick) {
+                let note = "no streaming requests";
+                draw_text(
+                    root,
+                    (panel.x0 + 20, (panel.y0 + panel.y1) / 2),
+                    note,
+                    2,
+                    &GREY,
+                )?;
+                continue;
+            }
             let series: Vec<(RGBColor, &PolicyResult)> =
                 w.policies.iter().map(|p| (color_of(p), p)).collect();
             let stages = w.policies.iter().map(|p| p.stages.len()).max().unwrap_or(0);

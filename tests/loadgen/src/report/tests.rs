@@ -114,3 +114,27 @@ fn png_is_written_and_decodes_as_png() {
         std::fs::copy(&path, dst).unwrap();
     }
 }
+
+#[test]
+fn png_of_non_streaming_runs_plots_end_to_end_latency() {
+    let mut s = summary(0.0, 0.0, 10.0, None);
+    (s.ttft_p50_ms, s.ttft_p90_ms, s.ttft_p99_ms) = (None, None, None);
+    (s.itl_p50_ms, s.itl_p90_ms, s.itl_p99_ms) = (None, None, None);
+    (s.e2e_p50_ms, s.e2e_p90_ms, s.e2e_p99_ms) = (Some(2.0), Some(3.0), Some(8.0));
+    let mut r = Report::new("direct");
+    r.add_summary("overhead-small", "direct", s.clone(), vec![]);
+    r.add_summary("overhead-small", "nginx", s, vec![]);
+    // The first policy's darkest colour (its p50 bar) fills a visible area
+    // of the left panel; the right panel (ITL) has nothing to show.
+    let (rgb, w, _) = plot::render_rgb(&r).unwrap();
+    let (cr, cg, cb) = plot::policy_color(0);
+    let count = |x0: usize, x1: usize| {
+        rgb.chunks(3)
+            .enumerate()
+            .filter(|(i, px)| (x0..x1).contains(&(i % w as usize)) && px[..] == [cr, cg, cb])
+            .count()
+    };
+    let half = w as usize / 2;
+    assert!(count(0, half) > 1_000, "{}", count(0, half));
+    assert_eq!(count(half, w as usize), 0);
+}
