@@ -155,7 +155,10 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
         c.scheduling.filters = Some(f.clone());
     }
     if let Some(ep) = &args.engine_kv_events {
-        let kv = c.engine.kv_events.get_or_insert_with(config::KvEvents::default);
+        let kv = c
+            .engine
+            .kv_events
+            .get_or_insert_with(config::KvEvents::default);
         kv.endpoint = ep.clone();
     }
     if let Some(t) = &args.tokenizer {

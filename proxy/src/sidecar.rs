@@ -99,13 +99,14 @@ impl Sidecar {
             tokio::time::Instant::now(),
         );
         let prefix = Arc::new(crate::prefix::PrefixState::new(&config, fleet.local_id())?);
-        let mesh_listener = crate::mesh::bind(&config)
-            .await
-            .map_err(|source| StartError::Bind {
-                what: "mesh",
-                addr: config.mesh.listen.unwrap_or(addr),
-                source,
-            })?;
+        let mesh_listener =
+            crate::mesh::bind(&config)
+                .await
+                .map_err(|source| StartError::Bind {
+                    what: "mesh",
+                    addr: config.mesh.listen.unwrap_or(addr),
+                    source,
+                })?;
         let mesh_addr = crate::mesh::local_addr(&mesh_listener);
         let mesh = Arc::new(crate::mesh::Mesh::new(&config, &fleet, &prefix, mesh_addr));
         let config = Arc::new(config);
