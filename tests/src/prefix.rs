@@ -93,16 +93,26 @@ pub fn cached_tokens(resp: &serde_json::Value) -> u64 {
 /// Waits (bounded, 10 s) until the sidecar's index holds exactly the blocks
 /// the engine has cached.
 pub async fn wait_synced(h: &SidecarHandle, sim: &SimHandle) {
-    let mut last = (0, 0);
+    let mut last = (0, 0, 0.0, 0.0);
     for _ in 0..500 {
+        // Every batch the engine published was applied (live or replayed),
+        // and the block counts agree. Counts alone are no barrier: with a
+        // full cache each batch removes as many blocks as it stores.
+        let published = sim.stats().kv_batches_published as f64;
+        let applied = crate::route::metric(h, "kvmesh_kv_event_batches_total")
+            .await
+            .unwrap_or(0.0);
         let (mine, theirs) = (local_blocks(h), sim.stats().cached_blocks);
-        if mine == theirs {
+        if applied >= published && mine == theirs {
             return;
         }
-        last = (mine, theirs);
+        last = (mine, theirs, applied, published);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("index holds {} blocks, the engine {}", last.0, last.1);
+    panic!(
+        "index holds {} blocks, the engine {}; {} of {} batches applied",
+        last.0, last.1, last.2, last.3
+    );
 }
 
 /// What the relay does with each message from the engine.
