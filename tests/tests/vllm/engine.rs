@@ -72,6 +72,9 @@ pub struct EngineSpec {
     pub kv_events_to: Option<String>,
     /// P/D with `NixlConnector` over UCX TCP on loopback.
     pub nixl: Option<KvRole>,
+    /// Any other `--kv-transfer-config` (a JSON object, e.g. an external connector loaded with
+    /// `kv_connector_module_path`) plus the environment it needs. Exclusive with `nixl`.
+    pub kv_transfer: Option<(serde_json::Value, Vec<(String, String)>)>,
 }
 
 impl EngineSpec {
@@ -86,6 +89,7 @@ impl EngineSpec {
             python_hash_seed: None,
             kv_events_to: None,
             nixl: None,
+            kv_transfer: None,
         }
     }
 }
@@ -207,6 +211,10 @@ impl Engine {
                 .env("UCX_TLS", "tcp,self")
                 .env("UCX_NET_DEVICES", "lo");
             nixl_port = Some(side);
+        }
+        if let Some((config, env)) = &spec.kv_transfer {
+            cmd.arg("--kv-transfer-config").arg(config.to_string());
+            cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
         match &spec.python_hash_seed {
             Some(seed) => cmd.env("PYTHONHASHSEED", seed),
