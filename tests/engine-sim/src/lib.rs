@@ -21,6 +21,7 @@
 //! See `README.md` for the latency model and where the simulator differs
 //! from vLLM on purpose.
 
+pub mod calibrate;
 pub mod cli;
 pub mod config;
 mod core;
@@ -33,6 +34,7 @@ mod pd;
 pub mod profile;
 pub mod stats;
 
+pub use calibrate::{fit_ttft, TtftFit, TtftSample};
 pub use config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
 pub use engine::{Engine, SimHandle};
 pub use faults::{FaultScript, Faults};

@@ -1,0 +1,166 @@
+//! Calibrating a profile's time to first token to one real engine, from TTFTs measured on it.
+//!
+//! A built-in profile is fitted once, on one machine; a real engine's fixed cost per request and its
+//! prefill speed change with the machine and with what else runs on it. The fidelity check against
+//! real vLLM therefore measures a calibration workload on the engine first (prompts of several
+//! lengths, some partly cached), fits `ttft = fixed + per_token * uncached_tokens` to it, and runs the
+//! simulator with the fitted costs on a different workload. The fit is Theil-Sen (the median of the
+//! slopes between pairs of samples, then the median intercept), so a few requests slowed down by a
+//! busy machine move it little, where least squares would follow them.
+
+use crate::profile::LatencyProfile;
+use crate::SimError;
+
+/// One measured request: the prompt tokens the engine had to compute (prompt minus cached) and the
+/// time to its first token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftSample {
+    pub uncached_tokens: usize,
+    pub ttft_ms: f64,
+}
+
+/// `ttft_ms = fixed_ms + ms_per_token * uncached_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftFit {
+    pub fixed_ms: f64,
+    pub ms_per_token: f64,
+    /// Samples the fit used.
+    pub samples: usize,
+}
+
+/// Pairs whose uncached lengths differ by less than this give no slope: their difference is
+/// mostly noise.
+const MIN_SPREAD_TOKENS: usize = 32;
+
+/// Fits [`TtftFit`] to `samples` (Theil-Sen). Needs samples at least [`MIN_SPREAD_TOKENS`] apart
+/// in length; both results are clamped at zero.
+pub fn fit_ttft(samples: &[TtftSample]) -> Result<TtftFit, SimError> {
+    if samples
+        .iter()
+        .any(|s| !s.ttft_ms.is_finite() || s.ttft_ms < 0.0)
+    {
+        return Err(SimError::Config(
+            "calibration: every TTFT must be a finite, non-negative number of ms".into(),
+        ));
+    }
+    let mut slopes = Vec::new();
+    for (i, a) in samples.iter().enumerate() {
+        for b in &samples[i + 1..] {
+            if a.uncached_tokens.abs_diff(b.uncached_tokens) >= MIN_SPREAD_TOKENS {
+                let dx = b.uncached_tokens as f64 - a.uncached_tokens as f64;
+                slopes.push((b.ttft_ms - a.ttft_ms) / dx);
+            }
+        }
+    }
+    let Some(slope) = median(&mut slopes) else {
+        return Err(SimError::Config(format!(
+            "calibration: no two samples are {MIN_SPREAD_TOKENS} or more uncached tokens apart"
+        )));
+    };
+    let slope = slope.max(0.0);
+    let mut intercepts: Vec<f64> = samples
+        .iter()
+        .map(|s| s.ttft_ms - slope * s.uncached_tokens as f64)
+        .collect();
+    let fixed = median(&mut intercepts).unwrap_or(0.0).max(0.0);
+    Ok(TtftFit {
+        fixed_ms: fixed,
+        ms_per_token: slope,
+        samples: samples.len(),
+    })
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+impl LatencyProfile {
+    /// This profile with its TTFT costs replaced by `fit`: the prefill cost per token, and the fixed
+    /// part split between the API server (`api_overhead_ms`) and the step (`step_base_ms`, kept unless
+    /// the fixed cost is smaller). Decode and transfer costs are left as they are.
+    pub fn with_ttft_fit(&self, fit: &TtftFit) -> LatencyProfile {
+        let step_base_ms = self.step_base_ms.min(fit.fixed_ms);
+        LatencyProfile {
+            name: format!("{}+calibrated", self.name),
+            api_overhead_ms: fit.fixed_ms - step_base_ms,
+            step_base_ms,
+            prefill_ms_per_token: fit.ms_per_token,
+            ..self.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(uncached_tokens: usize, ttft_ms: f64) -> TtftSample {
+        TtftSample {
+            uncached_tokens,
+            ttft_ms,
+        }
+    }
+
+    #[test]
+    fn an_exact_line_is_recovered() {
+        let samples: Vec<_> = [20, 40, 300, 500]
+            .iter()
+            .map(|&x| s(x, 18.0 + 0.04 * x as f64))
+            .collect();
+        let fit = fit_ttft(&samples).unwrap();
+        assert!((fit.fixed_ms - 18.0).abs() < 1e-9, "{fit:?}");
+        assert!((fit.ms_per_token - 0.04).abs() < 1e-9, "{fit:?}");
+        assert_eq!(fit.samples, 4);
+    }
+
+    #[test]
+    fn one_slow_outlier_moves_the_fit_little() {
+        let mut samples: Vec<_> = [10, 20, 30, 250, 260, 270, 500, 510]
+            .iter()
+            .map(|&x| s(x, 20.0 + 0.05 * x as f64))
+            .collect();
+        samples.push(s(20, 400.0)); // one request stuck behind a compiler
+        let fit = fit_ttft(&samples).unwrap();
+        assert!((fit.fixed_ms - 20.0).abs() < 2.0, "{fit:?}");
+        assert!((fit.ms_per_token - 0.05).abs() < 0.01, "{fit:?}");
+    }
+
+    #[test]
+    fn samples_without_spread_are_refused() {
+        assert!(fit_ttft(&[s(100, 30.0), s(110, 31.0)]).is_err());
+        assert!(fit_ttft(&[]).is_err());
+        assert!(fit_ttft(&[s(10, f64::NAN), s(300, 40.0)]).is_err());
+    }
+
+    #[test]
+    fn the_fit_replaces_only_ttft_costs() {
+        let base = LatencyProfile::vllm_cpu_tiny();
+        let fit = TtftFit {
+            fixed_ms: 30.0,
+            ms_per_token: 0.08,
+            samples: 8,
+        };
+        let p = base.with_ttft_fit(&fit);
+        assert_eq!(p.name, "vllm-cpu-tiny+calibrated");
+        let ttft = p.api_overhead_ms + p.step_seconds(200, 0, 0) * 1000.0;
+        assert!((ttft - (30.0 + 0.08 * 200.0)).abs() < 1e-9, "{ttft}");
+        assert_eq!(p.decode_ms_per_seq, base.decode_ms_per_seq);
+        assert_eq!(p.kv_transfer_base_ms, base.kv_transfer_base_ms);
+        assert!(p.validate().is_ok());
+        // A fixed cost below the step's base shrinks the base rather than going negative.
+        let tiny = base.with_ttft_fit(&TtftFit {
+            fixed_ms: 1.0,
+            ..fit
+        });
+        assert_eq!((tiny.api_overhead_ms, tiny.step_base_ms), (0.0, 1.0));
+    }
+}
