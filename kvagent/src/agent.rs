@@ -41,6 +41,9 @@ pub(crate) struct Incoming {
     pub writers: u32,
     pub aborted: bool,
     pub started: Instant,
+    /// The receiving queue pair of an RDMA transfer; dropping it (destroying the QP) stops any
+    /// further WRITE into the landing blocks, so it goes before the blocks are released.
+    pub rdma: Option<crate::rdma::Endpoint>,
 }
 
 /// Bookkeeping under the agent's lock.
@@ -104,6 +107,8 @@ pub struct Agent {
     pub(crate) tasks: TaskTracker,
     pub(crate) caps: Caps,
     pub(crate) address: String,
+    /// The RDMA device, when one opened at start (see `rdma`).
+    pub(crate) rdma: Option<Arc<crate::rdma::RdmaEngine>>,
     ids: AtomicU64,
 }
 
@@ -140,6 +145,24 @@ pub fn bind_local(cfg: &SocketConfig) -> Result<UnixListener> {
     Ok(listener)
 }
 
+/// Open the RDMA device when configured; on any failure log why and run without (TCP only).
+fn open_rdma(cfg: &crate::rdma::RdmaConfig) -> Option<Arc<crate::rdma::RdmaEngine>> {
+    if !cfg.enabled {
+        tracing::info!("RDMA off (--rdma off)");
+        return None;
+    }
+    match crate::rdma::RdmaEngine::open(cfg) {
+        Ok(engine) => {
+            tracing::info!(device = engine.device(), "RDMA on");
+            Some(engine)
+        }
+        Err(e) => {
+            tracing::info!(reason = %e, "RDMA unavailable; remote transfers use TCP");
+            None
+        }
+    }
+}
+
 impl Agent {
     /// Start serving on `listeners`.
     pub fn start(cfg: AgentConfig, listeners: Listeners) -> Result<AgentHandle> {
@@ -154,7 +177,11 @@ impl Agent {
             .advertise
             .clone()
             .unwrap_or_else(|| peer_addr.to_string());
-        let caps = Caps(Caps::TCP | crate::rdma::caps() | crate::cuda::caps());
+        let metrics = Arc::new(Metrics::new());
+        let rdma = open_rdma(&cfg.rdma);
+        metrics.set_rdma_available(rdma.is_some());
+        let rdma_caps = if rdma.is_some() { Caps::RDMA } else { 0 };
+        let caps = Caps(Caps::TCP | rdma_caps | crate::cuda::caps());
         let agent = Arc::new(Agent {
             state: Mutex::new(State {
                 reg: Registry::new(cfg.limits),
@@ -163,12 +190,13 @@ impl Agent {
             }),
             cfg,
             notify: Notify::new(),
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             peers: tokio::sync::Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             tasks: TaskTracker::new(),
             caps,
             address,
+            rdma,
             ids: AtomicU64::new(1),
         });
         tracing::info!(agent = %agent.cfg.agent_id, %peer_addr, caps = ?caps.names(), "kvagent started");
@@ -384,6 +412,7 @@ pub(crate) fn abort_incoming_locked(
         return;
     }
     inc.aborted = true;
+    inc.rdma = None;
     let (region, tid, writers) = (inc.region, inc.tid.clone(), inc.writers);
     tracing::warn!(transfer = %tid, session = key.0, cause = code.as_str(), why, "incoming transfer aborted");
     agent.metrics.failure(code, "receive");

@@ -43,6 +43,8 @@ pub struct AgentConfig {
     pub max_peer_sessions: usize,
     /// Most transfers in flight at once (both directions).
     pub max_inflight: usize,
+    /// RDMA use (only effective in a build with the `rdma` feature and a device).
+    pub rdma: crate::rdma::RdmaConfig,
     /// Scripted faults.
     pub faults: Faults,
 }
@@ -67,6 +69,7 @@ impl Default for AgentConfig {
             max_local_conns: 1024,
             max_peer_sessions: 1024,
             max_inflight: 4096,
+            rdma: crate::rdma::RdmaConfig::default(),
             faults: Faults::default(),
         }
     }

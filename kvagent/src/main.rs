@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvmesh_kvagent::config::Faults;
+use kvmesh_kvagent::rdma::RdmaConfig;
 use kvmesh_kvagent::{bind_local, Agent, AgentConfig, Listeners, SocketConfig};
 
 #[derive(Parser)]
@@ -19,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve the local API, the peer protocol and metrics.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Measure memcpy and TCP ceilings, then kvagent throughput against them.
     Bench {
         /// Print JSON instead of a table.
@@ -64,6 +65,18 @@ struct RunArgs {
     /// Seconds arrived blocks wait for their client before they are freed.
     #[arg(long, default_value_t = 60)]
     hold_ttl_s: u64,
+    /// Use RDMA when built with the `rdma` feature and a device opens (`off` forces TCP).
+    #[arg(long, env = "KVAGENT_RDMA", default_value = "on", value_parser = ["on", "off"])]
+    rdma: String,
+    /// RDMA device name (default: the first one).
+    #[arg(long, env = "KVAGENT_RDMA_DEVICE")]
+    rdma_device: Option<String>,
+    /// RDMA port number on the device.
+    #[arg(long, env = "KVAGENT_RDMA_PORT", default_value_t = 1)]
+    rdma_port: u8,
+    /// GID table index (RoCE v2: usually 1 or 3; InfiniBand: 0).
+    #[arg(long, env = "KVAGENT_RDMA_GID_INDEX", default_value_t = 0)]
+    rdma_gid_index: u8,
     /// Print one JSON line with the bound addresses once serving (for scripts and tests).
     #[arg(long)]
     ready_json: bool,
@@ -75,7 +88,7 @@ struct RunArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run(args) => run(args),
+        Cmd::Run(args) => run(*args),
         Cmd::Bench { json, bytes } => kvmesh_kvagent::bench::run(json, bytes).map_err(Into::into),
         Cmd::BenchSink => kvmesh_kvagent::bench::sink().map_err(Into::into),
     }
@@ -99,6 +112,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             advertise: args.advertise,
             data_streams: args.data_streams,
             hold_ttl: Duration::from_secs(args.hold_ttl_s),
+            rdma: RdmaConfig {
+                enabled: args.rdma == "on",
+                device: args.rdma_device,
+                port: args.rdma_port,
+                gid_index: args.rdma_gid_index,
+                ..RdmaConfig::default()
+            },
             faults: Faults {
                 stall_data_after_bytes: args.fault_stall_after_bytes,
             },

@@ -45,6 +45,13 @@ pub struct FailLabel {
     pub side: String,
 }
 
+/// Labels: why a transfer planned for RDMA went over TCP.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabel {
+    /// A fixed reason (`endpoint`, `peer_declined`, `bad_target`, `connect`, `write`).
+    pub reason: String,
+}
+
 type HistFamily = Family<PathLabel, Histogram, fn() -> Histogram>;
 
 /// The agent's metrics.
@@ -58,6 +65,8 @@ pub struct Metrics {
     throughput: HistFamily,
     registered: Gauge,
     leases: Gauge,
+    rdma_available: Gauge,
+    rdma_fallbacks: Family<FallbackLabel, Counter>,
 }
 
 fn latency_hist() -> Histogram {
@@ -80,6 +89,18 @@ impl Metrics {
         let throughput: HistFamily = Family::new_with_constructor(throughput_hist);
         let registered = Gauge::default();
         let leases = Gauge::default();
+        let rdma_available = Gauge::default();
+        let rdma_fallbacks: Family<FallbackLabel, Counter> = Family::default();
+        registry.register(
+            "rdma_available",
+            "1 when this agent opened an RDMA device and announces RDMA",
+            rdma_available.clone(),
+        );
+        registry.register(
+            "rdma_fallbacks",
+            "Transfers planned for RDMA that went over TCP, by reason",
+            rdma_fallbacks.clone(),
+        );
         registry.register(
             "transfer_bytes",
             "Bytes moved by completed transfers, by path",
@@ -126,7 +147,23 @@ impl Metrics {
             throughput,
             registered,
             leases,
+            rdma_available,
+            rdma_fallbacks,
         }
+    }
+
+    /// Whether RDMA is up on this agent.
+    pub fn set_rdma_available(&self, up: bool) {
+        self.rdma_available.set(i64::from(up));
+    }
+
+    /// Count a transfer planned for RDMA that went over TCP.
+    pub fn rdma_fallback(&self, reason: &str) {
+        self.rdma_fallbacks
+            .get_or_create(&FallbackLabel {
+                reason: reason.into(),
+            })
+            .inc();
     }
 
     /// Count a planner choice.

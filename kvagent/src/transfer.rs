@@ -113,17 +113,12 @@ async fn send_inner(
             copy_local(agent, &src, args).await?;
             p.path
         }
-        // The RDMA data path is not wired yet (see README): every remote transfer uses TCP, and
-        // agents do not announce RDMA, so the planner does not pick it between two of them.
-        Some(l) => {
-            send_tcp(agent, &l, &src, args, deadline, until).await?;
-            Path::Tcp
-        }
+        Some(l) => send_remote(agent, &l, &src, args, p.path, deadline, until).await?,
     };
     let reason = if path == p.path {
         p.reason.to_string()
     } else {
-        format!("{} (fell back to tcp)", p.reason)
+        format!("{} (fell back to {})", p.reason, path.as_str())
     };
     Ok(SendReport {
         path,
@@ -216,14 +211,89 @@ async fn next_event(
     }
 }
 
-async fn send_tcp(
+/// What the RDMA side of a send brings to the offer: our queue pair and the source's MR.
+struct RdmaSend {
+    ep: crate::rdma::Endpoint,
+    mr: crate::rdma::MrInfo,
+}
+
+/// How an offer ended when it did not deliver: retry over TCP with a fresh offer (the RDMA
+/// attempt failed after the receiver accepted; the reason is a metric label), or give up.
+enum Undelivered {
+    RetryTcp(&'static str, Error),
+    Failed(Error),
+}
+
+impl From<Error> for Undelivered {
+    fn from(e: Error) -> Self {
+        Undelivered::Failed(e)
+    }
+}
+
+/// Send to a peer: by RDMA when the planner chose it and everything on the way works, else TCP.
+/// Every fallback is logged with its reason and counted (`kvagent_rdma_fallbacks_total`).
+async fn send_remote(
     agent: &Arc<Agent>,
     link: &Arc<PeerLink>,
     src: &Arc<Region>,
     args: &SendArgs,
+    planned: Path,
     deadline: Duration,
     until: tokio::time::Instant,
-) -> Result<()> {
+) -> Result<Path> {
+    let wants_rdma = matches!(planned, Path::RdmaHost | Path::RdmaGpuDirect);
+    let rdma = match (&agent.rdma, wants_rdma) {
+        (Some(engine), true) => {
+            let (engine, map, region) = (Arc::clone(engine), Arc::clone(&src.map), src.id);
+            let setup = tokio::task::spawn_blocking(move || -> Result<RdmaSend> {
+                let mr = engine.register(region, &map)?;
+                Ok(RdmaSend {
+                    ep: engine.endpoint()?,
+                    mr,
+                })
+            })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))
+            .and_then(|r| r);
+            match setup {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    fallback(agent, args, "endpoint", &e);
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    match offer_and_move(agent, link, src, args, rdma, deadline, until).await {
+        Ok(path) => Ok(path),
+        Err(Undelivered::Failed(e)) => Err(e),
+        Err(Undelivered::RetryTcp(reason, e)) => {
+            fallback(agent, args, reason, &e);
+            match offer_and_move(agent, link, src, args, None, deadline, until).await {
+                Ok(path) => Ok(path),
+                Err(Undelivered::Failed(e) | Undelivered::RetryTcp(_, e)) => Err(e),
+            }
+        }
+    }
+}
+
+fn fallback(agent: &Agent, args: &SendArgs, reason: &'static str, e: &Error) {
+    agent.metrics.rdma_fallback(reason);
+    tracing::warn!(transfer = %args.transfer, peer = %args.peer, reason, error = %e, "RDMA failed; sending over TCP");
+}
+
+/// One offer and its data: RDMA WRITEs when `rdma` is set and the receiver answered with a
+/// target, TCP data streams otherwise.
+async fn offer_and_move(
+    agent: &Arc<Agent>,
+    link: &Arc<PeerLink>,
+    src: &Arc<Region>,
+    args: &SendArgs,
+    rdma: Option<RdmaSend>,
+    deadline: Duration,
+    until: tokio::time::Instant,
+) -> std::result::Result<Path, Undelivered> {
     let seq = agent.next_id();
     let (tx, mut rx) = mpsc::channel(4);
     link.pending.lock().insert(seq, tx);
@@ -237,13 +307,90 @@ async fn send_tcp(
         layers: layout.layers,
         blocks: args.blocks.len() as u32,
         deadline_ms: deadline.as_millis() as u64,
+        rdma: rdma.as_ref().map(|r| r.ep.info()),
     };
     send_ctrl(link, offer, until).await?;
-    match next_event(&mut rx, until, &link.addr).await? {
-        PeerEvent::Accepted => {}
-        PeerEvent::Failed(e) => return Err(e),
-        PeerEvent::Done => return Err(Error::Protocol("done before accept".into())),
+    let target = match next_event(&mut rx, until, &link.addr).await? {
+        PeerEvent::Accepted(target) => target,
+        PeerEvent::Failed(e) => return Err(e.into()),
+        PeerEvent::Done => return Err(Error::Protocol("done before accept".into()).into()),
+    };
+    match (rdma, target) {
+        (Some(r), Some(target)) => {
+            match rdma_write(r, src, args, *target, until).await {
+                Ok(()) => {}
+                Err(e) => {
+                    let abort = Ctrl::Abort {
+                        seq,
+                        reason: format!("RDMA failed: {e}"),
+                    };
+                    let _ = link.ctrl_tx.try_send(abort);
+                    let reason = if e.code() == crate::error::ErrorCode::Protocol {
+                        "bad_target"
+                    } else {
+                        "write"
+                    };
+                    return Err(Undelivered::RetryTcp(reason, e));
+                }
+            }
+            send_ctrl(link, Ctrl::RdmaWritten { seq }, until).await?;
+            match next_event(&mut rx, until, &link.addr).await? {
+                PeerEvent::Done => Ok(Path::RdmaHost),
+                PeerEvent::Failed(e) => Err(e.into()),
+                PeerEvent::Accepted(_) => Err(Error::Protocol("second accept".into()).into()),
+            }
+        }
+        (None, Some(_)) => {
+            let _ = link.ctrl_tx.try_send(Ctrl::Abort {
+                seq,
+                reason: "RDMA target for an offer without RDMA".into(),
+            });
+            Err(Error::Protocol("peer answered a TCP offer with an RDMA target".into()).into())
+        }
+        (rdma, None) => {
+            if rdma.is_some() {
+                // The receiver could not set up RDMA for this transfer: the data goes over TCP
+                // on this same offer.
+                let e = Error::RdmaUnavailable("the receiver declined RDMA".into());
+                fallback(agent, args, "peer_declined", &e);
+            }
+            push_tcp(link, src, args, seq, &mut rx, until).await?;
+            Ok(Path::Tcp)
+        }
     }
+}
+
+/// Connect our queue pair to the receiver's and WRITE every segment, on the blocking pool.
+async fn rdma_write(
+    mut r: RdmaSend,
+    src: &Arc<Region>,
+    args: &SendArgs,
+    target: crate::rdma::wire::RdmaTarget,
+    until: tokio::time::Instant,
+) -> Result<()> {
+    let max_msg = 1 << 30;
+    let ops = crate::rdma::book::write_plan(&src.layout, &args.blocks, &target, max_msg)?;
+    let keep = Arc::clone(src);
+    let deadline = until.into_std();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let _mapped = keep; // the source stays mapped while WRITEs read it
+        r.ep.connect(&target.qp)?;
+        r.ep.write(&ops, &r.mr, &target, deadline)
+    })
+    .await
+    .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?
+}
+
+/// The TCP data of an accepted offer, then the receiver's `done`.
+async fn push_tcp(
+    link: &Arc<PeerLink>,
+    src: &Arc<Region>,
+    args: &SendArgs,
+    seq: u64,
+    rx: &mut mpsc::Receiver<PeerEvent>,
+    until: tokio::time::Instant,
+) -> Result<()> {
+    let layout = src.layout;
     let cancel = CancellationToken::new();
     let result = async {
         for (i, job) in split(seq, src, &args.blocks, &layout, link.data_tx.len(), &cancel)
@@ -256,10 +403,10 @@ async fn send_tcp(
                 .map_err(|_| Error::Timeout("data streams busy past the deadline".into()))?
                 .map_err(|_| Error::PeerLost(format!("{} link closed", link.addr)))?;
         }
-        match next_event(&mut rx, until, &link.addr).await? {
+        match next_event(rx, until, &link.addr).await? {
             PeerEvent::Done => Ok(()),
             PeerEvent::Failed(e) => Err(e),
-            PeerEvent::Accepted => Err(Error::Protocol("second accept".into())),
+            PeerEvent::Accepted(_) => Err(Error::Protocol("second accept".into())),
         }
     }
     .await;

@@ -20,13 +20,15 @@ use crate::agent::Agent;
 use crate::error::{Error, Result};
 use crate::peer::proto::{self, Ctrl, DataHeader, Hello};
 use crate::planner::Caps;
+use crate::rdma::wire::RdmaTarget;
 use crate::shm::Mapping;
 use crate::types::BlockLayout;
 
 /// What the peer said about one transfer.
 #[derive(Debug)]
 pub(crate) enum PeerEvent {
-    Accepted,
+    /// Send the data: over TCP (None) or by RDMA WRITE into this target.
+    Accepted(Option<Box<RdmaTarget>>),
     Done,
     Failed(Error),
 }
@@ -203,7 +205,7 @@ async fn ctrl_reader(link: Arc<PeerLink>, mut rd: tokio::net::tcp::OwnedReadHalf
             m = proto::read_ctrl(&mut rd, &mut buf) => m,
         };
         let (seq, ev) = match msg {
-            Ok(Some(Ctrl::Accept { seq })) => (seq, PeerEvent::Accepted),
+            Ok(Some(Ctrl::Accept { seq, rdma })) => (seq, PeerEvent::Accepted(rdma)),
             Ok(Some(Ctrl::Done { seq })) => (seq, PeerEvent::Done),
             Ok(Some(Ctrl::Reject { seq, code, message } | Ctrl::Failed { seq, code, message })) => {
                 (seq, PeerEvent::Failed(Error::remote(code, message)))

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::rdma::wire::{QpInfo, RdmaTarget};
 use crate::types::TransferId;
 
 /// Magic bytes of a hello.
@@ -103,9 +104,24 @@ pub enum Ctrl {
         blocks: u32,
         /// How long the receiver holds the landing blocks for the data.
         deadline_ms: u64,
+        /// The sender's RDMA queue pair, when both agents announced RDMA: the receiver may answer
+        /// with an [`RdmaTarget`] instead of waiting for TCP data. Absent otherwise (the frame is
+        /// then what agents without RDMA exchange).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rdma: Option<QpInfo>,
     },
     /// Receiver: blocks are reserved, send the data.
     Accept {
+        /// Sequence.
+        seq: u64,
+        /// Where to RDMA-WRITE, when the offer carried a queue pair and the receiver connected
+        /// its own; absent means "send the data over TCP".
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rdma: Option<Box<RdmaTarget>>,
+    },
+    /// Sender: every RDMA WRITE of this transfer completed (RC: the bytes are in the receiver's
+    /// memory); the receiver marks the blocks arrived and answers `done`.
+    RdmaWritten {
         /// Sequence.
         seq: u64,
     },
@@ -238,6 +254,70 @@ mod tests {
             len: 65536,
         };
         assert_eq!(DataHeader::decode(&d.encode()), d);
+    }
+
+    #[test]
+    fn rdma_fields_are_absent_unless_used_and_round_trip_when_set() {
+        let offer = Ctrl::Offer {
+            seq: 1,
+            transfer: TransferId::new("t").unwrap(),
+            dst_region: None,
+            block_bytes: 4096,
+            layers: 2,
+            blocks: 3,
+            deadline_ms: 1000,
+            rdma: None,
+        };
+        let text = serde_json::to_string(&offer).unwrap();
+        assert!(!text.contains("rdma"), "{text}");
+        // A frame from an agent that predates RDMA parses as "no RDMA".
+        let old = r#"{"t":"accept","seq":5}"#;
+        assert_eq!(
+            serde_json::from_str::<Ctrl>(old).unwrap(),
+            Ctrl::Accept { seq: 5, rdma: None }
+        );
+        let qp = QpInfo {
+            qpn: 0x11,
+            psn: 0x22,
+            lid: 0,
+            gid: "::ffff:10.0.0.7".parse().unwrap(),
+            mtu: 4096,
+        };
+        let target = RdmaTarget {
+            qp: qp.clone(),
+            addr: 0x1000,
+            rkey: 9,
+            len: 4096 * 2 * 8,
+            layout: crate::types::BlockLayout {
+                block_bytes: 4096,
+                layers: 2,
+                blocks: 8,
+            },
+            blocks: vec![4, 5, 6],
+        };
+        for msg in [
+            Ctrl::Offer {
+                seq: 2,
+                transfer: TransferId::new("t").unwrap(),
+                dst_region: Some("d".into()),
+                block_bytes: 4096,
+                layers: 2,
+                blocks: 3,
+                deadline_ms: 1000,
+                rdma: Some(qp),
+            },
+            Ctrl::Accept {
+                seq: 2,
+                rdma: Some(Box::new(target)),
+            },
+            Ctrl::RdmaWritten { seq: 2 },
+        ] {
+            let text = serde_json::to_string(&msg).unwrap();
+            assert_eq!(serde_json::from_str::<Ctrl>(&text).unwrap(), msg, "{text}");
+        }
+        assert!(serde_json::to_string(&Ctrl::RdmaWritten { seq: 3 })
+            .unwrap()
+            .contains(r#""t":"rdma_written""#));
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@ use crate::agent::{abort_incoming_locked, Agent, Incoming};
 use crate::error::{Error, ErrorCode, Result};
 use crate::peer::proto::{self, Ctrl, DataHeader, Hello};
 use crate::planner::Path;
+use crate::rdma::wire::{QpInfo, RdmaTarget};
 use crate::regions::LeaseState;
 use crate::types::{BlockLayout, MAX_BLOCKS};
 
@@ -178,13 +179,14 @@ async fn control(
                 layers,
                 blocks,
                 deadline_ms,
+                rdma,
             }) => {
                 let layout = BlockLayout {
                     block_bytes,
                     layers,
                     blocks,
                 };
-                let answer = offer(
+                let mut answer = offer(
                     agent,
                     session,
                     seq,
@@ -193,11 +195,15 @@ async fn control(
                     layout,
                     deadline_ms,
                 );
+                if let (Ctrl::Accept { .. }, Some(qp)) = (&answer, rdma) {
+                    answer = accept_rdma(agent, session, seq, qp).await;
+                }
                 let tx = agent.state.lock().sessions.get(&session).cloned();
                 if let Some(tx) = tx {
                     let _ = tokio::time::timeout(agent.cfg.io_timeout, tx.send(answer)).await;
                 }
             }
+            Some(Ctrl::RdmaWritten { seq }) => rdma_written(agent, session, seq),
             Some(Ctrl::Abort { seq, reason }) => {
                 let mut st = agent.state.lock();
                 abort_incoming_locked(
@@ -277,10 +283,11 @@ fn offer(
                     writers: 0,
                     aborted: false,
                     started: Instant::now(),
+                    rdma: None,
                 },
             );
             agent.update_usage(&st);
-            Ctrl::Accept { seq }
+            Ctrl::Accept { seq, rdma: None }
         }
         Err(e) => {
             drop(st);
@@ -349,25 +356,126 @@ fn end_write(agent: &Agent, session: u64, seq: u64, len: u64, ok: bool) {
         return;
     }
     if inc.received >= inc.expected && inc.writers == 0 {
-        let Some(done) = st.incoming.remove(&key) else {
-            return;
-        };
-        let _ = st.reg.set_state(
-            done.region,
-            &done.tid,
-            LeaseState::Arrived,
-            Instant::now() + agent.cfg.hold_ttl,
-        );
-        agent
-            .metrics
-            .transfer_done(Path::Tcp, done.expected, done.started.elapsed());
-        if let Some(tx) = st.sessions.get(&session) {
-            let _ = tx.try_send(Ctrl::Done { seq });
-        }
-        drop(st);
-        tracing::debug!(transfer = %done.tid, bytes = done.expected, "transfer arrived");
-        agent.notify.notify_waiters();
+        finish_locked(agent, st, session, seq, Path::Tcp);
     }
+}
+
+/// Every byte of incoming `(session, seq)` is in place: mark its blocks arrived, count it,
+/// answer `done` and wake the waiters.
+fn finish_locked(
+    agent: &Agent,
+    mut st: parking_lot::MutexGuard<'_, crate::agent::State>,
+    session: u64,
+    seq: u64,
+    path: Path,
+) {
+    let Some(done) = st.incoming.remove(&(session, seq)) else {
+        return;
+    };
+    let _ = st.reg.set_state(
+        done.region,
+        &done.tid,
+        LeaseState::Arrived,
+        Instant::now() + agent.cfg.hold_ttl,
+    );
+    agent
+        .metrics
+        .transfer_done(path, done.expected, done.started.elapsed());
+    if let Some(tx) = st.sessions.get(&session) {
+        let _ = tx.try_send(Ctrl::Done { seq });
+    }
+    drop(st);
+    tracing::debug!(transfer = %done.tid, bytes = done.expected, path = path.as_str(), "transfer arrived");
+    agent.notify.notify_waiters();
+}
+
+/// The offer carried the sender's queue pair: register the landing region, connect a queue pair
+/// of our own to the sender's and answer where to write. Any failure answers a plain accept, so
+/// the sender moves the data over TCP on the same offer (and counts the fallback).
+async fn accept_rdma(agent: &Arc<Agent>, session: u64, seq: u64, qp: QpInfo) -> Ctrl {
+    let plain = Ctrl::Accept { seq, rdma: None };
+    let Some(engine) = agent.rdma.clone() else {
+        // We do not announce RDMA, so a sender should not have asked; TCP it is.
+        return plain;
+    };
+    let landing = {
+        let st = agent.state.lock();
+        st.incoming.get(&(session, seq)).map(|inc| {
+            (
+                inc.region,
+                Arc::clone(&inc.map),
+                inc.layout,
+                inc.blocks.clone(),
+            )
+        })
+    };
+    let Some((region, map, layout, blocks)) = landing else {
+        return plain;
+    };
+    let setup =
+        tokio::task::spawn_blocking(move || -> Result<(crate::rdma::Endpoint, RdmaTarget)> {
+            qp.validate()?;
+            let mr = engine.register(region, &map)?;
+            let mut ep = engine.endpoint()?;
+            ep.connect(&qp)?;
+            let target = RdmaTarget {
+                qp: ep.info(),
+                addr: mr.addr,
+                rkey: mr.rkey,
+                len: mr.len,
+                layout,
+                blocks,
+            };
+            Ok((ep, target))
+        })
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))
+        .and_then(|r| r);
+    match setup {
+        Ok((ep, target)) => {
+            let mut st = agent.state.lock();
+            match st.incoming.get_mut(&(session, seq)) {
+                Some(inc) if !inc.aborted => {
+                    inc.rdma = Some(ep);
+                    Ctrl::Accept {
+                        seq,
+                        rdma: Some(Box::new(target)),
+                    }
+                }
+                _ => plain,
+            }
+        }
+        Err(e) => {
+            agent.metrics.rdma_fallback("receiver_setup");
+            tracing::warn!(session, seq, error = %e, "RDMA set-up for an incoming transfer failed; asking for TCP");
+            plain
+        }
+    }
+}
+
+/// The sender says every RDMA WRITE of `(session, seq)` completed.
+fn rdma_written(agent: &Agent, session: u64, seq: u64) {
+    let mut st = agent.state.lock();
+    let Some(inc) = st.incoming.get_mut(&(session, seq)) else {
+        return;
+    };
+    if inc.aborted {
+        return;
+    }
+    if inc.rdma.is_none() {
+        abort_incoming_locked(
+            agent,
+            &mut st,
+            (session, seq),
+            ErrorCode::Protocol,
+            "rdma_written for a transfer accepted over TCP",
+        );
+        return;
+    }
+    inc.received = inc.expected;
+    // The queue pair has done its job; destroy it now rather than with the entry.
+    inc.rdma = None;
+    finish_locked(agent, st, session, seq, Path::RdmaHost);
 }
 
 async fn data(agent: &Arc<Agent>, mut sock: TcpStream, session: u64) -> Result<()> {
