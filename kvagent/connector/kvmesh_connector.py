@@ -1,23 +1,36 @@
-"""kvmesh KV connector for vLLM (v1 connector API), backed by the node's kvmesh-kvagent.
+"""kvmesh KV connector for vLLM (v1 connector API, checked against vLLM 0.32), backed by the node's
+kvmesh-kvagent.
 
-Load it without patching vLLM:
+Load it without patching vLLM (the directory of this file on PYTHONPATH):
 
     --kv-transfer-config '{"kv_connector": "KvmeshConnector",
                            "kv_connector_module_path": "kvmesh_connector",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"socket": "/run/kvmesh/kvagent.sock",
-                                                         "staging_blocks": 256}}'
+                                                         "staging_blocks": 256,
+                                                         "deadline_s": 30}}'
 
-How it moves KV: the worker registers a host staging region (a sealed memfd) with the local
-agent. At the end of prefill the worker copies a finished request's blocks into staging blocks
-it reserved and asks the agent to send them to the decode node's agent; the scheduler holds the
-engine's blocks until the send completes. At the start of decode the worker waits for the
-transfer to arrive in its own staging region, copies the blocks into the engine's KV cache and
-frees the staging blocks.
+How it moves KV: the worker registers a host staging region (a sealed memfd) with the local agent,
+with the engine's block geometry (bytes of one block of one layer's KV tensor, layers, blocks).
+The KV tensors themselves are not registered: vLLM allocates them before any connector hook runs
+and binds them into the attention layers, so they cannot be re-homed into a memfd the agent could
+map; the connector copies a request's blocks into (prefill) or out of (decode) the staging region.
 
-The proxy (kvmesh sidecar) puts these keys in the request's ``kv_transfer_params``:
-prefill leg ``{"kvmesh_transfer_id": T, "kvmesh_dest_agent": "host:port"}``; decode leg gets
-back what prefill returned: ``{"kvmesh_transfer_id": T, "kvmesh_num_tokens": N}``.
+* Prefill (the request carries ``kvmesh_transfer_id`` and ``kvmesh_dest_agent``): when the request
+  finishes, the scheduler keeps its blocks (``request_finished`` returns True) and returns
+  ``{"kvmesh_transfer_id": T, "kvmesh_num_tokens": N}`` as the response's ``kv_transfer_params``.
+  At the next step the worker copies every prompt block (the partial last one included) into
+  staging blocks it reserved and asks the agent to send them to the destination agent; the blocks
+  are released when the send ends (``get_finished``), whether it worked or not.
+* Decode (the request carries what prefill returned): the scheduler reports every prompt token not
+  already cached locally as external and asynchronous, so the request waits for its KV; the worker
+  waits for the transfer to arrive in its staging region, copies the blocks into the engine's
+  newly allocated blocks, frees the staging blocks and reports the load finished. A failed load is
+  reported in ``failed_recving`` and vLLM recomputes the prompt.
+
+The proxy (kvmesh sidecar, ``--pd-connector kvagent``) puts ``kvmesh_transfer_id`` and
+``kvmesh_dest_agent`` (the decode node's agent) in the prefill leg and passes prefill's
+``kv_transfer_params`` to the decode leg verbatim.
 
 ``AgentClient`` (the local API client) has no vLLM dependency and is tested on its own.
 """
@@ -141,6 +154,7 @@ class StagingRegion:
 
 # ---------------------------------------------------------------------------------------------
 # The vLLM connector. Only defined when vLLM is importable, so AgentClient works without it.
+# Written against vLLM 0.32's KVConnectorBase_V1 (checked for real by tests/tests/vllm_kvagent.rs).
 # ---------------------------------------------------------------------------------------------
 try:  # pragma: no cover - exercised only inside vLLM
     import torch
@@ -149,17 +163,42 @@ try:  # pragma: no cover - exercised only inside vLLM
         KVConnectorMetadata,
         KVConnectorRole,
     )
+    from vllm.logger import init_logger
 except Exception:  # noqa: BLE001 - vLLM absent: the client above still works
     KVConnectorBase_V1 = None
 
 if KVConnectorBase_V1 is not None:  # pragma: no cover
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    except ImportError:  # older vLLM: only get_finished
+        KVConnectorTransferResults = None
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        CacheHitSource = None
+
+    logger = init_logger("kvmesh_connector")
+
+    def _cdiv(a: int, b: int) -> int:
+        return -(-a // b)
 
     @dataclass
-    class _Move:
+    class _Send:
+        """Prefill side: send these engine blocks (the prompt's, in order) to ``peer``."""
         req_id: str
         transfer: str
-        block_ids: list[int]
-        peer: Optional[str] = None
+        block_ids: list
+        peer: str
+
+    @dataclass
+    class _Load:
+        """Decode side: load transferred blocks ``skip..`` into these engine blocks."""
+        req_id: str
+        transfer: str
+        block_ids: list
+        skip: int
 
     @dataclass
     class KvmeshMetadata(KVConnectorMetadata):
@@ -169,8 +208,23 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
     def _params(request) -> dict:
         return getattr(request, "kv_transfer_params", None) or {}
 
+    def _is_decode_leg(p: dict) -> bool:
+        """The decode leg carries what prefill returned: an id and a token count, no destination."""
+        return bool(p.get("kvmesh_transfer_id")) and bool(p.get("kvmesh_num_tokens")) \
+            and not p.get("kvmesh_dest_agent")
+
     class KvmeshConnector(KVConnectorBase_V1):
-        """Scheduler- and worker-side hooks; see the module docstring for the flow."""
+        """Scheduler- and worker-side hooks; see the module docstring for the flow.
+
+        Why a staging copy instead of registering the KV cache itself: vLLM allocates its KV cache
+        tensors (torch, anonymous private memory) before any connector hook runs and binds them into
+        the attention layers, so they cannot be re-homed into a memfd the agent could map. The worker
+        therefore registers its own memfd of the same block geometry and copies a request's blocks
+        in (prefill) or out (decode); on CPU that copy is a memcpy far faster than the network leg.
+        """
+
+        if CacheHitSource is not None:
+            _cache_hit_source = CacheHitSource.P2P
 
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -179,35 +233,42 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
             self._staging_blocks = int(extra.get("staging_blocks", 256))
             self._deadline = float(extra.get("deadline_s", 30.0))
             self._block_size = vllm_config.cache_config.block_size
-            self._engine = f"vllm-{os.getpid()}"
+            self._engine = extra.get("region_name") or f"vllm-{os.getpid()}"
             # scheduler side
-            self._pending_sends: list[_Move] = []
-            self._pending_loads: list[_Move] = []
+            self._pending_sends: list = []
+            self._pending_loads: list = []
             # worker side
-            self._caches: dict[str, Any] = {}
+            self._caches: dict = {}
+            self._dim = 0
             self._staging: Optional[StagingRegion] = None
             self._client: Optional[AgentClient] = None
             self._done_send: set = set()
             self._done_recv: set = set()
+            self._failed_recv: set = set()
             self._done_lock = threading.Lock()
-            self._threads: list[threading.Thread] = []
+            self._pool: Optional[ThreadPoolExecutor] = None
 
         # ---- scheduler side ----
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             p = _params(request)
-            if not p.get("kvmesh_transfer_id") or not p.get("kvmesh_num_tokens"):
+            if not _is_decode_leg(p) or p.get("_kvmesh_loading"):
                 return 0, False
-            # The last token is recomputed locally so decode has logits to sample from.
-            full = (int(p["kvmesh_num_tokens"]) - 1) // self._block_size * self._block_size
-            return max(0, full - num_computed_tokens), True
+            n = min(int(p["kvmesh_num_tokens"]), request.num_prompt_tokens)
+            count = n - num_computed_tokens
+            # Every prompt token comes from the transfer (vLLM recomputes the last one itself to
+            # sample from); the load runs between steps, so the answer is asynchronous.
+            return (count, True) if count > 0 else (0, False)
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             p = _params(request)
-            if num_external_tokens <= 0 or not p.get("kvmesh_transfer_id"):
+            if num_external_tokens <= 0 or not _is_decode_leg(p):
                 return
-            ids = blocks.get_block_ids()[0]
-            n = num_external_tokens // self._block_size
-            self._pending_loads.append(_Move(request.request_id, p["kvmesh_transfer_id"], list(ids[:n])))
+            ids = list(blocks.get_block_ids()[0])
+            prompt = request.num_prompt_tokens
+            local_blocks = (prompt - num_external_tokens) // self._block_size
+            want = ids[local_blocks:_cdiv(prompt, self._block_size)]
+            self._pending_loads.append(_Load(request.request_id, p["kvmesh_transfer_id"], want, local_blocks))
+            p["_kvmesh_loading"] = True  # one load per request, even if it is scheduled again
 
         def build_connector_meta(self, scheduler_output):
             meta = KvmeshMetadata(sends=self._pending_sends, loads=self._pending_loads)
@@ -219,8 +280,11 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
             tid, dest = p.get("kvmesh_transfer_id"), p.get("kvmesh_dest_agent")
             if not tid or not dest or not block_ids:
                 return False, None
-            n = request.num_prompt_tokens // self._block_size
-            self._pending_sends.append(_Move(request.request_id, tid, list(block_ids[:n]), dest))
+            from vllm.v1.request import RequestStatus
+            if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                return False, None  # aborted: nothing to hand over, free at once
+            n = _cdiv(request.num_prompt_tokens, self._block_size)
+            self._pending_sends.append(_Send(request.request_id, tid, list(block_ids[:n]), dest))
             # Hold the blocks until the worker reports the send finished (get_finished).
             return True, {"kvmesh_transfer_id": tid, "kvmesh_num_tokens": request.num_prompt_tokens}
 
@@ -229,10 +293,20 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
             self._caches = dict(kv_caches)
             first = next(iter(self._caches.values()))
             num_blocks = self._num_blocks(first)
-            block_bytes = first.numel() * first.element_size() // num_blocks
+            if first.shape[0] == num_blocks:
+                self._dim = 0
+            elif first.dim() > 1 and first.shape[1] == num_blocks:
+                self._dim = 1
+            else:
+                raise ValueError(f"kvmesh: no block dimension of {num_blocks} in KV shape {tuple(first.shape)}")
+            block_bytes = first.select(self._dim, 0).numel() * first.element_size()
             self._client = AgentClient(self._socket, self._deadline)
             self._staging = StagingRegion(self._client, self._engine, block_bytes, len(self._caches),
                                           self._staging_blocks)
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvmesh")
+            logger.info("kvmesh: registered staging region %s with the agent at %s: %d layers, %d blocks "
+                        "of %d bytes (KV shape %s)", self._staging.region, self._socket, len(self._caches),
+                        self._staging_blocks, block_bytes, tuple(first.shape))
 
         def _num_blocks(self, t) -> int:
             cfg = getattr(self, "_kv_cache_config", None)
@@ -240,32 +314,41 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
                 return int(cfg.num_blocks)
             return int(t.shape[1] if t.shape[0] == 2 else t.shape[0])
 
-        def _block(self, t, block: int):
-            dim = 1 if t.shape[0] == 2 and t.shape[1] == self._num_blocks(t) else 0
-            return t.select(dim, block)
-
         def _staging_view(self, layer: int, sblock: int):
             s = self._staging
             return torch.frombuffer(s.mem, dtype=torch.uint8, count=s.block_bytes, offset=s.offset(layer, sblock))
 
         def start_load_kv(self, forward_context, **kwargs):
-            meta = self._get_connector_metadata()
-            for move in getattr(meta, "loads", []):
-                self._spawn(self._load, move)
+            if not self.has_connector_metadata():
+                return
+            for move in getattr(self._get_connector_metadata(), "loads", []):
+                self._pool.submit(self._load, move)
 
-        def _load(self, move: _Move):
-            client = AgentClient(self._socket, self._deadline)
+        def _load(self, move):
+            client = None
+            ok = False
             try:
+                client = AgentClient(self._socket, self._deadline)
                 got = client.wait(move.transfer, region=self._staging.region)
+                staged = got["blocks"][move.skip:move.skip + len(move.block_ids)]
+                if len(staged) != len(move.block_ids):
+                    raise RuntimeError(f"{len(got['blocks'])} blocks arrived, {move.skip + len(move.block_ids)} needed")
                 for li, t in enumerate(self._caches.values()):
-                    for dst, src in zip(move.block_ids, got["blocks"]):
-                        blk = self._block(t, dst)
+                    for dst, src in zip(move.block_ids, staged):
+                        blk = t.select(self._dim, dst)
                         blk.copy_(self._staging_view(li, src).view(blk.dtype).view(blk.shape))
                 client.free(got["region"], move.transfer)
+                ok = True
+                logger.debug("kvmesh: loaded %d blocks of %s", len(staged), move.transfer)
+            except Exception as e:  # noqa: BLE001 - reported to the scheduler, which recomputes
+                logger.warning("kvmesh: load of transfer %s failed: %s", move.transfer, e)
             finally:
-                client.close()
+                if client is not None:
+                    client.close()
                 with self._done_lock:
                     self._done_recv.add(move.req_id)
+                    if not ok:
+                        self._failed_recv.add(move.req_id)
 
         def wait_for_layer_load(self, layer_name):
             return None
@@ -274,36 +357,55 @@ if KVConnectorBase_V1 is not None:  # pragma: no cover
             return None
 
         def wait_for_save(self):
-            meta = self._get_connector_metadata()
-            for move in getattr(meta, "sends", []):
-                self._spawn(self._send, move)
+            if not self.has_connector_metadata():
+                return
+            for move in getattr(self._get_connector_metadata(), "sends", []):
+                self._pool.submit(self._send, move)
 
-        def _send(self, move: _Move):
-            client = AgentClient(self._socket, self._deadline)
+        def _send(self, move):
+            client = None
             staged = False
             try:
+                client = AgentClient(self._socket, self._deadline)
                 sblocks = client.reserve(self._staging.region, move.transfer, len(move.block_ids))
                 staged = True
                 for li, t in enumerate(self._caches.values()):
                     for src, sb in zip(move.block_ids, sblocks):
-                        blk = self._block(t, src).contiguous()
+                        blk = t.select(self._dim, src).contiguous()
                         self._staging_view(li, sb).copy_(blk.view(-1).view(torch.uint8))
-                client.send(self._staging.region, move.transfer, sblocks, move.peer)
+                rep = client.send(self._staging.region, move.transfer, sblocks, move.peer, deadline_s=self._deadline)
+                logger.debug("kvmesh: sent %d blocks of %s to %s: %s", len(sblocks), move.transfer, move.peer, rep)
+            except Exception as e:  # noqa: BLE001 - the decode side times out and recomputes
+                logger.warning("kvmesh: send of transfer %s to %s failed: %s", move.transfer, move.peer, e)
             finally:
-                if staged:
-                    client.free(self._staging.region, move.transfer)
-                client.close()
+                try:
+                    if staged:
+                        client.free(self._staging.region, move.transfer)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("kvmesh: freeing staging blocks of %s: %s", move.transfer, e)
+                if client is not None:
+                    client.close()
                 with self._done_lock:
                     self._done_send.add(move.req_id)
 
-        def _spawn(self, fn, move):
-            self._threads = [t for t in self._threads if t.is_alive()]
-            t = threading.Thread(target=fn, args=(move,), daemon=True, name=f"kvmesh-{move.req_id}")
-            t.start()
-            self._threads.append(t)
+        def _take(self):
+            with self._done_lock:
+                sent, recv, failed = self._done_send, self._done_recv, self._failed_recv
+                self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+            return sent, recv, failed
 
         def get_finished(self, finished_req_ids):
-            with self._done_lock:
-                sent, recv = self._done_send, self._done_recv
-                self._done_send, self._done_recv = set(), set()
+            sent, recv, _ = self._take()
             return (sent or None), (recv or None)
+
+        if KVConnectorTransferResults is not None:
+            def get_transfer_results(self, finished_req_ids):
+                sent, recv, failed = self._take()
+                return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
+                                                  failed_recving=failed)
+
+        def shutdown(self):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._client is not None:
+                self._client.close()
