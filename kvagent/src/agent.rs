@@ -109,6 +109,8 @@ pub struct Agent {
     pub(crate) address: String,
     /// The RDMA device, when one opened at start (see `rdma`).
     pub(crate) rdma: Option<Arc<crate::rdma::RdmaEngine>>,
+    /// Device buffers of GPU regions (see `gpu`).
+    pub(crate) gpu: crate::gpu::GpuRegions,
     ids: AtomicU64,
 }
 
@@ -180,8 +182,14 @@ impl Agent {
         let metrics = Arc::new(Metrics::new());
         let rdma = open_rdma(&cfg.rdma);
         metrics.set_rdma_available(rdma.is_some());
-        let rdma_caps = if rdma.is_some() { Caps::RDMA } else { 0 };
-        let caps = Caps(Caps::TCP | rdma_caps | crate::cuda::caps());
+        let cuda_caps = crate::cuda::caps();
+        let rdma_caps = match (&rdma, cuda_caps) {
+            (None, _) => 0,
+            (Some(_), 0) => Caps::RDMA,
+            // GPU-direct needs dma-buf support too; a failed registration falls back per transfer.
+            (Some(_), _) => Caps::RDMA | Caps::GPU_DIRECT,
+        };
+        let caps = Caps(Caps::TCP | rdma_caps | cuda_caps);
         let agent = Arc::new(Agent {
             state: Mutex::new(State {
                 reg: Registry::new(cfg.limits),
@@ -197,6 +205,7 @@ impl Agent {
             caps,
             address,
             rdma,
+            gpu: crate::gpu::GpuRegions::default(),
             ids: AtomicU64::new(1),
         });
         tracing::info!(agent = %agent.cfg.agent_id, %peer_addr, caps = ?caps.names(), "kvagent started");
@@ -264,8 +273,37 @@ impl Agent {
         Ok(region)
     }
 
+    /// Register GPU memory from a CUDA IPC handle (128 hex digits): the device buffer is opened
+    /// (`cuda_unavailable` without CUDA, and the connection keeps serving) and a host shadow of
+    /// the same layout is created for the paths through host memory (see `gpu`).
+    pub fn register_gpu(
+        &self,
+        owner: u64,
+        name: String,
+        layout: BlockLayout,
+        device: i32,
+        ipc_handle: &str,
+    ) -> Result<Arc<Region>> {
+        let handle = crate::cuda::IpcHandle::from_hex(ipc_handle)?;
+        let len = layout.validate(self.cfg.limits.max_region_bytes)?;
+        if device < 0 {
+            return Err(Error::BadRequest(
+                "device must be a CUDA ordinal (>= 0)".into(),
+            ));
+        }
+        let gpu = Arc::new(crate::cuda::open_ipc(&handle, device, len)?);
+        let shadow = Arc::new(Mapping::create(&format!("kvagent-gpu-{name}"), len)?);
+        let mut st = self.state.lock();
+        let region = st.reg.register(name, layout, shadow, owner)?;
+        self.gpu.insert(region.id, gpu);
+        self.update_usage(&st);
+        tracing::info!(region = region.id, name = %region.name, device, ?layout, "GPU region registered");
+        Ok(region)
+    }
+
     /// Unregister a region; its leases end and transfers into it abort.
     pub fn unregister(&self, id: u64) -> Result<()> {
+        self.gpu.remove(id);
         let mut st = self.state.lock();
         let keys: Vec<_> = st
             .incoming
@@ -314,6 +352,22 @@ impl Agent {
 
     /// Wait until `tid`'s blocks have arrived (in `region`, or in any region).
     pub async fn wait(
+        &self,
+        region: Option<u64>,
+        tid: &TransferId,
+        deadline: Duration,
+    ) -> Result<(u64, Vec<u32>)> {
+        let (r, blocks) = self.wait_arrived(region, tid, deadline).await?;
+        if let Some(gpu) = self.gpu.get(r) {
+            // A GPU client finds its blocks in its own GPU memory.
+            let reg = self.state.lock().reg.region(r)?;
+            crate::gpu::GpuRegions::upload(gpu, Arc::clone(&reg.map), reg.layout, blocks.clone())
+                .await?;
+        }
+        Ok((r, blocks))
+    }
+
+    async fn wait_arrived(
         &self,
         region: Option<u64>,
         tid: &TransferId,

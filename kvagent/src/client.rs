@@ -152,6 +152,26 @@ impl LocalClient {
             .ok_or_else(|| Error::Protocol("no region in reply".into()))
     }
 
+    /// Register GPU memory from a CUDA IPC handle (`cudaIpcGetMemHandle`'s 64 bytes) on `device`;
+    /// returns the region id. Without CUDA on the agent this is a `cuda_unavailable` error.
+    pub fn register_gpu(
+        &mut self,
+        name: &str,
+        layout: BlockLayout,
+        device: i32,
+        ipc_handle: &[u8; 64],
+    ) -> Result<u64> {
+        let hex: String = ipc_handle.iter().map(|b| format!("{b:02x}")).collect();
+        let r = self.op(
+            json!({"op": "register_gpu", "name": name, "layout": layout,
+                   "device": device, "ipc_handle": hex}),
+            None,
+        )?;
+        r.get("region")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| Error::Protocol("no region in reply".into()))
+    }
+
     /// Unregister a region.
     pub fn unregister(&mut self, region: u64) -> Result<()> {
         self.op(json!({"op": "unregister", "region": region}), None)

@@ -72,11 +72,40 @@ pub struct GpuRegion {
 
 #[cfg(not(feature = "cuda"))]
 impl GpuRegion {
-    /// Copy device bytes to host memory.
-    pub fn copy_to_host(&self, _off: usize, _dst: &mut [u8]) -> Result<()> {
+    fn none<T>() -> Result<T> {
         Err(Error::CudaUnavailable(
             "built without the `cuda` feature".into(),
         ))
+    }
+
+    /// Copy device bytes to host memory.
+    pub fn copy_to_host(&self, _off: usize, _dst: &mut [u8]) -> Result<()> {
+        Self::none()
+    }
+
+    /// Copy host bytes to device memory.
+    pub fn copy_from_host(&self, _off: usize, _src: &[u8]) -> Result<()> {
+        Self::none()
+    }
+
+    /// A dma-buf fd of the whole buffer, for GPU-direct RDMA registration.
+    pub fn dmabuf_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        Self::none()
+    }
+
+    /// Device address of the buffer.
+    pub fn device_ptr(&self) -> u64 {
+        0
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        0
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        true
     }
 }
 
@@ -85,6 +114,8 @@ pub use with_cuda::{available, open_ipc, GpuRegion};
 
 #[cfg(feature = "cuda")]
 mod with_cuda {
+    use std::os::fd::{FromRawFd, OwnedFd};
+
     use cudarc::driver::{result, sys};
 
     use super::{DeviceInfo, IpcHandle};
@@ -165,6 +196,59 @@ mod with_cuda {
             // SAFETY: range checked against the opened allocation.
             unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }
                 .map_err(|e| driver_err("memcpy", e))
+        }
+
+        /// Copy host bytes to device memory (landing blocks taken by a GPU client).
+        pub fn copy_from_host(&self, off: usize, src: &[u8]) -> Result<()> {
+            if off.checked_add(src.len()).is_none_or(|e| e > self.len) {
+                return Err(Error::BadRequest("range outside the GPU region".into()));
+            }
+            // SAFETY: ctx is alive while self is.
+            unsafe { result::ctx::set_current(self.ctx) }
+                .map_err(|e| driver_err("set context", e))?;
+            // SAFETY: range checked against the opened allocation.
+            unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }
+                .map_err(|e| driver_err("memcpy", e))
+        }
+
+        /// A dma-buf fd of the whole buffer (`cuMemGetHandleForAddressRange`), which RDMA
+        /// registers with `ibv_reg_dmabuf_mr` for GPU-direct transfers.
+        pub fn dmabuf_fd(&self) -> Result<OwnedFd> {
+            // SAFETY: ctx is alive while self is.
+            unsafe { result::ctx::set_current(self.ctx) }
+                .map_err(|e| driver_err("set context", e))?;
+            let mut fd: core::ffi::c_int = -1;
+            // SAFETY: out pointer is a valid int; the range is the opened allocation.
+            let rc = unsafe {
+                sys::cuMemGetHandleForAddressRange(
+                    (&mut fd as *mut core::ffi::c_int).cast(),
+                    self.ptr,
+                    self.len,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            };
+            rc.result().map_err(|e| driver_err("dma-buf export", e))?;
+            if fd < 0 {
+                return Err(Error::CudaUnavailable("dma-buf export gave no fd".into()));
+            }
+            // SAFETY: the driver returned a new fd that we now own.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        }
+
+        /// Device address of the buffer.
+        pub fn device_ptr(&self) -> u64 {
+            self.ptr
+        }
+
+        /// Bytes.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether the buffer is empty.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
         }
     }
 

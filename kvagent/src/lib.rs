@@ -12,6 +12,7 @@ pub mod client;
 pub mod config;
 pub mod cuda;
 pub mod error;
+pub mod gpu;
 pub mod local;
 pub mod metrics;
 pub mod peer;

@@ -98,9 +98,14 @@ async fn send_inner(
             .map_err(|_| Error::Timeout(format!("connecting to {}", args.peer)))??;
         Some(l)
     };
+    let gpu = agent.gpu.get(src.id);
     let p = plan(&PlanInput {
         same_node,
-        src: MemKind::Host,
+        src: if gpu.is_some() {
+            MemKind::Gpu
+        } else {
+            MemKind::Host
+        },
         dst: same_node.then_some(MemKind::Host),
         local: agent.caps,
         peer: link.as_ref().map(|l| l.caps),
@@ -108,12 +113,24 @@ async fn send_inner(
     agent.metrics.plan(p.path, p.reason);
     tracing::info!(transfer = %args.transfer, path = p.path.as_str(), reason = p.reason, "planned");
     let bytes = src.layout.transfer_bytes(args.blocks.len());
+    // A GPU source goes through its host shadow unless the RDMA WRITEs read the device directly.
+    let gpu = match gpu {
+        Some(g) if p.path == Path::RdmaGpuDirect => Some(g),
+        Some(g) => {
+            stage(&g, &src, args).await?;
+            None
+        }
+        None => None,
+    };
     let path = match link {
         None => {
             copy_local(agent, &src, args).await?;
             p.path
         }
-        Some(l) => send_remote(agent, &l, &src, args, p.path, deadline, until).await?,
+        Some(l) => {
+            let rdma = rdma_setup(agent, &src, args, p.path, gpu).await;
+            send_remote(agent, &l, &src, args, rdma, deadline, until).await?
+        }
     };
     let reason = if path == p.path {
         p.reason.to_string()
@@ -230,46 +247,104 @@ impl From<Error> for Undelivered {
     }
 }
 
-/// Send to a peer: by RDMA when the planner chose it and everything on the way works, else TCP.
+/// Copy a GPU region's sent blocks into its host shadow.
+async fn stage(
+    gpu: &Arc<crate::cuda::GpuRegion>,
+    src: &Arc<Region>,
+    args: &SendArgs,
+) -> Result<()> {
+    crate::gpu::GpuRegions::stage(
+        Arc::clone(gpu),
+        Arc::clone(&src.map),
+        src.layout,
+        args.blocks.clone(),
+    )
+    .await
+}
+
+/// Our half of an RDMA transfer when the planner chose RDMA: the source's memory region (the
+/// device buffer for GPU-direct, else host memory) and a queue pair in INIT. None (logged and
+/// counted) when anything fails: the send then uses TCP.
+async fn rdma_setup(
+    agent: &Arc<Agent>,
+    src: &Arc<Region>,
+    args: &SendArgs,
+    planned: Path,
+    gpu: Option<Arc<crate::cuda::GpuRegion>>,
+) -> Option<RdmaSend> {
+    let engine = agent.rdma.clone()?;
+    if !matches!(planned, Path::RdmaHost | Path::RdmaGpuDirect) {
+        return None;
+    }
+    let device_mr = match &gpu {
+        Some(g) => {
+            let (engine, g, id) = (Arc::clone(&engine), Arc::clone(g), src.id);
+            match blocking(move || engine.register_gpu(id, &g)).await {
+                Ok(mr) => Some(mr),
+                Err(e) => {
+                    fallback(agent, args, "gpu_register", &e);
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    if let (Some(g), None) = (&gpu, device_mr) {
+        // GPU-direct registration failed: go through host memory instead.
+        if let Err(e) = stage(g, src, args).await {
+            fallback(agent, args, "gpu_stage", &e);
+            return None;
+        }
+    }
+    let (map, region) = (Arc::clone(&src.map), src.id);
+    let setup = blocking(move || -> Result<RdmaSend> {
+        let mr = match device_mr {
+            Some(mr) => mr,
+            None => engine.register(region, &map)?,
+        };
+        Ok(RdmaSend {
+            ep: engine.endpoint()?,
+            mr,
+        })
+    })
+    .await;
+    match setup {
+        Ok(r) => Some(r),
+        Err(e) => {
+            fallback(agent, args, "endpoint", &e);
+            None
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?
+}
+
+/// Send to a peer: by RDMA when `rdma` is set and everything on the way works, else TCP.
 /// Every fallback is logged with its reason and counted (`kvagent_rdma_fallbacks_total`).
 async fn send_remote(
     agent: &Arc<Agent>,
     link: &Arc<PeerLink>,
     src: &Arc<Region>,
     args: &SendArgs,
-    planned: Path,
+    rdma: Option<RdmaSend>,
     deadline: Duration,
     until: tokio::time::Instant,
 ) -> Result<Path> {
-    let wants_rdma = matches!(planned, Path::RdmaHost | Path::RdmaGpuDirect);
-    let rdma = match (&agent.rdma, wants_rdma) {
-        (Some(engine), true) => {
-            let (engine, map, region) = (Arc::clone(engine), Arc::clone(&src.map), src.id);
-            let setup = tokio::task::spawn_blocking(move || -> Result<RdmaSend> {
-                let mr = engine.register(region, &map)?;
-                Ok(RdmaSend {
-                    ep: engine.endpoint()?,
-                    mr,
-                })
-            })
-            .await
-            .map_err(|e| Error::Io(std::io::Error::other(e.to_string())))
-            .and_then(|r| r);
-            match setup {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    fallback(agent, args, "endpoint", &e);
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
+    let gpu_direct = rdma.is_some() && agent.gpu.get(src.id).is_some();
     match offer_and_move(agent, link, src, args, rdma, deadline, until).await {
+        Ok(Path::RdmaHost) if gpu_direct => Ok(Path::RdmaGpuDirect),
         Ok(path) => Ok(path),
         Err(Undelivered::Failed(e)) => Err(e),
         Err(Undelivered::RetryTcp(reason, e)) => {
             fallback(agent, args, reason, &e);
+            if let Some(g) = agent.gpu.get(src.id) {
+                // The WRITEs read the device; TCP reads the shadow, which must be filled first.
+                stage(&g, src, args).await?;
+            }
             match offer_and_move(agent, link, src, args, None, deadline, until).await {
                 Ok(path) => Ok(path),
                 Err(Undelivered::Failed(e) | Undelivered::RetryTcp(_, e)) => Err(e),

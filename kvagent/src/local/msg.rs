@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `hello` | | `agent_id`, `address`, `caps`, `version` |
 //! | `register` | `name`, `layout {block_bytes, layers, blocks}` + one memfd (SCM_RIGHTS) | `region`, `bytes` |
+//! | `register_gpu` | `name`, `layout`, `device`, `ipc_handle` (128 hex digits: a CUDA IPC handle) | `region`, `bytes` (`cuda_unavailable` without CUDA) |
 //! | `unregister` | `region` | |
 //! | `reserve` | `region`, `transfer`, `blocks` (count) | `blocks` (ids) |
 //! | `send` | `region`, `transfer`, `blocks` (ids), `peer`, `dst_region?` | `path`, `reason`, `bytes`, `micros` |
@@ -35,6 +36,17 @@ pub enum Request {
         name: String,
         /// Block layout.
         layout: BlockLayout,
+    },
+    /// Register GPU memory an engine exported with `cudaIpcGetMemHandle` (feature `cuda`).
+    RegisterGpu {
+        /// Region name (unique on the agent).
+        name: String,
+        /// Block layout of the buffer.
+        layout: BlockLayout,
+        /// CUDA device ordinal the buffer lives on.
+        device: i32,
+        /// The 64-byte IPC handle as 128 hex digits.
+        ipc_handle: String,
     },
     /// Unregister a region.
     Unregister {
@@ -191,6 +203,21 @@ mod tests {
         assert_eq!((id, e.code()), (3, ErrorCode::UnsupportedVersion));
         let (_, e) = parse(br#"{"v":1,"id":3,"op":"status","extra":1}"#).unwrap_err();
         assert_eq!(e.code(), ErrorCode::BadRequest);
+        let env = parse(
+            format!(
+                r#"{{"v":1,"id":8,"op":"register_gpu","name":"g","layout":{{"block_bytes":4096,"layers":2,"blocks":8}},"device":0,"ipc_handle":"{}"}}"#,
+                "0f".repeat(64)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert!(
+            matches!(&env.req, Request::RegisterGpu { device: 0, ipc_handle, .. } if ipc_handle.len() == 128),
+            "{:?}",
+            env.req
+        );
+        let (_, e) = parse(br#"{"v":1,"id":9,"op":"register_gpu","name":"g"}"#).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::BadRequest, "{e}");
         let (_, e) = parse(b"\xff\x00garbage").unwrap_err();
         assert!(e.to_string().contains("not JSON"), "{e}");
         let (_, e) = parse(br#"{"id":1,"op":"status"}"#).unwrap_err();

@@ -113,6 +113,15 @@ async fn dispatch(
             let region = agent.register(conn, name, layout, fd)?;
             json!({"region": region.id, "bytes": region.map.len()})
         }
+        Request::RegisterGpu {
+            name,
+            layout,
+            device,
+            ipc_handle,
+        } => {
+            let region = agent.register_gpu(conn, name, layout, device, &ipc_handle)?;
+            json!({"region": region.id, "bytes": region.map.len()})
+        }
         Request::Unregister { region } => {
             agent.unregister(region)?;
             json!({})

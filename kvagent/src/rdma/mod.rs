@@ -109,6 +109,14 @@ mod stub {
         pub fn register(&self, _region: u64, _map: &Arc<Mapping>) -> Result<MrInfo> {
             match *self {}
         }
+        /// Register a GPU buffer (dma-buf).
+        pub fn register_gpu(
+            &self,
+            _region: u64,
+            _gpu: &Arc<crate::cuda::GpuRegion>,
+        ) -> Result<MrInfo> {
+            match *self {}
+        }
         /// A queue pair.
         pub fn endpoint(&self) -> Result<Endpoint> {
             match *self {}

@@ -8,6 +8,7 @@
 //! blocking pool.
 
 use std::net::Ipv6Addr;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,7 @@ use sideway::ibverbs::AccessFlags;
 use super::book::{Completions, QpState, QpStateMachine, WriteOp};
 use super::wire::{common_mtu, QpInfo, RdmaTarget, MAX_24};
 use super::{library_present, MrInfo, RdmaConfig};
+use crate::cuda::GpuRegion;
 use crate::error::{Error, Result};
 use crate::shm::Mapping;
 
@@ -56,11 +58,19 @@ fn mtu_of(bytes: u32) -> Mtu {
     }
 }
 
-/// A registered region: the MR and the mapping it pins (kept alive as long as the MR).
+/// A registered region: the MR and the memory it covers (a host mapping or a GPU buffer), kept
+/// alive as long as the MR.
 struct CachedMr {
     region: u64,
-    map: Arc<Mapping>,
+    gpu: bool,
+    keep: Arc<dyn std::any::Any + Send + Sync>,
     mr: Arc<MemoryRegion>,
+}
+
+impl CachedMr {
+    fn holds(&self, region: u64, gpu: bool, what: *const u8) -> bool {
+        self.region == region && self.gpu == gpu && Arc::as_ptr(&self.keep).cast::<u8>() == what
+    }
 }
 
 /// One opened RDMA device.
@@ -138,11 +148,9 @@ impl RdmaEngine {
     /// live regions.
     pub fn register(&self, region: u64, map: &Arc<Mapping>) -> Result<MrInfo> {
         let mut mrs = self.mrs.lock();
-        mrs.retain(|c| Arc::strong_count(&c.map) > 1);
-        if let Some(c) = mrs
-            .iter()
-            .find(|c| c.region == region && Arc::ptr_eq(&c.map, map))
-        {
+        mrs.retain(|c| Arc::strong_count(&c.keep) > 1);
+        let what = Arc::as_ptr(map).cast::<u8>();
+        if let Some(c) = mrs.iter().find(|c| c.holds(region, false, what)) {
             return Ok(info(&c.mr));
         }
         let base = map_base(map);
@@ -153,7 +161,35 @@ impl RdmaEngine {
         let out = info(&mr);
         mrs.push(CachedMr {
             region,
-            map: Arc::clone(map),
+            gpu: false,
+            keep: Arc::clone(map) as Arc<dyn std::any::Any + Send + Sync>,
+            mr,
+        });
+        Ok(out)
+    }
+
+    /// Register GPU region `region`'s device buffer for GPU-direct RDMA through a dma-buf
+    /// (`ibv_reg_dmabuf_mr`, iova = the device address, so offsets add to it), once.
+    pub fn register_gpu(&self, region: u64, gpu: &Arc<GpuRegion>) -> Result<MrInfo> {
+        let mut mrs = self.mrs.lock();
+        mrs.retain(|c| Arc::strong_count(&c.keep) > 1);
+        let what = Arc::as_ptr(gpu).cast::<u8>();
+        if let Some(c) = mrs.iter().find(|c| c.holds(region, true, what)) {
+            return Ok(info_at(&c.mr, gpu.device_ptr()));
+        }
+        let fd = gpu.dmabuf_fd()?;
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+        // SAFETY: the fd is a dma-buf of the whole buffer, which the cache entry keeps open.
+        let mr = unsafe {
+            self.pd
+                .reg_dmabuf_mr(0, gpu.len(), gpu.device_ptr(), fd.as_raw_fd(), access)
+        }
+        .map_err(|e| unavailable("register GPU memory (dma-buf)", e))?;
+        let out = info_at(&mr, gpu.device_ptr());
+        mrs.push(CachedMr {
+            region,
+            gpu: true,
+            keep: Arc::clone(gpu) as Arc<dyn std::any::Any + Send + Sync>,
             mr,
         });
         Ok(out)
@@ -213,6 +249,14 @@ fn info(mr: &MemoryRegion) -> MrInfo {
         len: mr.region_len() as u64,
         lkey: mr.lkey(),
         rkey: mr.rkey(),
+    }
+}
+
+/// A dma-buf MR is addressed by its iova (the device address we registered it at).
+fn info_at(mr: &MemoryRegion, iova: u64) -> MrInfo {
+    MrInfo {
+        addr: iova,
+        ..info(mr)
     }
 }
 
