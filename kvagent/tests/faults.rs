@@ -80,7 +80,8 @@ fn receiver_killed_mid_transfer_fails_the_send() {
     let send = InProc::start(dir.path(), "send", |c| {
         c.faults.stall_data_after_bytes = Some(65536)
     });
-    let mut recv = ChildAgent::spawn(Path::new(EXE), dir.path(), "recv", &[]).unwrap();
+    let mut recv =
+        ChildAgent::spawn(Path::new(EXE), dir.path(), "recv", &["--rdma", "off"]).unwrap();
     let mut cs = send.client();
     let mut cr = LocalClient::connect(&recv.socket, D).unwrap();
     let (_src, src_id) = region(&mut cs, "p", LAYOUT, 1);

@@ -18,8 +18,8 @@ const D: Duration = Duration::from_secs(10);
 #[test]
 fn tcp_between_two_agent_processes_moves_every_byte() {
     let dir = tempfile::tempdir().unwrap();
-    let a = ChildAgent::spawn(Path::new(EXE), dir.path(), "node-a", &[]).unwrap();
-    let b = ChildAgent::spawn(Path::new(EXE), dir.path(), "node-b", &[]).unwrap();
+    let a = ChildAgent::spawn(Path::new(EXE), dir.path(), "node-a", &["--rdma", "off"]).unwrap();
+    let b = ChildAgent::spawn(Path::new(EXE), dir.path(), "node-b", &["--rdma", "off"]).unwrap();
     let mut ca = LocalClient::connect(&a.socket, D).unwrap();
     let mut cb = LocalClient::connect(&b.socket, D).unwrap();
     let layout = BlockLayout {

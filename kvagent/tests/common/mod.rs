@@ -34,6 +34,9 @@ impl InProc {
             agent_id: name.into(),
             ..AgentConfig::default()
         };
+        // TCP unless a test opts into RDMA, so the suite means the same on a machine with a
+        // device (the RDMA tests set `rdma.enabled` themselves).
+        cfg.rdma.enabled = false;
         tweak(&mut cfg);
         let handle = rt.block_on(async {
             let local = bind_local(&SocketConfig {

@@ -1,8 +1,10 @@
-//! RDMA paths that run without hardware: an agent that cannot open a device says so and stays on
-//! TCP; an RDMA offer to an agent without RDMA is answered "send it over TCP" on the same offer
-//! and the bytes then arrive intact; an `rdma_written` for a transfer accepted over TCP is refused
-//! and frees the blocks. (On a machine with a device, `scripts/kvagent-device-check` runs the
-//! same suite with `--features rdma`, where the first test checks the device is announced.)
+//! RDMA between agents. Without a device (this build machine): an agent that cannot open one says
+//! so and stays on TCP; two agents with RDMA on still move every byte (over TCP, reason given); an
+//! RDMA offer to an agent without RDMA is answered "send it over TCP" on the same offer and the
+//! bytes arrive intact; an `rdma_written` for a transfer accepted over TCP is refused and frees the
+//! blocks. With a device (`scripts/kvagent-device-check`, `--features rdma`): the first test checks
+//! the device is announced and the second that the transfer really went `rdma_host`, every byte
+//! checked. `KVAGENT_RDMA_GID_INDEX` picks the GID (RoCE v2 usually needs 1 or 3).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use common::{block_sum, region, InProc};
 use kvmesh_kvagent::peer::proto::{self, Ctrl, DataHeader, Hello};
-use kvmesh_kvagent::planner::Caps;
+use kvmesh_kvagent::planner::{Caps, Path as XferPath};
 use kvmesh_kvagent::rdma::wire::QpInfo;
 use kvmesh_kvagent::rdma::{RdmaConfig, RdmaEngine};
 use kvmesh_kvagent::{BlockLayout, ErrorCode, TransferId};
@@ -39,7 +41,7 @@ fn scrape(admin: &str) -> String {
 fn an_agent_without_an_rdma_device_says_why_and_announces_tcp_only() {
     let opened = RdmaEngine::open(&RdmaConfig::default());
     let dir = tempfile::tempdir().unwrap();
-    let agent = InProc::start(dir.path(), "a", |_| {});
+    let agent = InProc::start(dir.path(), "a", |c| c.rdma = rdma_config());
     let caps = agent.client().hello().unwrap().caps;
     let metrics = scrape(&agent.admin);
     match opened {
@@ -59,6 +61,75 @@ fn an_agent_without_an_rdma_device_says_why_and_announces_tcp_only() {
     // `--rdma off` never opens a device, whatever the machine has.
     let off = InProc::start(dir.path(), "off", |c| c.rdma.enabled = false);
     assert!(scrape(&off.admin).contains("kvagent_rdma_available 0"));
+}
+
+fn rdma_config() -> RdmaConfig {
+    RdmaConfig {
+        enabled: true,
+        gid_index: std::env::var("KVAGENT_RDMA_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+        ..RdmaConfig::default()
+    }
+}
+
+#[test]
+fn two_agents_with_rdma_on_move_every_byte_by_rdma_when_there_is_a_device_else_tcp() {
+    let device = RdmaEngine::open(&rdma_config()).is_ok();
+    let dir = tempfile::tempdir().unwrap();
+    let a = InProc::start(dir.path(), "node-a", |c| c.rdma = rdma_config());
+    let b = InProc::start(dir.path(), "node-b", |c| c.rdma = rdma_config());
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let layout = BlockLayout {
+        block_bytes: 96 * 1024,
+        layers: 3,
+        blocks: 16,
+    };
+    let (src, src_id) = region(&mut ca, "prefill", layout, 11);
+    let (dst, dst_id) = region(&mut cb, "decode", layout, 12);
+    let tid = TransferId::new("req-rdma-1").unwrap();
+    // Blocks 4,5,6 are contiguous (one WRITE per layer when they land contiguously); 0 and 15
+    // are not.
+    let sent = vec![4, 5, 6, 0, 15];
+    let report = ca
+        .send(
+            &kvmesh_kvagent::SendArgs {
+                region: src_id,
+                transfer: tid.clone(),
+                blocks: sent.clone(),
+                peer: b.peer.clone(),
+                dst_region: None,
+            },
+            D,
+        )
+        .unwrap();
+    assert_eq!(report.bytes, layout.transfer_bytes(sent.len()));
+    let got = cb.wait(None, &tid, D).unwrap();
+    assert_eq!(got.region, dst_id);
+    for (s, d) in sent.iter().zip(&got.blocks) {
+        assert_eq!(
+            block_sum(&src, &layout, *s),
+            block_sum(&dst, &layout, *d),
+            "block {s} -> {d} differs"
+        );
+    }
+    let received = scrape(&b.admin);
+    if device {
+        assert_eq!(report.path, XferPath::RdmaHost, "{report:?}");
+        assert!(
+            received.contains(r#"kvagent_transfers_total{path="rdma_host"} 1"#),
+            "{received}"
+        );
+        assert!(!scrape(&a.admin).contains("kvagent_rdma_fallbacks_total{"));
+    } else {
+        assert_eq!(report.path, XferPath::Tcp, "{report:?}");
+        assert!(report.reason.contains("no RDMA"), "{report:?}");
+        assert!(
+            received.contains(r#"kvagent_transfers_total{path="tcp"} 1"#),
+            "{received}"
+        );
+    }
 }
 
 fn connect(addr: &str, kind: u8, session: u64) -> (TcpStream, Hello) {
