@@ -252,8 +252,8 @@ pub fn run(json: bool, total: u64) -> Result<()> {
         for _ in 0..3 {
             tcp = tcp.max(tcp_ceiling(&exe, total.max(256 << 20))?);
         }
-        let a = ChildAgent::spawn(&exe, &dir, "bench-a", &[])?;
-        let b = ChildAgent::spawn(&exe, &dir, "bench-b", &[])?;
+        let a = ChildAgent::spawn(&exe, &dir, "bench-a", &["--rdma", "off"])?;
+        let b = ChildAgent::spawn(&exe, &dir, "bench-b", &["--rdma", "off"])?;
         let mut ca = LocalClient::connect(&a.socket, Duration::from_secs(60))?;
         let mut ca2 = LocalClient::connect(&a.socket, Duration::from_secs(60))?;
         let mut cb = LocalClient::connect(&b.socket, Duration::from_secs(60))?;
