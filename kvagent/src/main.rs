@@ -48,10 +48,10 @@ struct RunArgs {
     #[arg(long, env = "KVAGENT_SOCKET_GROUP")]
     socket_group: Option<u32>,
     /// Agent-to-agent listen address.
-    #[arg(long, env = "KVAGENT_LISTEN", default_value = "0.0.0.0:7470")]
+    #[arg(long, env = "KVAGENT_LISTEN", default_value = "0.0.0.0:7600")]
     listen: String,
     /// Admin (metrics) listen address; empty to disable.
-    #[arg(long, env = "KVAGENT_ADMIN", default_value = "0.0.0.0:7471")]
+    #[arg(long, env = "KVAGENT_ADMIN", default_value = "0.0.0.0:7601")]
     admin: String,
     /// Agent id (default: the host name).
     #[arg(long, env = "KVAGENT_ID")]
