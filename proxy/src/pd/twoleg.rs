@@ -109,7 +109,8 @@ async fn prefill(
                 message: format!("no prefill response within {}", pd.prefill_timeout),
                 retryable: true,
             })
-        });
+        })
+        .map_err(|e| as_prefill_failure(e, || upstream.name(app)));
         match leg {
             Ok(params) => return Ok(params),
             Err(e) if prefill_retryable(&e) => {
@@ -120,6 +121,26 @@ async fn prefill(
         }
     }
     Err(last.unwrap_or_else(|| ProxyError::Internal("no prefill attempt was made".to_owned())))
+}
+
+/// A prefill leg that failed without a response (connection refused or reset, body unreadable) is
+/// a prefill failure too: with `on_prefill_failure: error` the client gets 502 `prefill_failed`
+/// naming the prefill pod (docs/pd.md), not an error that reads as if its own engine were down.
+fn as_prefill_failure(
+    e: ProxyError,
+    upstream: impl FnOnce() -> crate::error::UpstreamName,
+) -> ProxyError {
+    match e {
+        other @ (ProxyError::Connect { .. }
+        | ProxyError::FirstByteTimeout { .. }
+        | ProxyError::UpstreamFailed { .. }) => ProxyError::PrefillFailed {
+            upstream: upstream(),
+            status: StatusCode::BAD_GATEWAY.as_u16(),
+            retryable: other.retry() != crate::error::Retry::Never,
+            message: other.to_string(),
+        },
+        e => e,
+    }
 }
 
 fn prefill_retryable(e: &ProxyError) -> bool {
@@ -164,4 +185,40 @@ async fn prefill_once(
         });
     }
     Ok(body::transfer_params(&bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::UpstreamName;
+
+    #[test]
+    fn a_refused_prefill_is_a_prefill_failure() {
+        let name = || UpstreamName::Engine("127.0.0.1:9".into());
+        let refused = ProxyError::Connect {
+            upstream: name(),
+            reason: "connection refused".into(),
+        };
+        match as_prefill_failure(refused, name) {
+            ProxyError::PrefillFailed {
+                status,
+                retryable,
+                message,
+                ..
+            } => {
+                assert_eq!(status, 502);
+                assert!(retryable, "a refused connection is worth another attempt");
+                assert!(message.contains("refused"), "{message}");
+            }
+            other => panic!("not a prefill failure: {other:?}"),
+        }
+        let deadline = ProxyError::OverallTimeout {
+            upstream: name(),
+            after: std::time::Duration::from_secs(1),
+        };
+        assert!(matches!(
+            as_prefill_failure(deadline, name),
+            ProxyError::OverallTimeout { .. }
+        ));
+    }
 }
