@@ -5,9 +5,8 @@
 //! and each case took; groups never overlap (at most two engines at once). The first run installs vLLM
 //! through `scripts/setup-vllm` (~4 GB, cached under `~/.cache/kvmesh`). See `docs/vllm-e2e.md`.
 //!
-//! `./scripts/test --vllm` (or `cargo test -p kvmesh-tests --test vllm_e2e -- --ignored`) runs this
-//! suite. It is not yet part of the default test command: case 6 (fidelity) and the two-engine group
-//! are not green on this machine yet (docs/vllm-e2e.md says what remains).
+//! `cargo test -p kvmesh-tests --test vllm_e2e` runs this suite alone; `./scripts/test` runs it with
+//! everything else.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -15,9 +14,8 @@ mod vllm;
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use kvmesh_filters::prefix::hash::VllmCborHasher;
-use kvmesh_filters::prefix::kvevents::KvEvent;
 
 use vllm::engine::{Engine, EngineSpec, KvRole};
 use vllm::events::EventTap;
@@ -25,11 +23,16 @@ use vllm::http::Http;
 use vllm::recorder::{self, Recorder};
 use vllm::report::Timings;
 use vllm::sidecar::SidecarUnderTest;
-use vllm::{case_fidelity, case_hashes, case_openai, engines_lock};
+use vllm::{
+    case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, engines_lock,
+};
 
 /// KV-cache size of the single engine, in 32-token blocks (tiny-llama: 64 KiB per block).
 const KV_BLOCKS: usize = 40;
 const MAX_NUM_SEQS: usize = 4;
+
+/// KV-cache size of each pair engine, in 32-token blocks: cases 2, 3 and 5 fit without evictions.
+const PAIR_KV_BLOCKS: u64 = 128;
 
 /// The `PYTHONHASHSEED` the single engine runs with, so its block hashes can be recomputed.
 const HASH_SEED: &str = "1234";
@@ -55,12 +58,11 @@ fn work_dir() -> tempfile::TempDir {
 /// * case 1: the OpenAI Python client and raw bytes through the sidecar.
 /// * case 4: Rust token ids equal vLLM's `/tokenize`, and Rust block hashes equal the ones vLLM
 ///   published (completion, `cache_salt`, chat).
-/// * case 2 (harness only, until the sidecar ingests KV events): a cache reset reaches the
-///   subscriber as `AllBlocksCleared`.
-/// * case 6: the simulator's `vllm-cpu-tiny` profile and this engine agree on TTFT p50 and the
-///   prefix-cache hit rate of one small workload, within 20%.
+/// * harness for case 2: a cache reset reaches the subscriber as `AllBlocksCleared`.
+/// * case 6: the simulator's `vllm-cpu-tiny` profile, its TTFT costs calibrated on this engine in
+///   this run (other prompts), and this engine agree on TTFT p50 and the prefix-cache hit rate of one
+///   small workload, within 20%.
 #[test]
-#[ignore = "real vLLM: run with ./scripts/test --vllm (see docs/vllm-e2e.md)"]
 fn vllm_single_group() -> Result<()> {
     let _one_group_at_a_time = engines_lock();
     let mut t = Timings::new("single");
@@ -132,12 +134,16 @@ fn vllm_single_group() -> Result<()> {
         },
     )?;
     t.step(
-        "case 6: fidelity, simulator (vllm-cpu-tiny) vs real vLLM",
+        "case 6: fidelity, simulator (vllm-cpu-tiny calibrated here) vs real vLLM",
         || {
             rt.block_on(async {
-                // The step before reset the cache, so it holds one short prompt.
+                // Calibration before and after the compared workload, so a change in the machine's
+                // load during the case weighs on both sides.
+                let mut samples = case_fidelity::calibrate(&engine.base_url, 0).await?;
                 let real = case_fidelity::observe(&engine.base_url).await?;
-                let sim = case_fidelity::start_sim(KV_BLOCKS, MAX_NUM_SEQS).await?;
+                samples.extend(case_fidelity::calibrate(&engine.base_url, 1).await?);
+                let (profile, _) = case_fidelity::calibrated_profile(&samples)?;
+                let sim = case_fidelity::start_sim(profile, KV_BLOCKS, MAX_NUM_SEQS).await?;
                 let simulated = case_fidelity::observe(&sim.base_url()).await;
                 sim.shutdown().await;
                 case_fidelity::compare(real, simulated?)
@@ -164,66 +170,189 @@ async fn wait_ready(http: &Http, admin_url: &str) -> Result<()> {
     }
 }
 
-/// Group "pair": two engines with `NixlConnector` (`kv_both`, one core each), KV events to a SUB
-/// socket each.
+/// Group "pair": two engines with `NixlConnector` (`kv_both`, cores 0 and 1, started one after the
+/// other), each publishing KV events to its own sidecar (which binds the SUB socket), the sidecars
+/// following each other through the mesh once case 3 joins them. Cases, in order (the fault case
+/// last, since it kills both engines):
 ///
-/// * P/D by hand (the harness for case 5): a prefill leg on one engine, the decode leg on the other
-///   with the `kv_transfer_params` prefill returned; the decode engine's
-///   `prompt_tokens_by_source_total{source="external_kv_transfer"}` grows by the prompt length and the
-///   greedy output equals one engine serving the request alone.
-/// * harness for cases 2 and 3: both engines publish `BlockStored`, each under its own topic.
+/// * P/D by hand (the harness under case 5): `kv_transfer_params` legs sent straight to the engines.
+/// * case 2: each sidecar's prefix index holds exactly the blocks its engine reported; after
+///   `POST /reset_prefix_cache` and one request, only that request's blocks.
+/// * case 3: precise routing through the two meshed sidecars lands every repeat of a long system
+///   prompt on the engine holding it; vLLM's `prefix_cache_hits_total` beats round robin.
+/// * case 5: a decode-role sidecar in front of engine b splits a long prompt by itself: prefill on
+///   engine a (a prefill-role sidecar, found through the mesh), KV over NIXL, decode on b.
+/// * case 7: prefill engine down (fallback or clear error, per `pd.on_prefill_failure`), then the
+///   decode engine killed mid-stream.
 #[test]
-#[ignore = "real vLLM: run with ./scripts/test --vllm (see docs/vllm-e2e.md)"]
 fn vllm_pair_group() -> Result<()> {
     let _one_group_at_a_time = engines_lock();
     let mut t = Timings::new("pair");
     let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
     let work = work_dir();
-    let taps = t.step("bind two KV-events SUB sockets", || {
-        anyhow::Ok([EventTap::bind(&venv)?, EventTap::bind(&venv)?])
-    })?;
-    let pair_engine = |name, cpu, tap: &EventTap| EngineSpec {
+    let events = [
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+    ];
+    let pair_engine = |name, cpu, events: &str| EngineSpec {
         nixl: Some(KvRole::Both),
-        kv_cache_bytes: 64 * 65_536,
-        kv_events_to: Some(tap.endpoint.clone()),
+        kv_cache_bytes: PAIR_KV_BLOCKS * 65_536,
+        kv_events_to: Some(events.to_string()),
         ..EngineSpec::new(name, cpu)
     };
-    let specs = [pair_engine("a", 0, &taps[0]), pair_engine("b", 1, &taps[1])];
-    let engines = t.step(
+    let specs = [
+        pair_engine("a", 0, &events[0]),
+        pair_engine("b", 1, &events[1]),
+    ];
+    let mut engines = t.step(
         "start two vLLM engines (NixlConnector kv_both, KV events)",
         || Engine::start_all(&venv, work.path(), &specs),
     )?;
     let rt = runtime();
     let http = Http::default();
-    let (prefill, decode) = (&engines[0], &engines[1]);
+    let tokenizer = case_hashes::rust_tokenizer()?;
 
     t.step(
         "P/D by hand: prefill on a, decode on b, KV over NIXL",
-        || rt.block_on(vllm::case_pd::manual_pd(&http, prefill, decode)),
+        || rt.block_on(vllm::case_pd::manual_pd(&http, &engines[0], &engines[1])),
     )?;
-    t.step(
-        "cases 2/3 (harness): each engine publishes under its own topic",
+
+    let peers = [work.path().join("peers-a"), work.path().join("peers-b")];
+    let [sa, sb] = t.step(
+        "start a sidecar per engine (KV events, mesh not joined)",
         || {
-            for (engine, tap) in engines.iter().zip(&taps) {
-                let got = tap.drain()?;
-                let stored = got
-                    .iter()
-                    .flat_map(|m| m.batch.events.iter())
-                    .filter(|e| matches!(e, KvEvent::BlockStored(_)))
-                    .count();
-                anyhow::ensure!(
-                    stored > 0,
-                    "engine {} published no BlockStored",
-                    engine.name
-                );
-                anyhow::ensure!(
-                    got.iter().all(|m| m.topic == engine.topic),
-                    "engine {}: a message under a foreign topic",
-                    engine.name
-                );
-            }
-            anyhow::Ok(())
+            rt.block_on(async {
+                let mut out = Vec::new();
+                for i in 0..2 {
+                    std::fs::write(&peers[i], "")?;
+                    let yaml = case_mesh::pair_sidecar_yaml(&engines[i], &events[i], &peers[i])?;
+                    let s = SidecarUnderTest::from_yaml(yaml).await?;
+                    wait_ready(&http, &s.admin_url).await?;
+                    out.push(s);
+                }
+                let [a, b]: [SidecarUnderTest; 2] = out
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("two sidecars"))?;
+                anyhow::Ok([a, b])
+            })
         },
     )?;
+
+    t.step(
+        "case 2: each sidecar's prefix index = what its vLLM reported; reset clears it",
+        || {
+            rt.block_on(async {
+                for (engine, sidecar) in engines.iter().zip([&sa, &sb]) {
+                    case_mesh::wait_events_flow(&http, sidecar, engine.name).await?;
+                    case_mesh::ingest(&http, &tokenizer, engine, sidecar).await?;
+                }
+                anyhow::Ok(())
+            })
+        },
+    )?;
+    t.step(
+        "case 3: precise routing through two meshed sidecars vs round robin",
+        || {
+            rt.block_on(async {
+                case_mesh::join([&sa, &sb], [&peers[0], &peers[1]]).await?;
+                case_mesh::precise_routing(&http, &tokenizer, &engines, [&sa, &sb]).await
+            })
+        },
+    )?;
+
+    let filters = work.path().join("filters-pd.yaml");
+    let pd_peers = work.path().join("peers-pd");
+    let [prefill_side, decode_side, strict_side] = t.step(
+        "start P/D sidecars (prefill on a; decode on b: aggregated and error fallback)",
+        || {
+            rt.block_on(async {
+                std::fs::write(&filters, case_pd::PD_FILTERS)?;
+                let p =
+                    SidecarUnderTest::from_yaml(case_pd::prefill_sidecar_yaml(&engines[0])).await?;
+                let mesh = p.handle().mesh_addr().context("mesh on")?;
+                std::fs::write(&pd_peers, format!("{mesh}\n"))?;
+                let d = SidecarUnderTest::from_yaml(case_pd::decode_sidecar_yaml(
+                    &engines[1],
+                    &filters,
+                    &pd_peers,
+                    "aggregated",
+                ))
+                .await?;
+                let e = SidecarUnderTest::from_yaml(case_pd::decode_sidecar_yaml(
+                    &engines[1],
+                    &filters,
+                    &pd_peers,
+                    "error",
+                ))
+                .await?;
+                for s in [&p, &d, &e] {
+                    wait_ready(&http, &s.admin_url).await?;
+                }
+                for s in [&d, &e] {
+                    wait_split(&http, s).await?;
+                }
+                anyhow::Ok([p, d, e])
+            })
+        },
+    )?;
+    t.step(
+        "case 5: P/D through the sidecar (--pd-connector nixl), decided by its scheduler",
+        || {
+            rt.block_on(case_pd::through_sidecar(
+                &http,
+                &engines[0],
+                &engines[1],
+                &decode_side,
+            ))
+        },
+    )?;
+    t.step(
+        "case 7a: prefill engine killed: fallback (aggregated) or 502 (error)",
+        || {
+            rt.block_on(case_faults::prefill_down(
+                &http,
+                &mut engines[0],
+                &decode_side,
+                &strict_side,
+            ))
+        },
+    )?;
+    t.step(
+        "case 7b: decode engine killed mid-stream: clean error, sidecar keeps serving",
+        || {
+            rt.block_on(case_faults::decode_killed_mid_stream(
+                &http,
+                &mut engines[1],
+                &decode_side,
+            ))
+        },
+    )?;
+    rt.block_on(async {
+        for s in [sa, sb, prefill_side, decode_side, strict_side] {
+            s.shutdown().await;
+        }
+    });
     Ok(())
+}
+
+/// Waits until `sidecar`'s scheduler would split a long prompt (its prefill peer is known, fresh
+/// and healthy), asking its admin `POST /debug/route`, which sends nothing upstream.
+async fn wait_split(http: &Http, sidecar: &SidecarUnderTest) -> Result<()> {
+    let body = serde_json::json!({"model": vllm::MODEL, "prompt": vllm::long_prompt("probe", 300),
+                                  "max_tokens": 4});
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let reply = http
+            .post_json(&format!("{}/debug/route", sidecar.admin_url), &body)
+            .await?;
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&reply.body) {
+            if v["decision"] == "disaggregated" {
+                return Ok(());
+            }
+        }
+        last = reply.text();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("the decode sidecar never decided to split a long prompt; last /debug/route: {last}")
 }

@@ -1,10 +1,16 @@
-//! Case 6: the simulator's `vllm-cpu-tiny` profile predicts real vLLM.
+//! Case 6: the simulator, calibrated to this engine, predicts real vLLM.
 //!
-//! The same small workload runs against real vLLM and against the engine simulator configured like it
-//! (tiny-llama's tokenizer, block size 32, the same KV-cache size and running limit, real time): a few
-//! groups of requests sharing a long system prefix, each with its own question, sent one after another
-//! and streamed. Time to first token is measured the same way on both (first body frame of the stream,
-//! at the client) and the prefix-cache hit rate comes from each engine's own
+//! A real engine's fixed cost per request and its prefill speed depend on the machine and on what
+//! else runs on it, so the `vllm-cpu-tiny` profile is calibrated in the same run: a calibration
+//! workload (prompts of 30, 150 and 300 words, each cold and then twice with its prefix cached,
+//! sharing nothing with the compared workload) is measured on real vLLM before and after the compared
+//! workload, and `kvmesh_engine_sim::fit_ttft` fits `TTFT = fixed + per_token x uncached tokens` to it
+//! (Theil-Sen, robust to a few requests slowed by the machine). The compared workload then runs
+//! against real vLLM and against the simulator with the fitted profile (tiny-llama's tokenizer,
+//! block size 32, the same KV-cache size and running limit, real time): a few groups of requests
+//! sharing a long system prefix, each with its own question, sent one after another and streamed.
+//! Time to first token is measured the same way on both (first body frame of the stream, at the
+//! client) and the prefix-cache hit rate comes from each engine's own
 //! `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`. TTFT p50 and the hit rate must
 //! agree within 20%; both are printed side by side.
 
@@ -15,7 +21,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvmesh_engine_sim::{Engine as SimEngine, LatencyProfile, SimConfig, TokenizerChoice};
+use kvmesh_engine_sim::{
+    fit_ttft, Engine as SimEngine, LatencyProfile, SimConfig, TokenizerChoice, TtftFit, TtftSample,
+};
 use serde_json::json;
 
 use super::report::note;
@@ -47,44 +55,111 @@ fn workload() -> Vec<serde_json::Value> {
     out
 }
 
-/// Runs the workload against `base_url` and reads the hit rate from its `/metrics`.
-pub async fn observe(base_url: &str) -> Result<Observed> {
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let metrics = |c: &Client<_, Full<Bytes>>| {
-        let c = c.clone();
-        let url = format!("{base_url}/metrics");
-        async move {
-            let resp = tokio::time::timeout(Duration::from_secs(10), c.get(url.parse()?)).await??;
-            let body = resp.into_body().collect().await?.to_bytes();
-            anyhow::Ok(String::from_utf8_lossy(&body).into_owned())
-        }
-    };
-    let before = metrics(&client).await?;
-    let mut ttfts = Vec::new();
-    for body in workload() {
-        let req = hyper::Request::post(format!("{base_url}/v1/completions"))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(serde_json::to_vec(&body)?)))?;
-        let sent = Instant::now();
-        let run = async {
-            let resp = client.request(req).await?;
-            ensure!(resp.status().is_success(), "HTTP {}", resp.status());
-            let mut body = resp.into_body();
-            let mut first = None;
-            while let Some(frame) = body.frame().await {
-                let frame = frame?;
-                if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+/// One streamed request: time to its first body frame, and the usage vLLM reported at the end
+/// (`stream_options.include_usage`), when asked for.
+struct Streamed {
+    ttft_ms: f64,
+    usage: Option<serde_json::Value>,
+}
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+async fn stream_one(
+    client: &HttpClient,
+    base_url: &str,
+    body: &serde_json::Value,
+) -> Result<Streamed> {
+    let req = hyper::Request::post(format!("{base_url}/v1/completions"))
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
+    let sent = Instant::now();
+    let run = async {
+        let resp = client.request(req).await?;
+        ensure!(resp.status().is_success(), "HTTP {}", resp.status());
+        let mut body = resp.into_body();
+        let mut first = None;
+        let mut all = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame?;
+            if let Some(d) = frame.data_ref() {
+                if first.is_none() && !d.is_empty() {
                     first = Some(sent.elapsed());
                 }
+                all.extend_from_slice(d);
             }
-            first.context("empty stream")
-        };
-        let ttft = tokio::time::timeout(Duration::from_secs(60), run)
-            .await
-            .context("request timed out")??;
-        ttfts.push(ttft.as_secs_f64() * 1000.0);
+        }
+        let ttft = first.context("empty stream")?;
+        let text = String::from_utf8_lossy(&all);
+        let usage = text
+            .lines()
+            .rev()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned());
+        anyhow::Ok(Streamed {
+            ttft_ms: ttft.as_secs_f64() * 1000.0,
+            usage,
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .context("request timed out")?
+}
+
+async fn scrape_text(client: &HttpClient, base_url: &str) -> Result<String> {
+    let url = format!("{base_url}/metrics");
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.get(url.parse()?)).await??;
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// The calibration workload, pass `pass`: prompts of several lengths that share nothing with
+/// [`workload`], each sent cold and then twice more with its prefix cached.
+fn calibration(pass: usize) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    for (i, words) in [30, 150, 300].into_iter().enumerate() {
+        let prefix = long_prompt(&format!("calibrate-{pass}-{i}"), words);
+        for q in 0..3 {
+            let prompt = format!("{prefix}\nQuery {q}: how long until the first token?");
+            out.push(
+                json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                            "ignore_eos": true, "stream": true,
+                            "stream_options": {"include_usage": true}}),
+            );
+        }
     }
-    let after = metrics(&client).await?;
+    out
+}
+
+/// Measures the calibration workload on the real engine: one TTFT sample per request, with the
+/// prompt tokens vLLM had to compute (prompt minus `cached_tokens`).
+pub async fn calibrate(base_url: &str, pass: usize) -> Result<Vec<TtftSample>> {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let mut out = Vec::new();
+    for body in calibration(pass) {
+        let s = stream_one(&client, base_url, &body).await?;
+        let usage = s.usage.context("vLLM sent no usage with include_usage")?;
+        let prompt = usage["prompt_tokens"].as_u64().context("prompt_tokens")?;
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        out.push(TtftSample {
+            uncached_tokens: usize::try_from(prompt.saturating_sub(cached))?,
+            ttft_ms: s.ttft_ms,
+        });
+    }
+    Ok(out)
+}
+
+/// Runs the compared workload against `base_url` and reads the hit rate from its `/metrics`.
+pub async fn observe(base_url: &str) -> Result<Observed> {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let before = scrape_text(&client, base_url).await?;
+    let mut ttfts = Vec::new();
+    for body in workload() {
+        ttfts.push(stream_one(&client, base_url, &body).await?.ttft_ms);
+    }
+    let after = scrape_text(&client, base_url).await?;
     let delta = |name: &str| -> Result<f64> {
         Ok(counter(&after, name, &[])? - counter(&before, name, &[])?)
     };
@@ -98,12 +173,28 @@ pub async fn observe(base_url: &str) -> Result<Observed> {
     })
 }
 
+/// The `vllm-cpu-tiny` profile with its TTFT costs fitted to `samples`, and the fit.
+pub fn calibrated_profile(samples: &[TtftSample]) -> Result<(LatencyProfile, TtftFit)> {
+    let base = LatencyProfile::builtin("vllm-cpu-tiny").context("the vllm-cpu-tiny profile")?;
+    let fit = fit_ttft(samples)?;
+    note(&format!(
+        "single: calibration on real vLLM ({} requests): TTFT = {:.1} ms + {:.4} ms x uncached \
+         tokens (built-in vllm-cpu-tiny: {:.1} ms + {:.4} ms)",
+        fit.samples,
+        fit.fixed_ms,
+        fit.ms_per_token,
+        base.api_overhead_ms + base.step_base_ms,
+        base.prefill_ms_per_token
+    ));
+    Ok((base.with_ttft_fit(&fit), fit))
+}
+
 /// Starts the simulator configured like the real engine (`kv_cache_blocks`, `max_num_seqs`).
 pub async fn start_sim(
+    profile: LatencyProfile,
     kv_cache_blocks: usize,
     max_num_seqs: usize,
 ) -> Result<kvmesh_engine_sim::SimHandle> {
-    let profile = LatencyProfile::builtin("vllm-cpu-tiny").context("the vllm-cpu-tiny profile")?;
     let config = SimConfig::new(MODEL)
         .with_block_size(BLOCK_SIZE)
         .with_num_blocks(kv_cache_blocks)
@@ -129,7 +220,7 @@ pub fn compare(real: Observed, sim: Observed) -> Result<()> {
         }
     };
     note(&format!(
-        "single: fidelity (sim profile vllm-cpu-tiny vs real vLLM)\n\
+        "single: fidelity (sim, vllm-cpu-tiny calibrated in this run, vs real vLLM)\n\
          {:>24} {:>10} {:>10} {:>8}\n\
          {:>24} {:>10.1} {:>10.1} {:>7.0}%\n\
          {:>24} {:>10.3} {:>10.3} {:>7.0}%",

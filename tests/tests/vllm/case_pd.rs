@@ -86,3 +86,169 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
     );
     Ok(())
 }
+
+/// The filter config of the P/D sidecar: the shipped `filters-pd-disaggregated.yaml` with both
+/// thresholds lowered to fit tiny-llama's 1024-token context.
+pub const PD_FILTERS: &str = "apiVersion: kvmesh.dev/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: healthy-fresh-filter
+  - type: model-filter
+  - type: prefill-filter
+  - type: decode-filter
+  - type: prefix-cache-scorer
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+  - type: max-score-picker
+  - type: prefix-based-pd-decider
+    parameters:
+      nonCachedTokens: 128
+      promptTokens: 128
+  - type: disagg-profile-handler
+    parameters:
+      profiles:
+        decode: decode
+        prefill: prefill
+      deciders:
+        prefill: prefix-based-pd-decider
+schedulingProfiles:
+  - name: decode
+    plugins:
+      - pluginRef: healthy-fresh-filter
+      - pluginRef: model-filter
+      - pluginRef: decode-filter
+      - pluginRef: prefix-cache-scorer
+        weight: 3
+      - pluginRef: queue-scorer
+        weight: 2
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 2
+      - pluginRef: max-score-picker
+  - name: prefill
+    plugins:
+      - pluginRef: healthy-fresh-filter
+      - pluginRef: model-filter
+      - pluginRef: prefill-filter
+      - pluginRef: queue-scorer
+        weight: 2
+      - pluginRef: max-score-picker
+";
+
+/// `proxy.yaml` of the prefill pod's sidecar (engine `a`): role `prefill`, the mesh on.
+pub fn prefill_sidecar_yaml(engine: &Engine) -> String {
+    format!(
+        "engine:\n  url: {}\n  kind: vllm\n  health_interval: 200ms\n\
+         pod:\n  role: prefill\n  models: [{MODEL}]\n\
+         mesh:\n  listen: 127.0.0.1:0\n\
+         logging:\n  level: warn\n",
+        engine.base_url
+    )
+}
+
+/// `proxy.yaml` of a decode pod's sidecar (engine `b`): role `decode`, `pd.connector: nixl`, the
+/// lowered thresholds in `filters`, the prefill sidecar's mesh port in `peers`, and what to do when
+/// prefill fails.
+pub fn decode_sidecar_yaml(
+    engine: &Engine,
+    filters: &std::path::Path,
+    peers: &std::path::Path,
+    on_prefill_failure: &str,
+) -> String {
+    format!(
+        "engine:\n  url: {url}\n  kind: vllm\n  health_interval: 200ms\n\
+         pod:\n  role: decode\n  models: [{MODEL}]\n\
+         prefix:\n  tokenizer: {dir}\n  block_size: {block}\n\
+         scheduling:\n  filters: {filters}\n\
+         pd:\n  connector: nixl\n  min_uncached_tokens: 128\n  prefill_retries: 1\n  retry_backoff: 50ms\n  \
+         on_prefill_failure: {on_prefill_failure}\n\
+         mesh:\n  listen: 127.0.0.1:0\n  file: {peers}\n  refresh_interval: 100ms\n  stale_after: 5s\n\
+         logging:\n  level: warn\n",
+        url = engine.base_url,
+        dir = super::model_dir().display(),
+        block = super::BLOCK_SIZE,
+        filters = filters.display(),
+        peers = peers.display(),
+    )
+}
+
+/// A sidecar's counter from its admin `/metrics` (0 when not exported yet).
+pub async fn sidecar_counter(
+    http: &Http,
+    sidecar: &super::sidecar::SidecarUnderTest,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Result<f64> {
+    let text = http
+        .get(&format!("{}/metrics", sidecar.admin_url))
+        .await?
+        .text();
+    Ok(super::metrics::sum(&text, name, labels).unwrap_or(0.0))
+}
+
+/// Case 5: a long prompt sent to the decode pod's sidecar is split by its scheduler: prefill on the
+/// peer (engine `a`, through its sidecar), KV over NIXL, decode on engine `b`. Checked with vLLM's
+/// own counters and against engine `a` serving the request alone.
+pub async fn through_sidecar(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    decode_sidecar: &super::sidecar::SidecarUnderTest,
+) -> Result<()> {
+    let prompt = long_prompt("pd-through-sidecar", 300);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true});
+    let reference = http
+        .post_json(&format!("{}/v1/completions", prefill.base_url), &body)
+        .await?
+        .json()?;
+    let want_text = reference["choices"][0]["text"]
+        .as_str()
+        .context("reference text")?
+        .to_string();
+    let prompt_tokens = reference["usage"]["prompt_tokens"]
+        .as_f64()
+        .context("prompt_tokens")?;
+
+    let ext = [("source", "external_kv_transfer")];
+    let ext_before = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    let split = [("outcome", "disaggregated")];
+    let split_before =
+        sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
+    let got = http
+        .post_json(&format!("{}/v1/completions", decode_sidecar.url), &body)
+        .await?
+        .json()?;
+    let got_text = got["choices"][0]["text"].as_str().context("P/D text")?;
+    let ext_after = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    let split_after =
+        sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
+    note(&format!(
+        "pair: case 5: prompt {prompt_tokens} tokens; decode engine external_kv_transfer +{}; \
+         sidecar disaggregated +{}; output {got_text:?}",
+        ext_after - ext_before,
+        split_after - split_before
+    ));
+    ensure!(
+        split_after - split_before == 1.0,
+        "the decode sidecar did not split the request (kvmesh_pd_requests_total{{outcome=\"disaggregated\"}} +{})",
+        split_after - split_before
+    );
+    ensure!(
+        ext_after - ext_before == prompt_tokens,
+        "decode engine's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}",
+        ext_after - ext_before
+    );
+    ensure!(
+        got_text == want_text,
+        "P/D output {got_text:?} != engine a alone {want_text:?}"
+    );
+    Ok(())
+}

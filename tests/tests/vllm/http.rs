@@ -66,6 +66,34 @@ impl Http {
             .await
     }
 
+    /// A JSON POST with extra request headers.
+    pub async fn post_json_with(
+        &self,
+        url: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> Result<Reply> {
+        let bytes = Bytes::from(serde_json::to_vec(body)?);
+        self.send_with(Method::POST, url, Some(bytes), headers, REQUEST_DEADLINE)
+            .await
+    }
+
+    /// A JSON POST whose response body is left to the caller to read frame by frame (a stream);
+    /// the deadline covers the response head only.
+    pub async fn post_stream(
+        &self,
+        url: &str,
+        body: &Value,
+    ) -> Result<(StatusCode, hyper::body::Incoming)> {
+        let req = Request::post(url)
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
+        let resp = tokio::time::timeout(REQUEST_DEADLINE, self.client.request(req))
+            .await
+            .with_context(|| format!("POST {url}: no response head"))??;
+        Ok((resp.status(), resp.into_body()))
+    }
+
     pub async fn post_empty(&self, url: &str) -> Result<Reply> {
         self.send(Method::POST, url, Some(Bytes::new()), REQUEST_DEADLINE)
             .await
@@ -82,7 +110,21 @@ impl Http {
         body: Option<Bytes>,
         deadline: Duration,
     ) -> Result<Reply> {
+        self.send_with(method, url, body, &[], deadline).await
+    }
+
+    async fn send_with(
+        &self,
+        method: Method,
+        url: &str,
+        body: Option<Bytes>,
+        headers: &[(&str, &str)],
+        deadline: Duration,
+    ) -> Result<Reply> {
         let mut req = Request::builder().method(method.clone()).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
         if body.is_some() {
             req = req.header(hyper::header::CONTENT_TYPE, "application/json");
         }

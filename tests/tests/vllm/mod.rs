@@ -15,8 +15,10 @@
 
 #![allow(dead_code)]
 
+pub mod case_faults;
 pub mod case_fidelity;
 pub mod case_hashes;
+pub mod case_mesh;
 pub mod case_openai;
 pub mod case_pd;
 pub mod engine;
