@@ -4,7 +4,8 @@
 //! prefill speed change with the machine and with what else runs on it. The fidelity check against
 //! real vLLM therefore measures a calibration workload on the engine first (prompts of several
 //! lengths, some partly cached), fits `ttft = fixed + per_token * uncached_tokens` to it, and runs the
-//! simulator with the fitted costs on a different workload. The fit is Theil-Sen (the median of the
+//! simulator with the fitted costs, less the simulator's own time on the same calibration workload
+//! ([`TtftFit::minus`]), on a different workload. The fit is Theil-Sen (the median of the
 //! slopes between pairs of samples, then the median intercept), so a few requests slowed down by a
 //! busy machine move it little, where least squares would follow them.
 
@@ -70,6 +71,20 @@ pub fn fit_ttft(samples: &[TtftSample]) -> Result<TtftFit, SimError> {
     })
 }
 
+impl TtftFit {
+    /// The costs a simulator's profile must add so that its TTFT equals this fit's (a real
+    /// engine's): this fit minus `own`, the simulator's own time measured with a zero-cost profile
+    /// on the same calibration workload (HTTP, tokenizing; large in a debug build on a busy
+    /// machine). Clamped at zero.
+    pub fn minus(&self, own: &TtftFit) -> TtftFit {
+        TtftFit {
+            fixed_ms: (self.fixed_ms - own.fixed_ms).max(0.0),
+            ms_per_token: (self.ms_per_token - own.ms_per_token).max(0.0),
+            samples: self.samples,
+        }
+    }
+}
+
 fn median(v: &mut [f64]) -> Option<f64> {
     if v.is_empty() {
         return None;
@@ -132,6 +147,24 @@ mod tests {
         let fit = fit_ttft(&samples).unwrap();
         assert!((fit.fixed_ms - 20.0).abs() < 2.0, "{fit:?}");
         assert!((fit.ms_per_token - 0.05).abs() < 0.01, "{fit:?}");
+    }
+
+    #[test]
+    fn the_simulators_own_time_is_taken_out() {
+        let real = TtftFit {
+            fixed_ms: 26.0,
+            ms_per_token: 0.09,
+            samples: 18,
+        };
+        let own = TtftFit {
+            fixed_ms: 20.0,
+            ms_per_token: 0.1,
+            samples: 18,
+        };
+        let left = real.minus(&own);
+        assert!((left.fixed_ms - 6.0).abs() < 1e-9, "{left:?}");
+        assert_eq!(left.ms_per_token, 0.0, "clamped, never negative");
+        assert_eq!(left.samples, 18);
     }
 
     #[test]
