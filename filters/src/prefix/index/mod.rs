@@ -18,7 +18,9 @@
 //! (least recently stored first; a block stored again moves to the newest
 //! epoch), leaving it at about 7/8 of the cap.
 
+mod matcher;
 mod shard;
+mod table;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -27,9 +29,11 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::prefix::hash::{extend_keys, BlockKey, LocalHasher};
-use crate::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use crate::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use matcher::Matcher;
 use shard::Shard;
 pub(crate) use shard::{map_bytes, MixMap};
+use table::U64Map;
 
 /// Number of global shards (a power of two).
 pub const SHARDS: usize = 64;
@@ -108,7 +112,7 @@ pub enum IndexError {
 #[derive(Debug, Default)]
 struct PodState {
     /// Engine block hash → block key.
-    engine: MixMap<BlockKey>,
+    engine: U64Map,
     /// (block, medium) entries this pod holds.
     entries: usize,
     epoch: u32,
@@ -262,8 +266,8 @@ impl PrefixIndex {
             None => self
                 .hasher
                 .root(s.lora_name.as_deref().unwrap_or(model), s.salt()),
-            Some(p) => match st.engine.get(&p) {
-                Some(&k) => k,
+            Some(p) => match st.engine.get(p) {
+                Some(k) => k,
                 None => {
                     stats.unknown_parent += 1;
                     return;
@@ -305,7 +309,7 @@ impl PrefixIndex {
             return;
         }
         for engine in &r.block_hashes {
-            let Some(&key) = st.engine.get(engine) else {
+            let Some(key) = st.engine.get(*engine) else {
                 stats.unknown_removed += 1;
                 continue;
             };
@@ -314,7 +318,7 @@ impl PrefixIndex {
                 .remove_one(key, pod.0, r.medium);
             st.entries = st.entries.saturating_sub(out.holders_gone);
             if !out.pod_still_holds {
-                st.engine.remove(engine);
+                st.engine.remove(*engine);
             }
             stats.removed += 1;
         }
@@ -330,7 +334,7 @@ impl PrefixIndex {
                 break;
             };
             for engine in hashes {
-                let Some(&key) = st.engine.get(&engine) else {
+                let Some(key) = st.engine.get(engine) else {
                     continue;
                 };
                 let out = self.shards[shard_of(key)]
@@ -339,7 +343,7 @@ impl PrefixIndex {
                 st.entries = st.entries.saturating_sub(out.holders_gone);
                 evicted += out.holders_gone;
                 if !out.pod_still_holds {
-                    st.engine.remove(&engine);
+                    st.engine.remove(engine);
                 }
             }
         }
@@ -347,7 +351,7 @@ impl PrefixIndex {
     }
 
     fn clear_locked(&self, pod: PodId, st: &mut PodState) {
-        for (_, &key) in st.engine.iter() {
+        for (_, key) in st.engine.iter() {
             self.shards[shard_of(key)]
                 .write()
                 .remove_pod_where(key, pod.0, |_| true);
@@ -403,15 +407,25 @@ impl PrefixIndex {
                         .raw(k),
                 );
             }
+            // Blocks held by several pods keep their holders in a list: a
+            // second, dependent miss. Touching the lists of the whole chunk
+            // first overlaps those misses as well.
+            let mut touched = 0;
+            for (&k, &v) in keys[pos..end].iter().zip(&raw) {
+                if let Some(g) = &guards[shard_of(k)] {
+                    touched ^= g.touch(v);
+                }
+            }
+            std::hint::black_box(touched);
             for (&k, &v) in keys[pos..end].iter().zip(&raw) {
                 if let Some(g) = &guards[shard_of(k)] {
                     m.step(g, v);
                 }
-                if m.active.is_empty() {
+                if m.done() {
                     break;
                 }
             }
-            if m.active.is_empty() {
+            if m.done() {
                 break;
             }
             pos = end;
@@ -440,79 +454,10 @@ impl PrefixIndex {
         for st in states {
             let st = st.lock();
             s.entries += st.entries;
-            s.memory_bytes += map_bytes(st.engine.capacity(), 16)
+            s.memory_bytes += st.engine.memory_bytes()
                 + st.epochs.iter().map(|e| e.capacity() * 8).sum::<usize>();
         }
         s
-    }
-}
-
-/// The state of one [`PrefixIndex::match_prefix`] walk.
-#[derive(Debug, Default)]
-struct Matcher {
-    started: bool,
-    active: Vec<PrefixMatch>,
-    /// Per active pod: whether all its blocks so far were on the GPU.
-    gpu_run: Vec<bool>,
-    /// Per active pod, for the current key: held in any medium / on the GPU.
-    held: Vec<(bool, bool)>,
-    done: Vec<PrefixMatch>,
-}
-
-impl Matcher {
-    /// Advances by one key whose packed holders are `v`.
-    fn step(&mut self, shard: &Shard, v: u64) {
-        if !self.started {
-            self.started = true;
-            let (active, gpu_run) = (&mut self.active, &mut self.gpu_run);
-            shard.for_each_raw(v, |h| match active.iter().position(|m| m.pod.0 == h.pod) {
-                Some(p) => gpu_run[p] |= h.medium == Medium::Gpu,
-                None => {
-                    active.push(PrefixMatch {
-                        pod: PodId(h.pod),
-                        blocks: 1,
-                        gpu_blocks: 0,
-                    });
-                    gpu_run.push(h.medium == Medium::Gpu);
-                }
-            });
-            for (m, &gpu) in self.active.iter_mut().zip(&self.gpu_run) {
-                m.gpu_blocks = usize::from(gpu);
-            }
-            return;
-        }
-        self.held.clear();
-        self.held.resize(self.active.len(), (false, false));
-        let (active, held) = (&self.active, &mut self.held);
-        shard.for_each_raw(v, |h| {
-            if let Some(p) = active.iter().position(|m| m.pod.0 == h.pod) {
-                held[p].0 = true;
-                held[p].1 |= h.medium == Medium::Gpu;
-            }
-        });
-        let mut j = 0;
-        while j < self.active.len() {
-            let (any, gpu) = self.held[j];
-            if !any {
-                self.done.push(self.active.swap_remove(j));
-                self.gpu_run.swap_remove(j);
-                self.held.swap_remove(j);
-                continue;
-            }
-            self.active[j].blocks += 1;
-            self.gpu_run[j] &= gpu;
-            if self.gpu_run[j] {
-                self.active[j].gpu_blocks += 1;
-            }
-            j += 1;
-        }
-    }
-
-    fn finish(mut self) -> Vec<PrefixMatch> {
-        self.done.append(&mut self.active);
-        self.done
-            .sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.pod.cmp(&b.pod)));
-        self.done
     }
 }
 

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::table::U64Map;
 use crate::prefix::kvevents::Medium;
 
 /// Keys are already uniform 64-bit hashes; one multiply spreads them over the
@@ -96,7 +97,7 @@ pub(crate) struct Removal {
 
 #[derive(Debug, Default)]
 pub(crate) struct Shard {
-    map: MixMap<u64>,
+    map: U64Map,
     overflow: Vec<Vec<Holder>>,
     free: Vec<u32>,
 }
@@ -105,10 +106,11 @@ impl Shard {
     /// The packed holders of `key`, 0 when absent (a live single holder has
     /// `refs >= 1`, so it never packs to 0).
     pub(crate) fn raw(&self, key: u64) -> u64 {
-        self.map.get(&key).copied().unwrap_or(0)
+        self.map.get(key).unwrap_or(0)
     }
 
     /// Calls `f` with each holder in a value from [`Shard::raw`].
+    #[cfg(test)]
     pub(crate) fn for_each_raw(&self, v: u64, mut f: impl FnMut(Holder)) {
         if v == 0 {
         } else if v & MANY == 0 {
@@ -116,6 +118,35 @@ impl Shard {
         } else if let Some(list) = self.overflow.get((v & !MANY) as usize) {
             list.iter().copied().for_each(f);
         }
+    }
+
+    /// Calls `f(pod, on_gpu)` for each holder in a value from [`Shard::raw`]
+    /// (the matcher's hot path: no full unpacking).
+    #[inline]
+    pub(crate) fn for_each_pod(&self, v: u64, mut f: impl FnMut(u16, bool)) {
+        if v == 0 {
+        } else if v & MANY == 0 {
+            f(
+                (v >> 47) as u16,
+                (v >> 44) & 0x7 == medium_code(Medium::Gpu),
+            );
+        } else if let Some(list) = self.overflow.get((v & !MANY) as usize) {
+            for h in list {
+                f(h.pod, h.medium == Medium::Gpu);
+            }
+        }
+    }
+
+    /// Loads the holder list behind a value from [`Shard::raw`] into the
+    /// cache (the value is meaningless; see `PrefixIndex::match_prefix`).
+    pub(crate) fn touch(&self, v: u64) -> u16 {
+        if v & MANY == 0 {
+            return 0;
+        }
+        self.overflow
+            .get((v & !MANY) as usize)
+            .and_then(|list| list.first())
+            .map_or(0, |h| h.pod)
     }
 
     /// Calls `f` with each holder of `key`.
@@ -137,7 +168,7 @@ impl Shard {
             refs: 1,
             epoch,
         };
-        let Some(v) = self.map.get(&key).copied() else {
+        let Some(v) = self.map.get(key) else {
             self.map.insert(key, fresh.pack());
             return true;
         };
@@ -189,7 +220,7 @@ impl Shard {
     /// Keeps the holders of `pod` for which `keep` (which may edit them) says
     /// so; other pods' holders are untouched.
     fn retain(&mut self, key: u64, pod: u16, mut keep: impl FnMut(&mut Holder) -> bool) -> Removal {
-        let Some(v) = self.map.get(&key).copied() else {
+        let Some(v) = self.map.get(key) else {
             return Removal::default();
         };
         if v & MANY == 0 {
@@ -204,7 +235,7 @@ impl Shard {
                     pod_still_holds: true,
                 };
             }
-            self.map.remove(&key);
+            self.map.remove(key);
             return Removal {
                 holders_gone: 1,
                 pod_still_holds: false,
@@ -222,7 +253,7 @@ impl Shard {
         };
         match list.len() {
             0 => {
-                self.map.remove(&key);
+                self.map.remove(key);
                 self.release(slot);
             }
             1 => {
@@ -255,7 +286,7 @@ impl Shard {
 
     /// Heap bytes held, from capacities (see `docs/prefix.md`).
     pub(crate) fn memory_bytes(&self) -> usize {
-        map_bytes(self.map.capacity(), 16)
+        self.map.memory_bytes()
             + self.overflow.capacity() * std::mem::size_of::<Vec<Holder>>()
             + self
                 .overflow
@@ -336,7 +367,7 @@ mod tests {
             }
         );
         // Back to one inline holder, slot recycled.
-        assert_eq!(s.map.get(&1).map(|v| v & MANY), Some(0));
+        assert_eq!(s.map.get(1).map(|v| v & MANY), Some(0));
         assert_eq!(s.remove_pod_where(1, 4, |_| true).holders_gone, 1);
         assert_eq!(s.len(), 0);
         assert_eq!(s.free.len(), 1);

@@ -1,5 +1,5 @@
 use super::*;
-use crate::prefix::kvevents::ExtraKey;
+use crate::prefix::kvevents::{ExtraKey, Medium};
 
 const BS: usize = 4;
 
@@ -324,4 +324,89 @@ fn readers_run_alongside_per_pod_writers() {
     let m = idx.match_prefix(&keys);
     assert_eq!(m.len(), 4);
     assert!(m.iter().all(|m| m.blocks == 32));
+}
+
+mod model {
+    //! `match_prefix` against a naive model, with up to 80 pods (more than one
+    //! 64-bit word of candidates), two mediums and removals.
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    /// Copies held per (pod, block, medium): a duplicate store needs its own removal.
+    type Held = HashMap<(usize, usize, Medium), u32>;
+
+    const BLOCKS: usize = 12;
+
+    /// Per pod: how many leading blocks it stores, in which medium, and which
+    /// of them it later removes.
+    fn pod_plan() -> impl Strategy<Value = (usize, bool, Vec<usize>)> {
+        (
+            0..=BLOCKS,
+            any::<bool>(),
+            proptest::collection::vec(0..BLOCKS, 0..3),
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn matches_the_naive_longest_runs(
+            plans in proptest::collection::vec(pod_plan(), 1..80),
+            offload in proptest::collection::vec((0usize..80, 1..=BLOCKS), 0..20),
+        ) {
+            let idx = PrefixIndex::default();
+            let t = toks(BLOCKS * BS, 7);
+            let engine = |pod: usize, b: usize| (pod * 1000 + b + 1) as u64;
+            // (pod, block, medium) held.
+            let mut held = Held::new();
+            let store = |pod: usize, n: usize, medium: Medium, held: &mut Held| {
+                let id = idx.pod(&format!("p{pod}")).unwrap();
+                let hashes: Vec<u64> = (0..n).map(|b| engine(pod, b)).collect();
+                let mut ev = stored(&hashes, None, &t[..n * BS]);
+                ev.medium = medium;
+                idx.apply(id, "m", &batch(vec![KvEvent::BlockStored(ev)]));
+                for b in 0..n {
+                    *held.entry((pod, b, medium)).or_default() += 1;
+                }
+            };
+            for (pod, (n, cpu, _)) in plans.iter().enumerate() {
+                let medium = if *cpu { Medium::Cpu } else { Medium::Gpu };
+                store(pod, *n, medium, &mut held);
+            }
+            for &(pod, n) in &offload {
+                if pod < plans.len() {
+                    store(pod, n, Medium::Cpu, &mut held);
+                }
+            }
+            for (pod, (_, cpu, removals)) in plans.iter().enumerate() {
+                let medium = if *cpu { Medium::Cpu } else { Medium::Gpu };
+                let id = idx.pod(&format!("p{pod}")).unwrap();
+                for &b in removals {
+                    if let Some(copies) = held.get_mut(&(pod, b, medium)) {
+                        idx.apply(id, "m", &batch(vec![removed(&[engine(pod, b)], medium)]));
+                        *copies -= 1;
+                        if *copies == 0 {
+                            held.remove(&(pod, b, medium));
+                        }
+                    }
+                }
+            }
+            let keys = idx.request_keys("m", None, &t, BS);
+            let run = |pod: usize, ok: &dyn Fn(usize) -> bool| (0..BLOCKS).take_while(|&b| ok(b) && ok_any(&held, pod, b)).count();
+            let mut expected: Vec<PrefixMatch> = (0..plans.len())
+                .map(|pod| PrefixMatch {
+                    pod: idx.pod(&format!("p{pod}")).unwrap(),
+                    blocks: run(pod, &|_| true),
+                    gpu_blocks: run(pod, &|b| held.contains_key(&(pod, b, Medium::Gpu))),
+                })
+                .filter(|m| m.blocks > 0)
+                .collect();
+            expected.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.pod.cmp(&b.pod)));
+            prop_assert_eq!(idx.match_prefix(&keys), expected);
+        }
+    }
+
+    fn ok_any(held: &Held, pod: usize, b: usize) -> bool {
+        held.contains_key(&(pod, b, Medium::Gpu)) || held.contains_key(&(pod, b, Medium::Cpu))
+    }
 }
