@@ -128,7 +128,11 @@ async fn send_inner(
             p.path
         }
         Some(l) => {
-            let rdma = rdma_setup(agent, &src, args, p.path, gpu).await;
+            let rdma = rdma_setup(agent, &src, args, p.path, gpu.clone()).await;
+            if let (None, Some(g)) = (&rdma, &gpu) {
+                // Planned GPU-direct but RDMA is off for this send: TCP reads the shadow.
+                stage(g, &src, args).await?;
+            }
             send_remote(agent, &l, &src, args, rdma, deadline, until).await?
         }
     };
@@ -228,10 +232,12 @@ async fn next_event(
     }
 }
 
-/// What the RDMA side of a send brings to the offer: our queue pair and the source's MR.
+/// What the RDMA side of a send brings to the offer: our queue pair and the source's MR
+/// (`device`: the GPU buffer itself, GPU-direct; else host memory).
 struct RdmaSend {
     ep: crate::rdma::Endpoint,
     mr: crate::rdma::MrInfo,
+    device: bool,
 }
 
 /// How an offer ended when it did not deliver: retry over TCP with a fresh offer (the RDMA
@@ -298,13 +304,14 @@ async fn rdma_setup(
     }
     let (map, region) = (Arc::clone(&src.map), src.id);
     let setup = blocking(move || -> Result<RdmaSend> {
-        let mr = match device_mr {
-            Some(mr) => mr,
-            None => engine.register(region, &map)?,
+        let (mr, device) = match device_mr {
+            Some(mr) => (mr, true),
+            None => (engine.register(region, &map)?, false),
         };
         Ok(RdmaSend {
             ep: engine.endpoint()?,
             mr,
+            device,
         })
     })
     .await;
@@ -334,7 +341,7 @@ async fn send_remote(
     deadline: Duration,
     until: tokio::time::Instant,
 ) -> Result<Path> {
-    let gpu_direct = rdma.is_some() && agent.gpu.get(src.id).is_some();
+    let gpu_direct = rdma.as_ref().is_some_and(|r| r.device);
     match offer_and_move(agent, link, src, args, rdma, deadline, until).await {
         Ok(Path::RdmaHost) if gpu_direct => Ok(Path::RdmaGpuDirect),
         Ok(path) => Ok(path),
@@ -423,11 +430,14 @@ async fn offer_and_move(
             Err(Error::Protocol("peer answered a TCP offer with an RDMA target".into()).into())
         }
         (rdma, None) => {
-            if rdma.is_some() {
+            if let Some(r) = &rdma {
                 // The receiver could not set up RDMA for this transfer: the data goes over TCP
-                // on this same offer.
+                // on this same offer, from host memory.
                 let e = Error::RdmaUnavailable("the receiver declined RDMA".into());
                 fallback(agent, args, "peer_declined", &e);
+                if let (true, Some(g)) = (r.device, agent.gpu.get(src.id)) {
+                    stage(&g, src, args).await?;
+                }
             }
             push_tcp(link, src, args, seq, &mut rx, until).await?;
             Ok(Path::Tcp)
