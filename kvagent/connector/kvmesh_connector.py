@@ -6,6 +6,7 @@ Load it without patching vLLM (the directory of this file on PYTHONPATH):
     --kv-transfer-config '{"kv_connector": "KvmeshConnector",
                            "kv_connector_module_path": "kvmesh_connector",
                            "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"socket": "/run/kvmesh/kvagent.sock",
                                                          "staging_blocks": 256,
                                                          "deadline_s": 30}}'
@@ -25,8 +26,10 @@ map; the connector copies a request's blocks into (prefill) or out of (decode) t
 * Decode (the request carries what prefill returned): the scheduler reports every prompt token not
   already cached locally as external and asynchronous, so the request waits for its KV; the worker
   waits for the transfer to arrive in its staging region, copies the blocks into the engine's
-  newly allocated blocks, frees the staging blocks and reports the load finished. A failed load is
-  reported in ``failed_recving`` and vLLM recomputes the prompt.
+  newly allocated blocks, frees the staging blocks and reports the load finished. A failed load
+  (the transfer did not arrive within ``deadline_s``) is reported in ``failed_recving``: with
+  ``"kv_load_failure_policy": "recompute"`` vLLM then computes the prompt itself; with vLLM 0.32's
+  default (``"fail"``) the request fails.
 
 The proxy (kvmesh sidecar, ``--pd-connector kvagent``) puts ``kvmesh_transfer_id`` and
 ``kvmesh_dest_agent`` (the decode node's agent) in the prefill leg and passes prefill's

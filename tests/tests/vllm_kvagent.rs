@@ -8,7 +8,8 @@
 //! must grow by the prompt's length (the decode engine computed none of it) and the greedy output must
 //! equal the prefill engine's aggregated output. Done twice: legs made by hand, and through a kvmesh
 //! sidecar with the `kvagent` P/D connector (llm-d's `x-prefiller-host-port` names the prefill
-//! engine, the sidecar adds the transfer id and the decode node's agent).
+//! engine, the sidecar adds the transfer id and the decode node's agent). Last, a decode leg whose
+//! transfer never comes: the connector's wait runs out, vLLM recomputes, the answer is unchanged.
 //!
 //! Starts vLLM (like `vllm_e2e`): run under `flock /tmp/kvmesh-vllm.lock` on a shared machine.
 
@@ -38,6 +39,8 @@ use vllm::{counter, engines_lock, long_prompt, repo_root, scrape, MODEL};
 /// Staging blocks each engine's connector registers with its agent (prompts here need ≤ 12).
 const STAGING_BLOCKS: u32 = 32;
 const MAX_TOKENS: u64 = 12;
+/// The connectors' deadline for agent calls (a decode waits this long for a transfer).
+const WAIT_DEADLINE_S: u64 = 15;
 const EXT: [(&str, &str); 1] = [("source", "external_kv_transfer")];
 
 /// A `kvmesh-kvagent run` process; killed when dropped.
@@ -116,10 +119,27 @@ fn agent_bin() -> Result<PathBuf> {
     if !bin.is_file() {
         note("building kvmesh-kvagent (not built by this test run)");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
+        let mut build = Command::new(cargo)
             .args(["build", "-p", "kvmesh-kvagent", "--bin", "kvmesh-kvagent"])
             .current_dir(repo_root())
-            .status()?;
+            .spawn()?;
+        // Bounded: should the running `cargo test` hold the build directory's lock, say so
+        // instead of waiting forever.
+        let deadline = std::time::Instant::now() + Duration::from_secs(900);
+        let status = loop {
+            if let Some(status) = build.try_wait()? {
+                break status;
+            }
+            if std::time::Instant::now() >= deadline {
+                let _ = build.kill();
+                let _ = build.wait();
+                bail!(
+                    "building kvmesh-kvagent took over 900 s; build it first \
+                     (cargo build -p kvmesh-kvagent) and rerun"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
         ensure!(status.success(), "cargo build -p kvmesh-kvagent failed");
     }
     ensure!(bin.is_file(), "{} missing", bin.display());
@@ -131,8 +151,10 @@ fn spec(name: &'static str, cpu: u32, agent: &AgentProc) -> EngineSpec {
         "kv_connector": "KvmeshConnector",
         "kv_connector_module_path": "kvmesh_connector",
         "kv_role": "kv_both",
+        // vLLM 0.32 fails a request whose KV load failed unless told to recompute it.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "socket": agent.socket, "staging_blocks": STAGING_BLOCKS, "deadline_s": 60,
+            "socket": agent.socket, "staging_blocks": STAGING_BLOCKS, "deadline_s": WAIT_DEADLINE_S,
             "region_name": name,
         },
     });
@@ -241,6 +263,58 @@ async fn by_hand(
         "the decode agent received {moved} bytes, want at least {blocks} blocks' worth"
     );
     ensure!(got == want, "P/D output {got:?} != aggregated {want:?}");
+    Ok(())
+}
+
+/// Case 3: the decode leg names a transfer that never comes (its prefill node died). The decode
+/// connector's wait runs out, it reports the load failed, vLLM recomputes the prompt, and the
+/// answer is still the aggregated one.
+async fn transfer_never_arrives(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    dest_agent: &AgentProc,
+) -> Result<()> {
+    let prompt = long_prompt("kvagent-lost", 260);
+    let (want, prompt_tokens) = reference(http, prefill, &prompt).await?;
+    let timeouts = [("cause", "timeout")];
+    let before = dest_agent
+        .counter(http, "kvagent_failures_total", &timeouts)
+        .await?;
+    let started = std::time::Instant::now();
+    let reply = http
+        .post_json(
+            &completions(decode),
+            &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": true, "kv_transfer_params": {
+                        "kvmesh_transfer_id": "never-sent", "kvmesh_num_tokens": prompt_tokens}}),
+        )
+        .await?
+        .json()?;
+    let took = started.elapsed();
+    let got = reply["choices"][0]["text"]
+        .as_str()
+        .with_context(|| format!("decode reply {reply}"))?;
+    let after = dest_agent
+        .counter(http, "kvagent_failures_total", &timeouts)
+        .await?;
+    note(&format!(
+        "lost transfer: answered in {:.1} s after the {WAIT_DEADLINE_S} s wait, agent timeouts +{}, output {got:?}",
+        took.as_secs_f64(),
+        after - before
+    ));
+    ensure!(
+        after - before >= 1.0,
+        "the decode agent counted no timed-out wait"
+    );
+    ensure!(
+        took.as_secs() >= WAIT_DEADLINE_S,
+        "answered in {took:?}, before the connector's wait could have run out"
+    );
+    ensure!(
+        got == want,
+        "recomputed output {got:?} != aggregated {want:?}"
+    );
     Ok(())
 }
 
@@ -370,6 +444,11 @@ fn vllm_kvagent_pd() -> Result<()> {
                 "case: P/D through a sidecar (--pd-connector kvagent)",
                 || rt.block_on(through_sidecar(&http, prefill, decode, d_agent)),
             )
+        })
+        .and_then(|()| {
+            t.step("case: a transfer that never arrives is recomputed", || {
+                rt.block_on(transfer_never_arrives(&http, prefill, decode, d_agent))
+            })
         });
     if let Err(e) = &res {
         let logs: Vec<String> = engines
