@@ -4,8 +4,9 @@
 //! prefill speed change with the machine and with what else runs on it. The fidelity check against
 //! real vLLM therefore measures a calibration workload on the engine first (prompts of several
 //! lengths, some partly cached), fits `ttft = fixed + per_token * uncached_tokens` to it, and runs the
-//! simulator with the fitted costs, less the simulator's own time on the same calibration workload
-//! ([`TtftFit::minus`]), on a different workload. The fit is Theil-Sen (the median of the
+//! simulator on a different workload, with the fitted costs corrected for the simulator's own time:
+//! the simulator runs the calibration workload with the profile, its fit is compared with the real
+//! one, and the profile moves by the difference ([`TtftFit::corrected`]). The fit is Theil-Sen (the median of the
 //! slopes between pairs of samples, then the median intercept), so a few requests slowed down by a
 //! busy machine move it little, where least squares would follow them.
 
@@ -72,15 +73,16 @@ pub fn fit_ttft(samples: &[TtftSample]) -> Result<TtftFit, SimError> {
 }
 
 impl TtftFit {
-    /// The costs a simulator's profile must add so that its TTFT equals this fit's (a real
-    /// engine's): this fit minus `own`, the simulator's own time measured with a zero-cost profile
-    /// on the same calibration workload (HTTP, tokenizing; large in a debug build on a busy
-    /// machine). Clamped at zero.
-    pub fn minus(&self, own: &TtftFit) -> TtftFit {
+    /// One step of fitting a simulator to a real engine: this fit was the simulator's profile, the
+    /// simulator then measured `got` on the calibration workload where the real engine measured
+    /// `target`; the next profile adds the difference. The simulator's own time (HTTP, tokenizing;
+    /// large in a debug build on a busy machine, and partly overlapping the simulated API time) is
+    /// thereby taken out as it really behaves, not as a model of it. Clamped at zero.
+    pub fn corrected(&self, target: &TtftFit, got: &TtftFit) -> TtftFit {
         TtftFit {
-            fixed_ms: (self.fixed_ms - own.fixed_ms).max(0.0),
-            ms_per_token: (self.ms_per_token - own.ms_per_token).max(0.0),
-            samples: self.samples,
+            fixed_ms: (self.fixed_ms + target.fixed_ms - got.fixed_ms).max(0.0),
+            ms_per_token: (self.ms_per_token + target.ms_per_token - got.ms_per_token).max(0.0),
+            samples: target.samples,
         }
     }
 }
@@ -150,21 +152,22 @@ mod tests {
     }
 
     #[test]
-    fn the_simulators_own_time_is_taken_out() {
-        let real = TtftFit {
-            fixed_ms: 26.0,
-            ms_per_token: 0.09,
+    fn a_correction_step_moves_the_profile_by_the_difference() {
+        let fit = |fixed_ms, ms_per_token| TtftFit {
+            fixed_ms,
+            ms_per_token,
             samples: 18,
         };
-        let own = TtftFit {
-            fixed_ms: 20.0,
-            ms_per_token: 0.1,
-            samples: 18,
-        };
-        let left = real.minus(&own);
-        assert!((left.fixed_ms - 6.0).abs() < 1e-9, "{left:?}");
-        assert_eq!(left.ms_per_token, 0.0, "clamped, never negative");
-        assert_eq!(left.samples, 18);
+        let real = fit(26.0, 0.09);
+        // The simulator, run with the real fit as its profile, came out 8 ms slower and a little
+        // steeper: its own time.
+        let got = fit(34.0, 0.1);
+        let next = real.corrected(&real, &got);
+        assert!((next.fixed_ms - 18.0).abs() < 1e-9, "{next:?}");
+        assert!((next.ms_per_token - 0.08).abs() < 1e-9, "{next:?}");
+        // Never negative.
+        let next = fit(1.0, 0.0).corrected(&real, &fit(40.0, 0.5));
+        assert_eq!((next.fixed_ms, next.ms_per_token), (0.0, 0.0));
     }
 
     #[test]
