@@ -4,12 +4,19 @@
 //! Two engines load the connector through `kv_connector_module_path`; each has its own node agent.
 //! A request is prefilled on one engine, whose connector posts the prompt's KV blocks to the other
 //! engine's agent at the end of prefill; the decode engine's connector waits for them and loads them
-//! into its KV cache. vLLM's own counter `prompt_tokens_by_source_total{source="external_kv_transfer"}`
-//! must grow by the prompt's length (the decode engine computed none of it) and the greedy output must
-//! equal the prefill engine's aggregated output. Done twice: legs made by hand, and through a kvmesh
-//! sidecar with the `kvagent` P/D connector (llm-d's `x-prefiller-host-port` names the prefill
-//! engine, the sidecar adds the transfer id and the decode node's agent). Last, a decode leg whose
-//! transfer never comes: the connector's wait runs out, vLLM recomputes, the answer is unchanged.
+//! into its KV cache. Cases:
+//!
+//! 1. legs made by hand: vLLM's own `prompt_tokens_by_source_total{source="external_kv_transfer"}`
+//!    grows by the whole prompt (the decode engine computed none of it), and the decode agent
+//!    received every prompt block;
+//! 2. the prompt's first blocks already cached on the decode engine: local hits plus transferred
+//!    tokens make the prompt, and only the rest is loaded, after the cached blocks;
+//! 3. through a kvmesh sidecar with the `kvagent` P/D connector (llm-d's `x-prefiller-host-port`
+//!    names the prefill engine; the sidecar adds the transfer id and the decode node's agent);
+//! 4. a decode leg whose transfer never comes: the connector's wait runs out, vLLM recomputes.
+//!
+//! Every case's greedy output and every generated token's log-probability equal the prefill
+//! engine's aggregated answer.
 //!
 //! Starts vLLM (like `vllm_e2e`): run under `flock /tmp/kvmesh-vllm.lock` on a shared machine.
 
@@ -173,18 +180,121 @@ fn completions(e: &Engine) -> String {
     format!("{}/v1/completions", e.base_url)
 }
 
-/// The aggregated answer on `engine`: (text, prompt tokens).
-async fn reference(http: &Http, engine: &Engine, prompt: &str) -> Result<(String, f64)> {
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                      "temperature": 0, "ignore_eos": true});
-    let reply = http.post_json(&completions(engine), &body).await?.json()?;
-    let text = reply["choices"][0]["text"]
-        .as_str()
-        .context("reference text")?;
-    let tokens = reply["usage"]["prompt_tokens"]
-        .as_f64()
-        .context("prompt_tokens")?;
-    Ok((text.to_string(), tokens))
+/// What a completion answered: the text, each generated token's log-probability, the prompt size.
+#[derive(Debug)]
+struct Answer {
+    text: String,
+    logprobs: Vec<f64>,
+    prompt_tokens: f64,
+}
+
+impl Answer {
+    fn from_reply(reply: &Value) -> Result<Answer> {
+        let choice = &reply["choices"][0];
+        let text = choice["text"]
+            .as_str()
+            .with_context(|| format!("no text in {reply}"))?;
+        let logprobs = choice["logprobs"]["token_logprobs"]
+            .as_array()
+            .with_context(|| format!("no logprobs in {reply}"))?
+            .iter()
+            .map(|v| v.as_f64().context("a logprob"))
+            .collect::<Result<Vec<f64>>>()?;
+        let prompt_tokens = reply["usage"]["prompt_tokens"]
+            .as_f64()
+            .context("prompt_tokens")?;
+        Ok(Answer {
+            text: text.to_string(),
+            logprobs,
+            prompt_tokens,
+        })
+    }
+
+    /// Same text, and every token's log-probability within 1e-3: the KV the decode engine
+    /// attended to was the prompt's (wrong or missing KV moves the log-probabilities even where a
+    /// random-weight model repeats the same token).
+    fn ensure_same(&self, want: &Answer, what: &str) -> Result<()> {
+        ensure!(
+            self.text == want.text,
+            "{what}: output {:?} != aggregated {:?}",
+            self.text,
+            want.text
+        );
+        ensure!(
+            self.logprobs.len() == want.logprobs.len()
+                && self
+                    .logprobs
+                    .iter()
+                    .zip(&want.logprobs)
+                    .all(|(a, b)| (a - b).abs() < 1e-3),
+            "{what}: logprobs {:?} != aggregated {:?}",
+            self.logprobs,
+            want.logprobs
+        );
+        Ok(())
+    }
+}
+
+/// A completion request body for `prompt` (greedy, with log-probabilities).
+fn body(prompt: &str, max_tokens: u64) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "logprobs": 1})
+}
+
+/// The aggregated answer on `engine`.
+async fn reference(http: &Http, engine: &Engine, prompt: &str) -> Result<Answer> {
+    let reply = http
+        .post_json(&completions(engine), &body(prompt, MAX_TOKENS))
+        .await?
+        .json()?;
+    Answer::from_reply(&reply)
+}
+
+/// The decode engine's prompt-token counters: (external_kv_transfer, local_cache_hit).
+async fn sources(http: &Http, decode: &Engine) -> Result<(f64, f64)> {
+    let text = scrape(http, decode).await?;
+    let name = "vllm:prompt_tokens_by_source_total";
+    Ok((
+        counter(&text, name, &EXT)?,
+        counter(&text, name, &[("source", "local_cache_hit")])?,
+    ))
+}
+
+/// Prefill on `prefill` with the kvagent parameters, then decode on `decode` with what prefill
+/// returned, as the sidecar does.
+async fn two_legs(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    dest_agent: &AgentProc,
+    prompt: &str,
+    transfer: &str,
+) -> Result<Answer> {
+    let mut first = body(prompt, 1);
+    first["kv_transfer_params"] = json!({
+        "do_remote_decode": true, "do_remote_prefill": false,
+        "kvmesh_transfer_id": transfer, "kvmesh_dest_agent": dest_agent.peer,
+    });
+    let first = http
+        .post_json(&completions(prefill), &first)
+        .await?
+        .json()?;
+    let params = first
+        .get("kv_transfer_params")
+        .cloned()
+        .unwrap_or(Value::Null);
+    let n = Answer::from_reply(&first)?.prompt_tokens;
+    ensure!(
+        params["kvmesh_transfer_id"] == transfer && params["kvmesh_num_tokens"].as_f64() == Some(n),
+        "prefill returned no kvmesh transfer parameters: {first}"
+    );
+    let mut second = body(prompt, MAX_TOKENS);
+    second["kv_transfer_params"] = params;
+    let second = http
+        .post_json(&completions(decode), &second)
+        .await?
+        .json()?;
+    Answer::from_reply(&second)
 }
 
 /// Case 1: the two legs by hand, as the sidecar's `kvagent` connector makes them.
@@ -195,61 +305,22 @@ async fn by_hand(
     dest_agent: &AgentProc,
 ) -> Result<()> {
     let prompt = long_prompt("kvagent-hand", 300);
-    let (want, prompt_tokens) = reference(http, prefill, &prompt).await?;
-    let ext_before = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &EXT,
-    )?;
+    let want = reference(http, prefill, &prompt).await?;
+    let (ext_before, _) = sources(http, decode).await?;
     let moved_before = dest_agent
         .counter(http, "kvagent_transfer_bytes_total", &[])
         .await?;
-
-    let first = http
-        .post_json(
-            &completions(prefill),
-            &json!({
-                "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
-                "kv_transfer_params": {
-                    "do_remote_decode": true, "do_remote_prefill": false,
-                    "kvmesh_transfer_id": "hand-1", "kvmesh_dest_agent": dest_agent.peer,
-                }
-            }),
-        )
-        .await?
-        .json()?;
-    let params = first
-        .get("kv_transfer_params")
-        .cloned()
-        .unwrap_or(Value::Null);
-    ensure!(
-        params["kvmesh_transfer_id"] == "hand-1"
-            && params["kvmesh_num_tokens"].as_f64() == Some(prompt_tokens),
-        "prefill returned no kvmesh transfer parameters: {first}"
-    );
-    let second = http
-        .post_json(
-            &completions(decode),
-            &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": true, "kv_transfer_params": params}),
-        )
-        .await?
-        .json()?;
-    let got = second["choices"][0]["text"]
-        .as_str()
-        .with_context(|| format!("decode reply {second}"))?;
-    let ext_after = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &EXT,
-    )?;
+    let got = two_legs(http, prefill, decode, dest_agent, &prompt, "hand-1").await?;
+    let (ext_after, _) = sources(http, decode).await?;
     let moved = dest_agent
         .counter(http, "kvagent_transfer_bytes_total", &[])
         .await?
         - moved_before;
+    let prompt_tokens = want.prompt_tokens;
     note(&format!(
-        "by hand: prompt {prompt_tokens} tokens, decode external_kv_transfer +{}, decode agent +{moved} bytes, output {got:?}",
-        ext_after - ext_before
+        "by hand: prompt {prompt_tokens} tokens, decode external_kv_transfer +{}, decode agent +{moved} bytes, output {:?}",
+        ext_after - ext_before,
+        got.text
     ));
     ensure!(
         ext_after - ext_before == prompt_tokens,
@@ -262,8 +333,35 @@ async fn by_hand(
         moved >= (blocks * 2 * 32 * 1024) as f64,
         "the decode agent received {moved} bytes, want at least {blocks} blocks' worth"
     );
-    ensure!(got == want, "P/D output {got:?} != aggregated {want:?}");
-    Ok(())
+    got.ensure_same(&want, "P/D")
+}
+
+/// Case 2: the decode engine already holds the prompt's first blocks (a shared prefix): only the
+/// rest comes from the transfer, and the connector places it after the locally cached blocks.
+async fn partly_cached_on_decode(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    dest_agent: &AgentProc,
+) -> Result<()> {
+    let shared = long_prompt("kvagent-shared", 200);
+    reference(http, decode, &shared).await?;
+    let prompt = format!("{shared} {}", long_prompt("tail", 120));
+    let want = reference(http, prefill, &prompt).await?;
+    let (ext_before, local_before) = sources(http, decode).await?;
+    let got = two_legs(http, prefill, decode, dest_agent, &prompt, "hand-2").await?;
+    let (ext_after, local_after) = sources(http, decode).await?;
+    let (ext, local) = (ext_after - ext_before, local_after - local_before);
+    note(&format!(
+        "partly cached: prompt {} tokens, decode local_cache_hit +{local}, external_kv_transfer +{ext}, output {:?}",
+        want.prompt_tokens, got.text
+    ));
+    ensure!(
+        local > 0.0 && ext > 0.0 && local + ext == want.prompt_tokens,
+        "want the prompt ({}) split between local hits (+{local}) and the transfer (+{ext})",
+        want.prompt_tokens
+    );
+    got.ensure_same(&want, "P/D with a local prefix")
 }
 
 /// Case 3: the decode leg names a transfer that never comes (its prefill node died). The decode
@@ -276,32 +374,26 @@ async fn transfer_never_arrives(
     dest_agent: &AgentProc,
 ) -> Result<()> {
     let prompt = long_prompt("kvagent-lost", 260);
-    let (want, prompt_tokens) = reference(http, prefill, &prompt).await?;
+    let want = reference(http, prefill, &prompt).await?;
     let timeouts = [("cause", "timeout")];
     let before = dest_agent
         .counter(http, "kvagent_failures_total", &timeouts)
         .await?;
     let started = std::time::Instant::now();
-    let reply = http
-        .post_json(
-            &completions(decode),
-            &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": true, "kv_transfer_params": {
-                        "kvmesh_transfer_id": "never-sent", "kvmesh_num_tokens": prompt_tokens}}),
-        )
-        .await?
-        .json()?;
+    let mut lost = body(&prompt, MAX_TOKENS);
+    lost["kv_transfer_params"] =
+        json!({"kvmesh_transfer_id": "never-sent", "kvmesh_num_tokens": want.prompt_tokens});
+    let reply = http.post_json(&completions(decode), &lost).await?.json()?;
     let took = started.elapsed();
-    let got = reply["choices"][0]["text"]
-        .as_str()
-        .with_context(|| format!("decode reply {reply}"))?;
+    let got = Answer::from_reply(&reply)?;
     let after = dest_agent
         .counter(http, "kvagent_failures_total", &timeouts)
         .await?;
     note(&format!(
-        "lost transfer: answered in {:.1} s after the {WAIT_DEADLINE_S} s wait, agent timeouts +{}, output {got:?}",
+        "lost transfer: answered in {:.1} s after the {WAIT_DEADLINE_S} s wait, agent timeouts +{}, output {:?}",
         took.as_secs_f64(),
-        after - before
+        after - before,
+        got.text
     ));
     ensure!(
         after - before >= 1.0,
@@ -311,11 +403,7 @@ async fn transfer_never_arrives(
         took.as_secs() >= WAIT_DEADLINE_S,
         "answered in {took:?}, before the connector's wait could have run out"
     );
-    ensure!(
-        got == want,
-        "recomputed output {got:?} != aggregated {want:?}"
-    );
-    Ok(())
+    got.ensure_same(&want, "recomputed")
 }
 
 /// POST with one extra header (the harness's client sends none).
@@ -349,7 +437,8 @@ async fn through_sidecar(
     dest_agent: &AgentProc,
 ) -> Result<()> {
     let prompt = long_prompt("kvagent-sidecar", 280);
-    let (want, prompt_tokens) = reference(http, prefill, &prompt).await?;
+    let want = reference(http, prefill, &prompt).await?;
+    let prompt_tokens = want.prompt_tokens;
     let port = dest_agent
         .peer
         .rsplit_once(':')
@@ -367,8 +456,7 @@ async fn through_sidecar(
     )?;
     let reply = post_with_header(
         &format!("{}/v1/completions", sidecar.url),
-        &json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": true}),
+        &body(&prompt, MAX_TOKENS),
         (
             "x-prefiller-host-port",
             &format!("127.0.0.1:{}", prefill.port),
@@ -381,17 +469,16 @@ async fn through_sidecar(
         .text();
     sidecar.shutdown().await;
     let reply = reply?;
-    let got = reply["choices"][0]["text"]
-        .as_str()
-        .with_context(|| format!("sidecar reply {reply}"))?;
+    let got = Answer::from_reply(&reply)?;
     let ext_after = counter(
         &scrape(http, decode).await?,
         "vllm:prompt_tokens_by_source_total",
         &EXT,
     )?;
     note(&format!(
-        "sidecar: prompt {prompt_tokens} tokens, decode external_kv_transfer +{}, output {got:?}",
-        ext_after - ext_before
+        "sidecar: prompt {prompt_tokens} tokens, decode external_kv_transfer +{}, output {:?}",
+        ext_after - ext_before,
+        got.text
     ));
     let pd_lines: Vec<&str> = pd_metrics
         .lines()
@@ -402,11 +489,7 @@ async fn through_sidecar(
         "through the sidecar the decode engine's external_kv_transfer grew by {}, want {prompt_tokens}; sidecar P/D metrics: {pd_lines:?}",
         ext_after - ext_before
     );
-    ensure!(
-        got == want,
-        "sidecar P/D output {got:?} != aggregated {want:?}"
-    );
-    Ok(())
+    got.ensure_same(&want, "sidecar P/D")
 }
 
 #[test]
@@ -438,6 +521,12 @@ fn vllm_kvagent_pd() -> Result<()> {
     let res = t
         .step("case: P/D legs by hand", || {
             rt.block_on(by_hand(&http, prefill, decode, d_agent))
+        })
+        .and_then(|()| {
+            t.step(
+                "case: P/D with the prompt's first blocks cached on decode",
+                || rt.block_on(partly_cached_on_decode(&http, prefill, decode, d_agent)),
+            )
         })
         .and_then(|()| {
             t.step(
