@@ -142,7 +142,8 @@ fn vllm_single_group() -> Result<()> {
                 let mut samples = case_fidelity::calibrate(&engine.base_url, 0).await?;
                 let real = case_fidelity::observe(&engine.base_url).await?;
                 samples.extend(case_fidelity::calibrate(&engine.base_url, 1).await?);
-                let (profile, _) = case_fidelity::calibrated_profile(&samples)?;
+                let profile =
+                    case_fidelity::calibrated_profile(&samples, KV_BLOCKS, MAX_NUM_SEQS).await?;
                 let sim = case_fidelity::start_sim(profile, KV_BLOCKS, MAX_NUM_SEQS).await?;
                 let simulated = case_fidelity::observe(&sim.base_url()).await;
                 sim.shutdown().await;
