@@ -5,6 +5,9 @@
 //! engine would reject is rejected here with the same 400, before any routing.
 
 use kvmesh_filters::prefix::tokenize::ChatMessage;
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 /// What an inference call asks for.
@@ -54,13 +57,129 @@ struct Wire {
     cache_salt: Option<String>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `prompt`: a string, strings, token ids or batches of token ids. Decoded by
+/// hand rather than with `#[serde(untagged)]`, which buffers the value (a
+/// 200 KB prompt copied twice) before trying each shape.
 enum WirePrompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for WirePrompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = WirePrompt;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, an array of strings, of token ids or of arrays of token ids")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<WirePrompt, E> {
+        Ok(WirePrompt::Text(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<WirePrompt, E> {
+        Ok(WirePrompt::Text(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WirePrompt, A::Error> {
+        // The first element decides the shape; the rest must share it.
+        let mixed = || de::Error::custom("prompt: an array mixes strings, token ids and arrays");
+        let Some(first) = seq.next_element::<PromptItem>()? else {
+            return Ok(WirePrompt::Texts(Vec::new()));
+        };
+        Ok(match first {
+            PromptItem::Text(s) => {
+                let mut v = vec![s];
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Text(s) = item else {
+                        return Err(mixed());
+                    };
+                    v.push(s);
+                }
+                WirePrompt::Texts(v)
+            }
+            PromptItem::Token(t) => {
+                let mut v = vec![t];
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Token(t) = item else {
+                        return Err(mixed());
+                    };
+                    v.push(t);
+                }
+                WirePrompt::Tokens(v)
+            }
+            PromptItem::Batch(b) => {
+                let mut v = vec![b];
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Batch(b) = item else {
+                        return Err(mixed());
+                    };
+                    v.push(b);
+                }
+                WirePrompt::TokenBatches(v)
+            }
+        })
+    }
+}
+
+/// One element of an array `prompt`.
+enum PromptItem {
+    Text(String),
+    Token(u32),
+    Batch(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ItemVisitor)
+    }
+}
+
+struct ItemVisitor;
+
+impl<'de> Visitor<'de> for ItemVisitor {
+    type Value = PromptItem;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id (0 to 2^32-1) or an array of token ids")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptItem, E> {
+        u32::try_from(v)
+            .map(PromptItem::Token)
+            .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptItem, E> {
+        u32::try_from(v)
+            .map(PromptItem::Token)
+            .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+        let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+        while let Some(t) = seq.next_element::<u32>()? {
+            v.push(t);
+        }
+        Ok(PromptItem::Batch(v))
+    }
 }
 
 #[derive(Deserialize)]
@@ -70,11 +189,43 @@ struct WireMessage {
     content: Option<WireContent>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// A message's `content`: a string or an array of parts (decoded by hand for
+/// the reason given at [`WirePrompt`]).
 enum WireContent {
     Text(String),
     Parts(Vec<WirePart>),
+}
+
+impl<'de> Deserialize<'de> for WireContent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+struct ContentVisitor;
+
+impl<'de> Visitor<'de> for ContentVisitor {
+    type Value = WireContent;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string or an array of content parts")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<WireContent, E> {
+        Ok(WireContent::Text(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<WireContent, E> {
+        Ok(WireContent::Text(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WireContent, A::Error> {
+        let mut parts = Vec::new();
+        while let Some(p) = seq.next_element::<WirePart>()? {
+            parts.push(p);
+        }
+        Ok(WireContent::Parts(parts))
+    }
 }
 
 #[derive(Deserialize)]
@@ -172,6 +323,39 @@ mod tests {
         assert_eq!(ms[0].content, "a\nb");
         assert_eq!(ms[1].content, "");
         assert_eq!(v.max_tokens, Some(3));
+    }
+
+    #[test]
+    fn every_prompt_shape() {
+        let parse = |b: &str| RequestView::parse(b.as_bytes(), Shape::Completion).map(|v| v.prompt);
+        assert_eq!(
+            parse(r#"{"prompt":["a","b\n"]}"#).unwrap(),
+            Prompt::Texts(vec!["a".into(), "b\n".into()])
+        );
+        assert_eq!(
+            parse(r#"{"prompt":[[1,2],[],[4294967295]]}"#).unwrap(),
+            Prompt::TokenBatches(vec![vec![1, 2], vec![], vec![u32::MAX]])
+        );
+        assert_eq!(
+            parse(r#"{"prompt":[]}"#).unwrap(),
+            Prompt::Texts(Vec::new())
+        );
+        assert_eq!(parse(r#"{"prompt":null}"#).unwrap(), Prompt::None);
+        for bad in [
+            r#"{"prompt":["a",1]}"#,
+            r#"{"prompt":[1,"a"]}"#,
+            r#"{"prompt":[[1],2]}"#,
+            r#"{"prompt":[4294967296]}"#,
+            r#"{"prompt":[-1]}"#,
+            r#"{"prompt":[1.5]}"#,
+            r#"{"prompt":{"text":"a"}}"#,
+            r#"{"prompt":[[1,"a"]]}"#,
+        ] {
+            assert!(parse(bad).is_err(), "{bad} parsed");
+        }
+        let chat = |b: &str| RequestView::parse(b.as_bytes(), Shape::Chat);
+        assert!(chat(r#"{"messages":[{"role":"user","content":7}]}"#).is_err());
+        assert!(chat(r#"{"messages":[{"role":"user","content":"x"}]}"#).is_ok());
     }
 
     #[test]
