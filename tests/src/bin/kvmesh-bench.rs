@@ -199,7 +199,8 @@ async fn overhead_cmd(a: OverheadArgs) -> Result<()> {
     let work_dir = match a.work_dir {
         Some(d) => {
             std::fs::create_dir_all(&d)?;
-            d
+            // nginx resolves its paths against its own prefix: make them absolute.
+            std::fs::canonicalize(&d).with_context(|| d.display().to_string())?
         }
         None => {
             tmp = std::env::temp_dir().join(format!("kvmesh-bench-{}", std::process::id()));
