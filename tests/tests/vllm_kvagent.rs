@@ -364,7 +364,7 @@ async fn partly_cached_on_decode(
     got.ensure_same(&want, "P/D with a local prefix")
 }
 
-/// Case 3: the decode leg names a transfer that never comes (its prefill node died). The decode
+/// Case 4: the decode leg names a transfer that never comes (its prefill node died). The decode
 /// connector's wait runs out, it reports the load failed, vLLM recomputes the prompt, and the
 /// answer is still the aggregated one.
 async fn transfer_never_arrives(
@@ -429,7 +429,7 @@ async fn post_with_header(url: &str, body: &Value, header: (&str, &str)) -> Resu
         .with_context(|| format!("POST {url}: no answer within 120 s"))?
 }
 
-/// Case 2: a kvmesh sidecar in front of the decode engine runs P/D with `--pd-connector kvagent`.
+/// Case 3: a kvmesh sidecar in front of the decode engine runs P/D with `--pd-connector kvagent`.
 async fn through_sidecar(
     http: &Http,
     prefill: &Engine,

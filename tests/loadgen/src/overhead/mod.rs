@@ -85,7 +85,7 @@ impl OverheadConfig {
     }
 }
 
-/// One leg (direct, kvmesh, nginx) on one case (small, 200KB, stream).
+/// One leg (direct, kvmesh, nginx) on one case (small, 200KB, stream, paced).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LegResult {
     pub case: String,
