@@ -200,7 +200,7 @@ async fn handle(
         cfg.cached_tokens.min(prompt_tokens)
     );
     if !view.stream {
-        tokio::time::sleep(cfg.first_token_delay).await;
+        pause(cfg.first_token_delay).await;
         let text = " tok".repeat(n as usize);
         let choice = if chat {
             format!(
@@ -237,7 +237,7 @@ async fn handle(
                 _ if i > n => None,
                 _ if i == n => Some((Ok(Frame::data(tail)), i + 1)),
                 _ => {
-                    tokio::time::sleep(if i == 0 { first } else { gap }).await;
+                    pause(if i == 0 { first } else { gap }).await;
                     Some((Ok(Frame::data(chunk)), i + 1))
                 }
             }
@@ -277,5 +277,14 @@ fn scan(body: &[u8]) -> View {
         max_tokens: value_after("\"max_tokens\"")
             .and_then(|v| v.parse().ok())
             .unwrap_or(16),
+    }
+}
+
+/// Waits `d`; no wait at all when it is zero. (`tokio::time::sleep(ZERO)` still
+/// waits for the timer's next 1 ms tick: that made the "answers at once" engine
+/// take ~1 ms per request, and quantized every leg's latency to timer ticks.)
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
     }
 }

@@ -10,7 +10,7 @@
 //! proxy share its cores), so their p99 mostly shows the throughput a proxy
 //! costs. The `paced` case measures the latency a proxy adds when it is not
 //! the bottleneck: small requests arriving as a Poisson process at a quarter
-//! of the direct leg's measured throughput.
+//! of the slowest leg's measured throughput.
 //!
 //! A leg whose binary is missing is skipped with the reason, so the bench
 //! runs (direct only, or direct + nginx) wherever it is.
@@ -48,12 +48,15 @@ pub struct OverheadConfig {
     pub large_requests: usize,
     pub large_bytes: usize,
     pub stream_requests: usize,
-    /// Content chunks per streamed answer.
+    /// Content chunks per streamed answer, and the engine's gap between them
+    /// (an engine decodes a token every few ms; chunks that arrive back to
+    /// back would measure write coalescing, not relaying).
     pub stream_chunks: u32,
+    pub chunk_gap: Duration,
     /// Requests sent before each measured leg (connections, caches).
     pub warmup: usize,
     /// Requests of the `paced` case, and its rate as a fraction of the
-    /// direct leg's closed-loop throughput on small requests.
+    /// slowest leg's closed-loop throughput on small requests.
     pub paced_requests: usize,
     pub paced_fraction: f64,
     /// Where configs and logs of the children go.
@@ -76,6 +79,7 @@ impl OverheadConfig {
             large_bytes: 200_000,
             stream_requests: 5_000 / k,
             stream_chunks: 16,
+            chunk_gap: Duration::from_millis(2),
             warmup: 500 / k,
             paced_requests: 10_000 / k,
             paced_fraction: 0.25,
@@ -108,6 +112,7 @@ pub async fn measure(cfg: &OverheadConfig) -> Result<OverheadReport, LoadgenErro
         "127.0.0.1:0",
         FastEngineConfig {
             chunks: cfg.stream_chunks,
+            chunk_delay: cfg.chunk_gap,
             ..FastEngineConfig::default()
         },
     )
@@ -152,12 +157,15 @@ pub async fn measure(cfg: &OverheadConfig) -> Result<OverheadReport, LoadgenErro
             results.push(measure_leg(cfg, case, leg, url, proc_.as_ref(), workload, &load).await?);
         }
     }
-    let direct_small = results
+    // A rate every leg sustains with room: a fraction of the slowest leg's
+    // closed-loop throughput on small requests.
+    let slowest_small = results
         .iter()
-        .find(|l| l.case == "small" && l.leg == "direct")
-        .map_or(0.0, |l| l.summary.req_per_s);
-    if direct_small > 0.0 {
-        let rate = (direct_small * cfg.paced_fraction).round().max(1.0);
+        .filter(|l| l.case == "small")
+        .map(|l| l.summary.req_per_s)
+        .fold(f64::INFINITY, f64::min);
+    if slowest_small.is_finite() && slowest_small > 0.0 {
+        let rate = (slowest_small * cfg.paced_fraction).round().max(1.0);
         let paced = tiny(cfg.paced_requests, 3);
         let load = Load::poisson(rate, paced.len());
         for (leg, url, proc_) in &legs {
