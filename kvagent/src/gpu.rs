@@ -47,16 +47,9 @@ impl GpuRegions {
         layout: BlockLayout,
         blocks: Vec<u32>,
     ) -> Result<()> {
-        blocking(move || {
-            let mut buf = vec![0u8; layout.block_len()];
-            for layer in 0..layout.layers {
-                for b in &blocks {
-                    let off = layout.offset(layer, *b);
-                    gpu.copy_to_host(off, &mut buf)?;
-                    shadow.write(off, &buf)?;
-                }
-            }
-            Ok(())
+        each_block(layout, blocks, move |off, buf| {
+            gpu.copy_to_host(off, buf)?;
+            shadow.write(off, buf)
         })
         .await
     }
@@ -68,19 +61,31 @@ impl GpuRegions {
         layout: BlockLayout,
         blocks: Vec<u32>,
     ) -> Result<()> {
-        blocking(move || {
-            let mut buf = vec![0u8; layout.block_len()];
-            for layer in 0..layout.layers {
-                for b in &blocks {
-                    let off = layout.offset(layer, *b);
-                    shadow.read(off, &mut buf)?;
-                    gpu.copy_from_host(off, &buf)?;
-                }
-            }
-            Ok(())
+        each_block(layout, blocks, move |off, buf| {
+            shadow.read(off, buf)?;
+            gpu.copy_from_host(off, buf)
         })
         .await
     }
+}
+
+/// Calls `copy(offset, buffer)` for every layer of every block, through one
+/// block-sized buffer, on the blocking pool (CUDA copies block the thread).
+async fn each_block(
+    layout: BlockLayout,
+    blocks: Vec<u32>,
+    mut copy: impl FnMut(usize, &mut [u8]) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    blocking(move || {
+        let mut buf = vec![0u8; layout.block_len()];
+        for layer in 0..layout.layers {
+            for &b in &blocks {
+                copy(layout.offset(layer, b), &mut buf)?;
+            }
+        }
+        Ok(())
+    })
+    .await
 }
 
 async fn blocking(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
