@@ -92,43 +92,42 @@ impl<'de> Visitor<'de> for PromptVisitor {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WirePrompt, A::Error> {
         // The first element decides the shape; the rest must share it.
-        let mixed = || de::Error::custom("prompt: an array mixes strings, token ids and arrays");
         let Some(first) = seq.next_element::<PromptItem>()? else {
             return Ok(WirePrompt::Texts(Vec::new()));
         };
         Ok(match first {
-            PromptItem::Text(s) => {
-                let mut v = vec![s];
-                while let Some(item) = seq.next_element::<PromptItem>()? {
-                    let PromptItem::Text(s) = item else {
-                        return Err(mixed());
-                    };
-                    v.push(s);
-                }
-                WirePrompt::Texts(v)
-            }
-            PromptItem::Token(t) => {
-                let mut v = vec![t];
-                while let Some(item) = seq.next_element::<PromptItem>()? {
-                    let PromptItem::Token(t) = item else {
-                        return Err(mixed());
-                    };
-                    v.push(t);
-                }
-                WirePrompt::Tokens(v)
-            }
+            PromptItem::Text(s) => WirePrompt::Texts(same_shape(s, &mut seq, |i| match i {
+                PromptItem::Text(s) => Some(s),
+                _ => None,
+            })?),
+            PromptItem::Token(t) => WirePrompt::Tokens(same_shape(t, &mut seq, |i| match i {
+                PromptItem::Token(t) => Some(t),
+                _ => None,
+            })?),
             PromptItem::Batch(b) => {
-                let mut v = vec![b];
-                while let Some(item) = seq.next_element::<PromptItem>()? {
-                    let PromptItem::Batch(b) = item else {
-                        return Err(mixed());
-                    };
-                    v.push(b);
-                }
-                WirePrompt::TokenBatches(v)
+                WirePrompt::TokenBatches(same_shape(b, &mut seq, |i| match i {
+                    PromptItem::Batch(b) => Some(b),
+                    _ => None,
+                })?)
             }
         })
     }
+}
+
+/// `first` and the rest of `seq`, each of which `pick` must accept.
+fn same_shape<'de, T, A: SeqAccess<'de>>(
+    first: T,
+    seq: &mut A,
+    pick: impl Fn(PromptItem) -> Option<T>,
+) -> Result<Vec<T>, A::Error> {
+    let mut v = vec![first];
+    while let Some(item) = seq.next_element::<PromptItem>()? {
+        let item = pick(item).ok_or_else(|| {
+            de::Error::custom("prompt: an array mixes strings, token ids and arrays")
+        })?;
+        v.push(item);
+    }
+    Ok(v)
 }
 
 /// One element of an array `prompt`.
