@@ -17,20 +17,12 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
     // Reference: the decode engine alone, aggregated. Another prompt variant would be cached
     // differently; this one is never seen by the decode engine before the decode leg below, since
     // the reference runs on the prefill engine.
-    let reference = http
-        .post_json(
-            &url(prefill),
-            &json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}),
-        )
-        .await?
-        .json()?;
-    let want_text = reference["choices"][0]["text"]
-        .as_str()
-        .context("reference text")?
-        .to_string();
-    let prompt_tokens = reference["usage"]["prompt_tokens"]
-        .as_f64()
-        .context("prompt_tokens")?;
+    let (want_text, prompt_tokens) = reference(
+        http,
+        &url(prefill),
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}),
+    )
+    .await?;
 
     let before = scrape(http, decode).await?;
     let ext = [("source", "external_kv_transfer")];
@@ -197,17 +189,8 @@ pub async fn through_sidecar(
     let prompt = long_prompt("pd-through-sidecar", 300);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
                       "ignore_eos": true});
-    let reference = http
-        .post_json(&format!("{}/v1/completions", prefill.base_url), &body)
-        .await?
-        .json()?;
-    let want_text = reference["choices"][0]["text"]
-        .as_str()
-        .context("reference text")?
-        .to_string();
-    let prompt_tokens = reference["usage"]["prompt_tokens"]
-        .as_f64()
-        .context("prompt_tokens")?;
+    let (want_text, prompt_tokens) =
+        reference(http, &format!("{}/v1/completions", prefill.base_url), &body).await?;
 
     let ext = [("source", "external_kv_transfer")];
     let ext_before = counter(
@@ -251,4 +234,17 @@ pub async fn through_sidecar(
         "P/D output {got_text:?} != engine a alone {want_text:?}"
     );
     Ok(())
+}
+
+/// The aggregated answer to `body` at `url`: its text and the prompt's length in tokens.
+async fn reference(http: &Http, url: &str, body: &Value) -> Result<(String, f64)> {
+    let reply = http.post_json(url, body).await?.json()?;
+    let text = reply["choices"][0]["text"]
+        .as_str()
+        .context("reference text")?
+        .to_string();
+    let prompt_tokens = reply["usage"]["prompt_tokens"]
+        .as_f64()
+        .context("prompt_tokens")?;
+    Ok((text, prompt_tokens))
 }
