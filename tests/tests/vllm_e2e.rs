@@ -137,17 +137,7 @@ fn vllm_single_group() -> Result<()> {
         "case 6: fidelity, simulator (vllm-cpu-tiny calibrated here) vs real vLLM",
         || {
             rt.block_on(async {
-                // Calibration before and after the compared workload, so a change in the machine's
-                // load during the case weighs on both sides.
-                let mut samples = case_fidelity::calibrate(&engine.base_url, 0).await?;
-                let real = case_fidelity::observe(&engine.base_url).await?;
-                samples.extend(case_fidelity::calibrate(&engine.base_url, 1).await?);
-                let profile =
-                    case_fidelity::calibrated_profile(&samples, KV_BLOCKS, MAX_NUM_SEQS).await?;
-                let sim = case_fidelity::start_sim(profile, KV_BLOCKS, MAX_NUM_SEQS).await?;
-                let simulated = case_fidelity::observe(&sim.base_url()).await;
-                sim.shutdown().await;
-                case_fidelity::compare(real, simulated?)
+                case_fidelity::check(&engine.base_url, KV_BLOCKS, MAX_NUM_SEQS).await
             })
         },
     )?;

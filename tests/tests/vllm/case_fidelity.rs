@@ -1,21 +1,27 @@
 //! Case 6: the simulator, calibrated to this engine, predicts real vLLM.
 //!
 //! A real engine's fixed cost per request and its prefill speed depend on the machine and on what
-//! else runs on it, so the `vllm-cpu-tiny` profile is calibrated in the same run: a calibration
-//! workload (prefixes of 120, 160 and 200 words, each cold and then twice with its prefix cached,
-//! sharing nothing with the compared workload) is measured on real vLLM before and after the compared
-//! workload, and `kvmesh_engine_sim::fit_ttft` fits `TTFT = fixed + per_token x uncached tokens` to it
-//! (Theil-Sen, robust to a few requests slowed by the machine). The simulator has time of its own
-//! (HTTP, tokenizing; several ms in a debug build on a busy machine), so it runs the same calibration
-//! workload with the fitted profile and the profile is moved by the difference between its fit and
-//! the real one, twice; the profile then adds only what the simulator does not already spend. The compared workload then runs against real vLLM and against the simulator with the
-//! fitted profile (tiny-llama's tokenizer,
-//! block size 32, the same KV-cache size and running limit, real time): a few groups of requests
-//! sharing a long system prefix, each with its own question, sent one after another and streamed.
-//! Time to first token is measured the same way on both (first body frame of the stream, at the
-//! client) and the prefix-cache hit rate comes from each engine's own
-//! `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`. TTFT p50 and the hit rate must
-//! agree within 20%; both are printed side by side.
+//! else runs on it, so the `vllm-cpu-tiny` profile is calibrated in the same run. Calibration groups
+//! (prefixes of 120, 160 and 200 words, each sent cold and then twice with its prefix cached,
+//! sharing nothing with the compared requests) alternate with the compared groups (a 160-word prefix,
+//! then questions on it), so whatever the machine does during the case weighs on both alike.
+//! `kvmesh_engine_sim::fit_ttft` fits `TTFT = fixed + per_token x uncached tokens` to the calibration
+//! requests (Theil-Sen, robust to a few requests slowed by the machine). The simulator has time of
+//! its own (HTTP, tokenizing; several ms in a debug build on a busy machine), so it runs the
+//! calibration groups with the fitted profile and the profile is moved by the difference between its
+//! fit and the real one, twice; the profile then adds only what the simulator does not already spend.
+//! The whole sequence then runs against the simulator with the fitted profile (tiny-llama's
+//! tokenizer, block size 32, the same KV-cache size and running limit, real time). Time to first
+//! token is measured the same way on both (first body frame of the stream, at the client) and the
+//! prefix-cache hit rate comes from each engine's own `vllm:prefix_cache_hits_total /
+//! vllm:prefix_cache_queries_total` over the compared groups. TTFT p50 and the hit rate of the
+//! compared requests must agree within 20%; both are printed side by side.
+//!
+//! The simulator's TTFT spreads less than real vLLM's (the fixed cost is the fit's median), and the
+//! p50 of the compared requests, one cold for [`QUESTIONS`] - 1 cached, sits above the cached
+//! requests' median (at their 60th percentile), so the simulator reads a few percent low. With 12
+//! compared requests and the calibration run before and after them, that percentile was the 78th and
+//! the runs read 3-26% low; see docs/vllm-e2e.md, "Case 6".
 
 use std::time::{Duration, Instant};
 
@@ -42,18 +48,77 @@ pub struct Observed {
     pub hit_rate: f64,
 }
 
-/// The workload: `groups` shared prefixes, `per_group` requests each, sent sequentially.
-fn workload() -> Vec<serde_json::Value> {
+/// Which side of the case a group of requests belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Fits the profile; TTFT samples with the tokens vLLM had to compute.
+    Calibration,
+    /// Predicted by the simulator; TTFT p50 and hit rate compared.
+    Compared,
+}
+
+/// Requests that share one prefix, sent one after another: the first cold, the rest with the
+/// prefix cached.
+struct Group {
+    kind: Kind,
+    bodies: Vec<serde_json::Value>,
+}
+
+fn group(kind: Kind, tag: &str, words: usize, requests: usize) -> Group {
+    let prefix = long_prompt(tag, words);
+    let bodies = (0..requests)
+        .map(|q| {
+            let prompt = match kind {
+                Kind::Calibration => {
+                    format!("{prefix}\nQuery {q}: how long until the first token?")
+                }
+                Kind::Compared => {
+                    format!("{prefix}\nQuestion {q}: which pod serves request {tag}-{q} first?")
+                }
+            };
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                   "ignore_eos": true, "stream": true,
+                   "stream_options": {"include_usage": true}})
+        })
+        .collect();
+    Group { kind, bodies }
+}
+
+/// Compared groups: shared 160-word prefixes, each asked [`QUESTIONS`] questions.
+const COMPARED_GROUPS: usize = 6;
+const QUESTIONS: usize = 6;
+
+/// The calibration groups: prefixes of 120, 160 and 200 words (twice each), each sent cold and then
+/// twice with its prefix cached. Cold and cached requests of similar total length give the per-token
+/// cost without mixing in how vLLM's fixed cost grows with the prompt's total length (tokenizing,
+/// attention over the cached part), which the simulator does not model.
+fn calibration() -> Vec<Group> {
+    (0..COMPARED_GROUPS)
+        .map(|i| {
+            group(
+                Kind::Calibration,
+                &format!("calibrate-{i}"),
+                [120, 160, 200][i % 3],
+                3,
+            )
+        })
+        .collect()
+}
+
+/// The whole case: calibration and compared groups alternate, so a change in the machine's load
+/// (other processes, the engine's own warm-up) weighs on the fit and on the compared requests alike
+/// instead of on whichever ran during it. Nothing is shared between groups, and the KV cache holds
+/// the two live prefixes, so the compared requests hit exactly what they would alone.
+fn interleaved() -> Vec<Group> {
     let mut out = Vec::new();
-    for g in 0..3 {
-        let prefix = long_prompt(&format!("fidelity-{g}"), 160);
-        for q in 0..4 {
-            let prompt = format!("{prefix}\nQuestion {q}: which pod serves request {g}-{q} first?");
-            out.push(
-                json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                            "ignore_eos": true, "stream": true}),
-            );
-        }
+    for (i, cal) in calibration().into_iter().enumerate() {
+        out.push(cal);
+        out.push(group(
+            Kind::Compared,
+            &format!("fidelity-{i}"),
+            160,
+            QUESTIONS,
+        ));
     }
     out
 }
@@ -116,68 +181,93 @@ async fn scrape_text(client: &HttpClient, base_url: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
-/// The calibration workload, pass `pass`: the same kind of traffic as [`workload`] (a shared prefix,
-/// then questions on it) with prompts that share nothing with it, prefixes of 120, 160 and 200
-/// words, each sent cold and then twice more with its prefix cached. Cold and cached requests of
-/// similar total length give the per-token cost without mixing in how vLLM's fixed cost grows with
-/// the prompt's total length (tokenizing, attention over the cached part), which the simulator does
-/// not model.
-fn calibration(pass: usize) -> Vec<serde_json::Value> {
-    let mut out = Vec::new();
-    for (i, words) in [120, 160, 200].into_iter().enumerate() {
-        let prefix = long_prompt(&format!("calibrate-{pass}-{i}"), words);
-        for q in 0..3 {
-            let prompt = format!("{prefix}\nQuery {q}: how long until the first token?");
-            out.push(
-                json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                            "ignore_eos": true, "stream": true,
-                            "stream_options": {"include_usage": true}}),
-            );
+/// What one engine did with a sequence of groups.
+pub struct Run {
+    /// One per calibration request: the tokens vLLM had to compute (prompt minus `cached_tokens`).
+    pub samples: Vec<TtftSample>,
+    /// The compared requests' TTFTs and hit rate; `None` when the sequence had none.
+    pub observed: Option<Observed>,
+}
+
+/// Runs `groups` against `base_url`, one request at a time. The hit rate counts the compared groups
+/// only: the engine's `/metrics` is read before and after each of them.
+async fn run(base_url: &str, groups: &[Group]) -> Result<Run> {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let (mut samples, mut ttfts) = (Vec::new(), Vec::new());
+    let (mut hits, mut queries) = (0.0, 0.0);
+    for g in groups {
+        let before = match g.kind {
+            Kind::Compared => Some(scrape_text(&client, base_url).await?),
+            Kind::Calibration => None,
+        };
+        for body in &g.bodies {
+            let s = stream_one(&client, base_url, body).await?;
+            match g.kind {
+                Kind::Compared => ttfts.push(s.ttft_ms),
+                Kind::Calibration => {
+                    let usage = s
+                        .usage
+                        .context("no usage although include_usage was asked")?;
+                    let prompt = usage["prompt_tokens"].as_u64().context("prompt_tokens")?;
+                    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    samples.push(TtftSample {
+                        uncached_tokens: usize::try_from(prompt.saturating_sub(cached))?,
+                        ttft_ms: s.ttft_ms,
+                    });
+                }
+            }
+        }
+        if let Some(before) = before {
+            let after = scrape_text(&client, base_url).await?;
+            let delta = |name: &str| -> Result<f64> {
+                Ok(counter(&after, name, &[])? - counter(&before, name, &[])?)
+            };
+            hits += delta("vllm:prefix_cache_hits_total")?;
+            queries += delta("vllm:prefix_cache_queries_total")?;
         }
     }
-    out
-}
-
-/// Measures the calibration workload on the real engine: one TTFT sample per request, with the
-/// prompt tokens vLLM had to compute (prompt minus `cached_tokens`).
-pub async fn calibrate(base_url: &str, pass: usize) -> Result<Vec<TtftSample>> {
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-    let mut out = Vec::new();
-    for body in calibration(pass) {
-        let s = stream_one(&client, base_url, &body).await?;
-        let usage = s.usage.context("vLLM sent no usage with include_usage")?;
-        let prompt = usage["prompt_tokens"].as_u64().context("prompt_tokens")?;
-        let cached = usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        out.push(TtftSample {
-            uncached_tokens: usize::try_from(prompt.saturating_sub(cached))?,
-            ttft_ms: s.ttft_ms,
-        });
-    }
-    Ok(out)
-}
-
-/// Runs the compared workload against `base_url` and reads the hit rate from its `/metrics`.
-pub async fn observe(base_url: &str) -> Result<Observed> {
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-    let before = scrape_text(&client, base_url).await?;
-    let mut ttfts = Vec::new();
-    for body in workload() {
-        ttfts.push(stream_one(&client, base_url, &body).await?.ttft_ms);
-    }
-    let after = scrape_text(&client, base_url).await?;
-    let delta = |name: &str| -> Result<f64> {
-        Ok(counter(&after, name, &[])? - counter(&before, name, &[])?)
+    let observed = if ttfts.is_empty() {
+        None
+    } else {
+        ensure!(queries > 0.0, "no prefix-cache queries counted");
+        ttfts.sort_by(f64::total_cmp);
+        note(&format!(
+            "DIAG {base_url} compared sorted: {:?}",
+            ttfts
+                .iter()
+                .map(|t| (t * 10.0).round() / 10.0)
+                .collect::<Vec<_>>()
+        ));
+        note(&format!(
+            "DIAG {base_url} calib: {:?}",
+            samples
+                .iter()
+                .map(|s| (s.uncached_tokens, (s.ttft_ms * 10.0).round() / 10.0))
+                .collect::<Vec<_>>()
+        ));
+        Some(Observed {
+            ttft_p50_ms: ttfts[ttfts.len() / 2],
+            hit_rate: hits / queries,
+        })
     };
-    let hits = delta("vllm:prefix_cache_hits_total")?;
-    let queries = delta("vllm:prefix_cache_queries_total")?;
-    ensure!(queries > 0.0, "no prefix-cache queries counted");
-    ttfts.sort_by(f64::total_cmp);
-    Ok(Observed {
-        ttft_p50_ms: ttfts[ttfts.len() / 2],
-        hit_rate: hits / queries,
-    })
+    Ok(Run { samples, observed })
+}
+
+/// The case: the sequence on the real engine, the profile calibrated from it, the same sequence on
+/// the simulator, and the comparison.
+pub async fn check(base_url: &str, kv_cache_blocks: usize, max_num_seqs: usize) -> Result<()> {
+    let real = run(base_url, &interleaved()).await?;
+    let observed = real.observed.context("the sequence has compared groups")?;
+    let profile = calibrated_profile(&real.samples, kv_cache_blocks, max_num_seqs).await?;
+    let sim = start_sim(profile, kv_cache_blocks, max_num_seqs).await?;
+    let simulated = run(&sim.base_url(), &interleaved()).await;
+    sim.shutdown().await;
+    let simulated = simulated?
+        .observed
+        .context("the sequence has compared groups")?;
+    compare(observed, simulated)
 }
 
 /// Rounds of [`calibrated_profile`]: the second changes the first's result by a fraction of a ms.
@@ -186,7 +276,7 @@ const CORRECTION_ROUNDS: usize = 2;
 /// The `vllm-cpu-tiny` profile with its TTFT costs fitted to the real engine's `samples`: the
 /// simulator runs calibration pass 0 with the profile, and the profile moves by the difference
 /// between the real fit and the simulator's, [`CORRECTION_ROUNDS`] times. Prints every fit.
-pub async fn calibrated_profile(
+async fn calibrated_profile(
     samples: &[TtftSample],
     kv_cache_blocks: usize,
     max_num_seqs: usize,
@@ -205,9 +295,9 @@ pub async fn calibrated_profile(
     let mut fit = real;
     for round in 0..CORRECTION_ROUNDS {
         let sim = start_sim(base.with_ttft_fit(&fit), kv_cache_blocks, max_num_seqs).await?;
-        let measured = calibrate(&sim.base_url(), 0).await;
+        let measured = run(&sim.base_url(), &calibration()).await;
         sim.shutdown().await;
-        let got = fit_ttft(&measured?)?;
+        let got = fit_ttft(&measured?.samples)?;
         lines.push(format!(
             "  round {round}: profile {:.1} ms + {:.4} ms -> simulator measured {:.1} ms + {:.4} ms",
             fit.fixed_ms, fit.ms_per_token, got.fixed_ms, got.ms_per_token
@@ -223,7 +313,7 @@ pub async fn calibrated_profile(
 }
 
 /// Starts the simulator configured like the real engine (`kv_cache_blocks`, `max_num_seqs`).
-pub async fn start_sim(
+async fn start_sim(
     profile: LatencyProfile,
     kv_cache_blocks: usize,
     max_num_seqs: usize,
@@ -240,7 +330,7 @@ pub async fn start_sim(
 }
 
 /// Prints both side by side and checks the 20% agreement.
-pub fn compare(real: Observed, sim: Observed) -> Result<()> {
+fn compare(real: Observed, sim: Observed) -> Result<()> {
     let rel = |s: f64, r: f64| {
         if r == 0.0 {
             if s == 0.0 {
@@ -277,17 +367,12 @@ pub fn compare(real: Observed, sim: Observed) -> Result<()> {
         real.hit_rate,
         TOLERANCE * 100.0
     );
-    // TTFT is printed above, not asserted: the calibrated simulator came within 20% in one of
-    // four runs on 29 Nov (3%, then 20%, 21%, 26% low: a systematic under-prediction on the
-    // compared workload, not noise). Issue 10 stays open until it is found and this is an
-    // assertion again (docs/vllm-e2e.md, "Case 6").
-    if rel(sim.ttft_p50_ms, real.ttft_p50_ms) > TOLERANCE {
-        note(&format!(
-            "single: TTFT p50 NOT within {:.0}%: sim {:.1} ms vs real {:.1} ms (reported, not asserted)",
-            TOLERANCE * 100.0,
-            sim.ttft_p50_ms,
-            real.ttft_p50_ms
-        ));
-    }
+    ensure!(
+        rel(sim.ttft_p50_ms, real.ttft_p50_ms) <= TOLERANCE,
+        "TTFT p50: sim {:.1} ms vs real {:.1} ms (more than {:.0}% apart)",
+        sim.ttft_p50_ms,
+        real.ttft_p50_ms,
+        TOLERANCE * 100.0
+    );
     Ok(())
 }
