@@ -8,7 +8,9 @@
 //! the simulator runs the calibration workload with the profile, its fit is compared with the real
 //! one, and the profile moves by the difference ([`TtftFit::corrected`]). The fit is Theil-Sen (the median of the
 //! slopes between pairs of samples, then the median intercept), so a few requests slowed down by a
-//! busy machine move it little, where least squares would follow them.
+//! busy machine move it little, where least squares would follow them. The spread of the samples
+//! around the fit (a robust standard deviation) becomes the profile's `api_overhead_std_ms`, so the
+//! simulator's TTFTs scatter as the engine's do.
 
 use crate::profile::LatencyProfile;
 use crate::SimError;
@@ -21,11 +23,14 @@ pub struct TtftSample {
     pub ttft_ms: f64,
 }
 
-/// `ttft_ms = fixed_ms + ms_per_token * uncached_tokens`.
+/// `ttft_ms = fixed_ms + ms_per_token * uncached_tokens`, give or take `spread_ms`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TtftFit {
     pub fixed_ms: f64,
     pub ms_per_token: f64,
+    /// How far the samples scatter around the line: 1.4826 x the median absolute residual, which
+    /// is the standard deviation for normal scatter and ignores a few outliers.
+    pub spread_ms: f64,
     /// Samples the fit used.
     pub samples: usize,
 }
@@ -65,9 +70,14 @@ pub fn fit_ttft(samples: &[TtftSample]) -> Result<TtftFit, SimError> {
         .map(|s| s.ttft_ms - slope * s.uncached_tokens as f64)
         .collect();
     let fixed = median(&mut intercepts).unwrap_or(0.0).max(0.0);
+    let mut residuals: Vec<f64> = samples
+        .iter()
+        .map(|s| (s.ttft_ms - fixed - slope * s.uncached_tokens as f64).abs())
+        .collect();
     Ok(TtftFit {
         fixed_ms: fixed,
         ms_per_token: slope,
+        spread_ms: 1.4826 * median(&mut residuals).unwrap_or(0.0),
         samples: samples.len(),
     })
 }
@@ -77,11 +87,15 @@ impl TtftFit {
     /// simulator then measured `got` on the calibration workload where the real engine measured
     /// `target`; the next profile adds the difference. The simulator's own time (HTTP, tokenizing;
     /// large in a debug build on a busy machine, and partly overlapping the simulated API time) is
-    /// thereby taken out as it really behaves, not as a model of it. Clamped at zero.
+    /// thereby taken out as it really behaves, not as a model of it. The spread moves by the
+    /// difference of the variances, since the simulator's own scatter adds to the drawn one.
+    /// Clamped at zero.
     pub fn corrected(&self, target: &TtftFit, got: &TtftFit) -> TtftFit {
+        let variance = self.spread_ms.powi(2) + target.spread_ms.powi(2) - got.spread_ms.powi(2);
         TtftFit {
             fixed_ms: (self.fixed_ms + target.fixed_ms - got.fixed_ms).max(0.0),
             ms_per_token: (self.ms_per_token + target.ms_per_token - got.ms_per_token).max(0.0),
+            spread_ms: variance.max(0.0).sqrt(),
             samples: target.samples,
         }
     }
@@ -103,12 +117,14 @@ fn median(v: &mut [f64]) -> Option<f64> {
 impl LatencyProfile {
     /// This profile with its TTFT costs replaced by `fit`: the prefill cost per token, and the fixed
     /// part split between the API server (`api_overhead_ms`) and the step (`step_base_ms`, kept unless
-    /// the fixed cost is smaller). Decode and transfer costs are left as they are.
+    /// the fixed cost is smaller), and the spread as the API server's (`api_overhead_std_ms`).
+    /// Decode and transfer costs are left as they are.
     pub fn with_ttft_fit(&self, fit: &TtftFit) -> LatencyProfile {
         let step_base_ms = self.step_base_ms.min(fit.fixed_ms);
         LatencyProfile {
             name: format!("{}+calibrated", self.name),
             api_overhead_ms: fit.fixed_ms - step_base_ms,
+            api_overhead_std_ms: fit.spread_ms,
             step_base_ms,
             prefill_ms_per_token: fit.ms_per_token,
             ..self.clone()
@@ -137,6 +153,18 @@ mod tests {
         assert!((fit.fixed_ms - 18.0).abs() < 1e-9, "{fit:?}");
         assert!((fit.ms_per_token - 0.04).abs() < 1e-9, "{fit:?}");
         assert_eq!(fit.samples, 4);
+        assert!(fit.spread_ms.abs() < 1e-9, "{fit:?}");
+    }
+
+    #[test]
+    fn the_spread_is_the_scatter_around_the_line() {
+        let samples: Vec<_> = [20, 300, 500]
+            .iter()
+            .flat_map(|&x| [-2.0, 2.0].map(|d| s(x, 18.0 + 0.04 * x as f64 + d)))
+            .collect();
+        let fit = fit_ttft(&samples).unwrap();
+        assert!((fit.fixed_ms - 18.0).abs() < 1e-9, "{fit:?}");
+        assert!((fit.spread_ms - 1.4826 * 2.0).abs() < 1e-9, "{fit:?}");
     }
 
     #[test]
@@ -153,21 +181,27 @@ mod tests {
 
     #[test]
     fn a_correction_step_moves_the_profile_by_the_difference() {
-        let fit = |fixed_ms, ms_per_token| TtftFit {
+        let fit = |fixed_ms, ms_per_token, spread_ms| TtftFit {
             fixed_ms,
             ms_per_token,
+            spread_ms,
             samples: 18,
         };
-        let real = fit(26.0, 0.09);
-        // The simulator, run with the real fit as its profile, came out 8 ms slower and a little
-        // steeper: its own time.
-        let got = fit(34.0, 0.1);
+        let real = fit(26.0, 0.09, 4.0);
+        // The simulator, run with the real fit as its profile, came out 8 ms slower, a little
+        // steeper and scattering a little more: its own time.
+        let got = fit(34.0, 0.1, 5.0);
         let next = real.corrected(&real, &got);
         assert!((next.fixed_ms - 18.0).abs() < 1e-9, "{next:?}");
         assert!((next.ms_per_token - 0.08).abs() < 1e-9, "{next:?}");
+        // 16 + 16 - 25: the simulator's own 3 ms of scatter is taken out of the drawn part.
+        assert!((next.spread_ms - 7f64.sqrt()).abs() < 1e-9, "{next:?}");
         // Never negative.
-        let next = fit(1.0, 0.0).corrected(&real, &fit(40.0, 0.5));
-        assert_eq!((next.fixed_ms, next.ms_per_token), (0.0, 0.0));
+        let next = fit(1.0, 0.0, 1.0).corrected(&real, &fit(40.0, 0.5, 9.0));
+        assert_eq!(
+            (next.fixed_ms, next.ms_per_token, next.spread_ms),
+            (0.0, 0.0, 0.0)
+        );
     }
 
     #[test]
@@ -183,12 +217,14 @@ mod tests {
         let fit = TtftFit {
             fixed_ms: 30.0,
             ms_per_token: 0.08,
+            spread_ms: 2.5,
             samples: 8,
         };
         let p = base.with_ttft_fit(&fit);
         assert_eq!(p.name, "vllm-cpu-tiny+calibrated");
         let ttft = p.api_overhead_ms + p.step_seconds(200, 0, 0) * 1000.0;
         assert!((ttft - (30.0 + 0.08 * 200.0)).abs() < 1e-9, "{ttft}");
+        assert_eq!(p.api_overhead_std_ms, 2.5);
         assert_eq!(p.decode_ms_per_seq, base.decode_ms_per_seq);
         assert_eq!(p.kv_transfer_base_ms, base.kv_transfer_base_ms);
         assert!(p.validate().is_ok());

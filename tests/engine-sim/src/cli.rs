@@ -62,6 +62,9 @@ pub struct Args {
     /// Simulated seconds per real second.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Seed of the latency spread (a profile's `api_overhead_std_ms`, `step_std_ratio`).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     #[arg(long, value_enum, default_value = "vllm")]
     flavor: FlavorArg,
     #[arg(long, value_enum, default_value = "both")]
@@ -84,6 +87,7 @@ impl Args {
             .with_max_model_len(self.max_model_len)
             .with_profile(LatencyProfile::load(&self.profile)?)
             .with_time_scale(self.time_scale)
+            .with_seed(self.seed)
             .with_flavor(match self.flavor {
                 FlavorArg::Vllm => Flavor::Vllm,
                 FlavorArg::Sglang => Flavor::Sglang,

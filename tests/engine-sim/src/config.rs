@@ -123,6 +123,8 @@ pub struct SimConfig {
     pub bootstrap_port: u16,
     /// Data-parallel rank stamped into event batches and metrics.
     pub dp_rank: u32,
+    /// Seed of the latency model's spread (the profile's `*_std*` fields).
+    pub seed: u64,
 }
 
 impl Default for SimConfig {
@@ -155,6 +157,7 @@ impl SimConfig {
             bootstrap_timeout_s: 300.0,
             bootstrap_port: 8998,
             dp_rank: 0,
+            seed: 0,
         }
     }
 
@@ -205,6 +208,11 @@ impl SimConfig {
 
     pub fn with_engine_id(mut self, engine_id: impl Into<String>) -> Self {
         self.engine_id = Some(engine_id.into());
+        self
+    }
+
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
         self
     }
 

@@ -16,6 +16,9 @@
 //! receives KV from a prefill engine pays `kv_transfer_base_ms +
 //! kv_transfer_ms_per_token * tokens` instead of the prefill, off the step path.
 //!
+//! `api_overhead_std_ms` and `step_std_ratio` spread both around their modelled
+//! values (`core::jitter`); the built-in profiles have no spread.
+//!
 //! Built-in profiles: `small-gpu` (8B on one H100-class GPU), `large-gpu`
 //! (70B with TP8), `vllm-cpu-tiny` (calibrated to the real vLLM CPU captures).
 
@@ -39,6 +42,13 @@ pub struct LatencyProfile {
     pub max_num_batched_tokens: usize,
     pub kv_transfer_base_ms: f64,
     pub kv_transfer_ms_per_token: f64,
+    /// Standard deviation of each request's API-server time, in ms (llm-d-inference-sim's
+    /// `time-to-first-token-std-dev`); draws are cut at 3 standard deviations and floored at 0.
+    #[serde(default)]
+    pub api_overhead_std_ms: f64,
+    /// Standard deviation of each step's duration, relative to it (0.1 = 10%); cut the same way.
+    #[serde(default)]
+    pub step_std_ratio: f64,
 }
 
 impl LatencyProfile {
@@ -55,6 +65,8 @@ impl LatencyProfile {
             max_num_batched_tokens: 8192,
             kv_transfer_base_ms: 2.0,
             kv_transfer_ms_per_token: 0.003,
+            api_overhead_std_ms: 0.0,
+            step_std_ratio: 0.0,
         }
     }
 
@@ -70,6 +82,8 @@ impl LatencyProfile {
             max_num_batched_tokens: 8192,
             kv_transfer_base_ms: 2.0,
             kv_transfer_ms_per_token: 0.008,
+            api_overhead_std_ms: 0.0,
+            step_std_ratio: 0.0,
         }
     }
 
@@ -91,6 +105,8 @@ impl LatencyProfile {
             max_num_batched_tokens: 4096,
             kv_transfer_base_ms: 20.0,
             kv_transfer_ms_per_token: 0.01,
+            api_overhead_std_ms: 0.0,
+            step_std_ratio: 0.0,
         }
     }
 
@@ -133,6 +149,8 @@ impl LatencyProfile {
             self.decode_ms_per_kctx,
             self.kv_transfer_base_ms,
             self.kv_transfer_ms_per_token,
+            self.api_overhead_std_ms,
+            self.step_std_ratio,
         ];
         if costs.iter().any(|c| !c.is_finite() || *c < 0.0) {
             return Err(SimError::Config(format!(

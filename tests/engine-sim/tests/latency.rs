@@ -129,3 +129,59 @@ async fn cpu_tiny_profile_matches_the_real_probe() {
     );
     e.shutdown().await;
 }
+
+/// Simulated TTFTs of `n` requests sent one at a time (no queue), sorted.
+async fn sequential_ttfts_ms(profile: LatencyProfile, n: usize) -> Vec<f64> {
+    let cfg = SimConfig::new("sim")
+        .with_time_scale(2.0)
+        .with_seed(11)
+        .with_profile(profile);
+    let e = Engine::start_local(cfg).await.unwrap();
+    for i in 0..n {
+        let (s, _) = post(
+            e.addr(),
+            "/v1/completions",
+            &completion(&words(&format!("j{i}x"), 40), 1),
+        )
+        .await;
+        assert_eq!(s, 200);
+    }
+    let mut ttfts: Vec<f64> = e
+        .completed_requests()
+        .iter()
+        .map(|r| r.ttft_s * 1000.0)
+        .collect();
+    e.shutdown().await;
+    assert_eq!(ttfts.len(), n);
+    ttfts.sort_by(f64::total_cmp);
+    ttfts
+}
+
+/// A profile's `api_overhead_std_ms` scatters the TTFTs of identical requests around the same
+/// median; without it they all take the modelled time (give or take the machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_overhead_spread_scatters_ttft_around_the_same_median() {
+    let exact = LatencyProfile::vllm_cpu_tiny();
+    let spread = LatencyProfile {
+        api_overhead_std_ms: 4.0,
+        ..exact.clone()
+    };
+    let n = 60;
+    let a = sequential_ttfts_ms(exact, n).await;
+    let b = sequential_ttfts_ms(spread, n).await;
+    let iqr = |v: &[f64]| v[n * 3 / 4] - v[n / 4];
+    let median = |v: &[f64]| v[n / 2];
+    // A normal's interquartile range is 1.35 standard deviations: ~5.4 ms for 4 ms.
+    assert!(
+        iqr(&b) > iqr(&a) + 2.5,
+        "spread: IQR {:.2} ms, exact: IQR {:.2} ms",
+        iqr(&b),
+        iqr(&a)
+    );
+    assert!(
+        (median(&b) - median(&a)).abs() < 2.5,
+        "medians {:.2} vs {:.2} ms",
+        median(&b),
+        median(&a)
+    );
+}

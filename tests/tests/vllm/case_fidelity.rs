@@ -17,11 +17,12 @@
 //! vllm:prefix_cache_queries_total` over the compared groups. TTFT p50 and the hit rate of the
 //! compared requests must agree within 20%; both are printed side by side.
 //!
-//! The simulator's TTFT spreads less than real vLLM's (the fixed cost is the fit's median), and the
-//! p50 of the compared requests, one cold for [`QUESTIONS`] - 1 cached, sits above the cached
-//! requests' median (at their 60th percentile), so the simulator reads a few percent low. With 12
-//! compared requests and the calibration run before and after them, that percentile was the 78th and
-//! the runs read 3-26% low; see docs/vllm-e2e.md, "Case 6".
+//! The fit's spread (a robust standard deviation of the calibration requests around the line)
+//! becomes the profile's `api_overhead_std_ms`, corrected for the simulator's own scatter the same
+//! way: the p50 of the compared requests, one cold for [`QUESTIONS`] - 1 cached, sits above the
+//! cached requests' median (at their 60th percentile), where a simulator without spread reads low.
+//! The earlier form of this case (12 compared requests, calibration before and after them) put that
+//! percentile at the 78th and read 3-26% low; see docs/vllm-e2e.md, "Case 6".
 
 use std::time::{Duration, Instant};
 
@@ -233,20 +234,6 @@ async fn run(base_url: &str, groups: &[Group]) -> Result<Run> {
     } else {
         ensure!(queries > 0.0, "no prefix-cache queries counted");
         ttfts.sort_by(f64::total_cmp);
-        note(&format!(
-            "DIAG {base_url} compared sorted: {:?}",
-            ttfts
-                .iter()
-                .map(|t| (t * 10.0).round() / 10.0)
-                .collect::<Vec<_>>()
-        ));
-        note(&format!(
-            "DIAG {base_url} calib: {:?}",
-            samples
-                .iter()
-                .map(|s| (s.uncached_tokens, (s.ttft_ms * 10.0).round() / 10.0))
-                .collect::<Vec<_>>()
-        ));
         Some(Observed {
             ttft_p50_ms: ttfts[ttfts.len() / 2],
             hit_rate: hits / queries,
@@ -273,9 +260,10 @@ pub async fn check(base_url: &str, kv_cache_blocks: usize, max_num_seqs: usize) 
 /// Rounds of [`calibrated_profile`]: the second changes the first's result by a fraction of a ms.
 const CORRECTION_ROUNDS: usize = 2;
 
-/// The `vllm-cpu-tiny` profile with its TTFT costs fitted to the real engine's `samples`: the
-/// simulator runs calibration pass 0 with the profile, and the profile moves by the difference
-/// between the real fit and the simulator's, [`CORRECTION_ROUNDS`] times. Prints every fit.
+/// The `vllm-cpu-tiny` profile with its TTFT costs and spread fitted to the real engine's
+/// `samples`: the simulator runs the calibration groups with the profile, and the profile moves by
+/// the difference between the real fit and the simulator's, [`CORRECTION_ROUNDS`] times. Prints
+/// every fit.
 async fn calibrated_profile(
     samples: &[TtftSample],
     kv_cache_blocks: usize,
@@ -284,10 +272,11 @@ async fn calibrated_profile(
     let base = LatencyProfile::builtin("vllm-cpu-tiny").context("the vllm-cpu-tiny profile")?;
     let real = fit_ttft(samples)?;
     let mut lines = vec![format!(
-        "single: calibration: real vLLM TTFT = {:.1} ms + {:.4} ms x uncached tokens ({} requests; \
-         built-in vllm-cpu-tiny: {:.1} ms + {:.4} ms)",
+        "single: calibration: real vLLM TTFT = {:.1} ms + {:.4} ms x uncached tokens, ± {:.1} ms \
+         ({} requests; built-in vllm-cpu-tiny: {:.1} ms + {:.4} ms)",
         real.fixed_ms,
         real.ms_per_token,
+        real.spread_ms,
         real.samples,
         base.api_overhead_ms + base.step_base_ms,
         base.prefill_ms_per_token
@@ -299,14 +288,20 @@ async fn calibrated_profile(
         sim.shutdown().await;
         let got = fit_ttft(&measured?.samples)?;
         lines.push(format!(
-            "  round {round}: profile {:.1} ms + {:.4} ms -> simulator measured {:.1} ms + {:.4} ms",
-            fit.fixed_ms, fit.ms_per_token, got.fixed_ms, got.ms_per_token
+            "  round {round}: profile {:.1} ms + {:.4} ms ± {:.1} -> simulator measured {:.1} ms + \
+             {:.4} ms ± {:.1}",
+            fit.fixed_ms,
+            fit.ms_per_token,
+            fit.spread_ms,
+            got.fixed_ms,
+            got.ms_per_token,
+            got.spread_ms
         ));
         fit = fit.corrected(&real, &got);
     }
     lines.push(format!(
-        "  profile used: {:.1} ms + {:.4} ms",
-        fit.fixed_ms, fit.ms_per_token
+        "  profile used: {:.1} ms + {:.4} ms ± {:.1} ms",
+        fit.fixed_ms, fit.ms_per_token, fit.spread_ms
     ));
     note(&lines.join("\n"));
     Ok(base.with_ttft_fit(&fit))

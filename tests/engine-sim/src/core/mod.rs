@@ -11,6 +11,7 @@
 //! time as `start + v / time_scale`; every latency the engine reports is in
 //! virtual seconds.
 
+mod jitter;
 mod step;
 
 use std::collections::{HashMap, VecDeque};
@@ -193,6 +194,8 @@ pub(crate) struct Core {
     encoding: Encoding,
     /// Our own command channel, for the P/D registry to release held blocks.
     self_tx: mpsc::WeakSender<Cmd>,
+    /// The spread of API-server and step times (none with the built-in profiles).
+    jitter: jitter::Jitter,
 }
 
 impl Core {
@@ -214,6 +217,7 @@ impl Core {
         };
         Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
+            jitter: jitter::Jitter::new(&cfg.profile, cfg.seed),
             cfg,
             engine_id,
             clock,
@@ -336,7 +340,7 @@ impl Core {
             external_tokens: 0,
             output: Vec::new(),
             arrival_v,
-            ready_v: arrival_v + self.cfg.profile.api_overhead_ms / 1000.0,
+            ready_v: arrival_v + self.jitter.api_seconds(),
             scheduled_v: None,
             first_token_v: None,
             last_token_v: 0.0,

@@ -137,10 +137,11 @@ impl Core {
         if items.is_empty() {
             return None;
         }
-        let cost = self
+        let modelled = self
             .cfg
             .profile
             .step_seconds(prefill_tokens, decode_seqs, decode_ctx);
+        let cost = self.jitter.step_seconds(modelled);
         Some(Plan {
             cost,
             items,
