@@ -6,7 +6,7 @@
 
 use kvmesh_filters::sched::{
     EndpointView, FilterConfig, LoadSnapshot, PrefixMatch, RequestView, Role, Route, ScheduleError,
-    Scheduler,
+    Scheduler, TraceLevel,
 };
 
 fn ep(i: usize) -> EndpointView {
@@ -159,6 +159,83 @@ fn trace_has_every_score_and_the_totals() {
     assert_eq!(
         json["trace"]["profiles"][0]["scorers"][2]["scorer"],
         "prefix-cache-scorer"
+    );
+}
+
+#[test]
+fn summary_trace_decides_the_same_and_keeps_only_the_reason() {
+    let mut eps = pool(6);
+    hit(&mut eps[4], 40);
+    eps[1].healthy = false;
+    eps[2].load.waiting = 9;
+    // Two schedulers, so stateful plugins see the same history on both sides.
+    let (full, summary) = (default_sched(), default_sched());
+    for seed in 0..32 {
+        let r = req(if seed % 2 == 0 { 0 } else { 100 });
+        let a = full.schedule(&r, &eps, seed, seed).unwrap();
+        let b = summary
+            .schedule_with(&r, &eps, seed, seed, TraceLevel::Summary)
+            .unwrap();
+        assert_eq!(a.route, b.route, "seed {seed}");
+        assert_eq!(a.trace.reason, b.trace.reason);
+        assert!(b.trace.profiles.is_empty() && b.trace.request_id.is_empty());
+        assert_eq!(
+            a.trace.profiles[0].scorers.len(),
+            5,
+            "full trace stays complete"
+        );
+        assert_eq!(a.trace.request_id, "req-1");
+    }
+}
+
+#[test]
+fn one_candidate_summary_still_filters_and_picks_it() {
+    let sched = default_sched();
+    let one = pool(1);
+    let d = sched
+        .schedule_with(&req(10), &one, 0, 7, TraceLevel::Summary)
+        .unwrap();
+    assert_eq!(d.route.primary().id, one[0].id);
+    assert!(d.route.primary().fallbacks.is_empty());
+    // The filters that can reject the only pod still do, with the same error.
+    for (broken, filter) in [
+        (
+            EndpointView {
+                healthy: false,
+                ..ep(0)
+            },
+            "healthy-fresh-filter",
+        ),
+        (
+            EndpointView {
+                models: vec!["x".into()],
+                ..ep(0)
+            },
+            "model-filter",
+        ),
+        (
+            EndpointView {
+                role: Role::Prefill,
+                ..ep(0)
+            },
+            "decode-filter",
+        ),
+    ] {
+        let eps = [broken];
+        let full = sched.schedule(&req(10), &eps, 0, 0).unwrap_err();
+        let summary = sched
+            .schedule_with(&req(10), &eps, 0, 0, TraceLevel::Summary)
+            .unwrap_err();
+        assert_eq!(full, summary);
+        assert!(
+            matches!(&summary, ScheduleError::NoEndpoint { filter: f, .. } if f == filter),
+            "{summary:?}"
+        );
+    }
+    let none = sched.schedule_with(&req(10), &[], 0, 0, TraceLevel::Summary);
+    assert_eq!(
+        none.unwrap_err(),
+        sched.schedule(&req(10), &[], 0, 0).unwrap_err()
     );
 }
 

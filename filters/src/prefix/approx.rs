@@ -8,6 +8,14 @@
 //! routed blocks beyond a capacity (set it from the engine's KV size: blocks ×
 //! tokens per block ÷ tokens per chunk). Matching is the longest run of
 //! leading keys per pod, as in the precise index.
+//!
+//! Recency is kept within a quarter of the capacity
+//! ([`ApproxIndex::record`]): a block recorded again within the pod's last
+//! capacity/4 insertions is not moved, so it outlives at least 3/4 of the
+//! capacity in later insertions rather than all of it. Prompts sent over and
+//! over (shared system prompts, the same long document) then cost one lookup
+//! per block, not a queue entry per block and the compactions that follow;
+//! the engine's own eviction is no exact LRU of requests either.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -107,12 +115,15 @@ impl ApproxIndex {
             .clone()
     }
 
-    /// Remembers that `pod` was sent a prompt with these keys.
+    /// Remembers that `pod` was sent a prompt with these keys (one lock for
+    /// the whole prompt). A key recorded within the pod's last capacity/4
+    /// insertions keeps its place (see the module docs).
     pub fn record(&self, pod: &str, keys: &[BlockKey]) {
         let p = self.pod(pod);
         let mut lru = p.write();
+        let fresh = (lru.max_weight() / 4) as u64;
         for &k in keys {
-            lru.insert(k, (), 1);
+            lru.refresh(k, (), 1, fresh);
         }
     }
 
@@ -192,6 +203,25 @@ mod tests {
         // Chunks count characters, not bytes.
         assert_eq!(a.keys("m", "ééééééééé").len(), 1);
         assert_eq!(a.keys("m", "ééééé").len(), 0);
+    }
+
+    #[test]
+    fn records_again_keep_a_prompt_and_its_recency() {
+        // Capacity 64: the freshness window is 16 insertions.
+        let a = idx(64);
+        let shared = a.keys("m", &"s".repeat(8 * 40));
+        for _ in 0..100 {
+            a.record("p", &shared);
+        }
+        assert_eq!(a.match_prefix(&shared)[0].blocks, 40);
+        // 24 new blocks fit beside the 40; the shared prompt stays whole.
+        a.record("p", &a.keys("m", &"n".repeat(8 * 24)));
+        assert_eq!(a.match_prefix(&shared)[0].blocks, 40);
+        // The shared prompt, recorded again, is newer than the 24 blocks:
+        // 24 more evict those, not the prompt.
+        a.record("p", &shared);
+        a.record("p", &a.keys("m", &"o".repeat(8 * 24)));
+        assert_eq!(a.match_prefix(&shared)[0].blocks, 40);
     }
 
     #[test]

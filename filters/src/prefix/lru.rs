@@ -48,6 +48,10 @@ impl<V> Lru<V> {
         self.weight
     }
 
+    pub(crate) fn max_weight(&self) -> usize {
+        self.max_weight
+    }
+
     /// The value of `key`, without refreshing it.
     pub(crate) fn peek(&self, key: u64) -> Option<&V> {
         self.map.get(&key).map(|s| &s.value)
@@ -95,6 +99,21 @@ impl<V> Lru<V> {
         }
         self.maybe_compact();
         evicted
+    }
+
+    /// Marks `key` most recently used, inserting `value` with `weight` if it
+    /// is absent, unless it was already marked within the last `fresh`
+    /// insertions: then it is left where it is, which skips the queue push
+    /// (and the compaction it leads to) for keys used over and over. Such a
+    /// key ranks at most `fresh` insertions older than exact LRU would rank
+    /// it. Returns how many entries were evicted.
+    pub(crate) fn refresh(&mut self, key: u64, value: V, weight: usize, fresh: u64) -> usize {
+        if let Some(slot) = self.map.get(&key) {
+            if self.tick.saturating_sub(slot.tick) < fresh {
+                return 0;
+            }
+        }
+        self.insert(key, value, weight)
     }
 
     /// Live keys, least recently used first.
@@ -154,5 +173,30 @@ mod tests {
         }
         assert_eq!(l.remove(5), Some("x"));
         assert_eq!(l.weight(), 0);
+    }
+
+    #[test]
+    fn refresh_skips_recent_keys_within_the_window() {
+        let mut l = Lru::new(4);
+        for k in 1..=4 {
+            l.refresh(k, (), 1, 2);
+        }
+        let queued = l.order.len();
+        // 4 was marked last: fresh, nothing queued.
+        assert_eq!(l.refresh(4, (), 1, 2), 0);
+        assert_eq!(l.order.len(), queued);
+        // 1 is 3 insertions old, past the window: it becomes the newest.
+        l.refresh(1, (), 1, 2);
+        assert_eq!(l.order.len(), queued + 1);
+        assert_eq!(l.insert(5, (), 1), 1, "2 is now the least recent");
+        assert_eq!(l.peek(2), None);
+        assert!(l.peek(1).is_some());
+        // A window of 0 or 1 is exact LRU: every refresh of an older key moves it.
+        let mut exact = Lru::new(2);
+        exact.refresh(1, (), 1, 1);
+        exact.refresh(2, (), 1, 1);
+        exact.refresh(1, (), 1, 1);
+        exact.refresh(3, (), 1, 1);
+        assert!(exact.peek(1).is_some() && exact.peek(2).is_none());
     }
 }

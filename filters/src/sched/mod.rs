@@ -28,5 +28,5 @@ pub use decision::{
 };
 pub use error::{ConfigError, ConfigErrorKind, ParamError, ScheduleError};
 pub use registry::{register_builtin_plugins, PluginKind, PluginRegistry};
-pub use scheduler::Scheduler;
+pub use scheduler::{Scheduler, TraceLevel};
 pub use view::{EndpointView, LoadSnapshot, PathKind, PrefixMatch, RequestView, Role};

@@ -4,6 +4,15 @@
 //! records everything in the trace. Invariants enforced here, whatever a
 //! plugin does: a route only names endpoints that survived the filters of the
 //! profile that chose them; scores enter the totals clamped to [0, 1].
+//!
+//! The full trace copies every plugin and endpoint name, which costs more
+//! than the decision itself on a small fleet; [`Scheduler::schedule_with`]
+//! with [`TraceLevel::Summary`] records only the handler's reason, for callers
+//! that print nothing more (the proxy's request path unless debug logging is
+//! on). A summary cycle whose filters leave exactly one candidate skips the
+//! scorers: scores cannot change a one-candidate ranking, and scorers learn
+//! only in `post_decision`, which still runs. Filters and the picker always
+//! run, so the decision, its errors and stateful pickers are the same.
 
 use std::sync::Arc;
 
@@ -18,6 +27,15 @@ use crate::sched::plugin::{
 };
 use crate::sched::registry::{Plugin, PluginRegistry};
 use crate::sched::view::{EndpointView, RequestView};
+
+/// How much of the [`DecisionTrace`] a cycle records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceLevel {
+    /// Every profile, filter, scorer and candidate (logs, `/debug/route`).
+    Full,
+    /// Only [`DecisionTrace::reason`]; the other fields are empty.
+    Summary,
+}
 
 /// A compiled filter config. Cheap to share (`Arc`) across request tasks;
 /// stateful plugins use interior locking.
@@ -120,7 +138,20 @@ impl Scheduler {
         now_ms: u64,
         rng_seed: u64,
     ) -> Result<Decision, ScheduleError> {
-        let (route, trace) = self.cycle(req, endpoints, rng_seed, false);
+        self.schedule_with(req, endpoints, now_ms, rng_seed, TraceLevel::Full)
+    }
+
+    /// [`Scheduler::schedule`] recording only as much trace as `level` says;
+    /// the route, errors and plugin state are the same at every level.
+    pub fn schedule_with(
+        &self,
+        req: &RequestView,
+        endpoints: &[EndpointView],
+        now_ms: u64,
+        rng_seed: u64,
+        level: TraceLevel,
+    ) -> Result<Decision, ScheduleError> {
+        let (route, trace) = self.cycle(req, endpoints, rng_seed, false, level);
         let route = route?;
         for s in &self.learners {
             s.post_decision(req, endpoints, &route, now_ms);
@@ -137,7 +168,7 @@ impl Scheduler {
         endpoints: &[EndpointView],
         rng_seed: u64,
     ) -> (Result<Route, ScheduleError>, DecisionTrace) {
-        self.cycle(req, endpoints, rng_seed, true)
+        self.cycle(req, endpoints, rng_seed, true, TraceLevel::Full)
     }
 
     /// The configured profile names.
@@ -151,6 +182,7 @@ impl Scheduler {
         endpoints: &[EndpointView],
         rng_seed: u64,
         dry_run: bool,
+        level: TraceLevel,
     ) -> (Result<Route, ScheduleError>, DecisionTrace) {
         let mut cycle = Cycle {
             sched: self,
@@ -160,15 +192,25 @@ impl Scheduler {
                 rng: SchedRng::new(rng_seed),
                 dry_run,
             },
+            full: level == TraceLevel::Full,
             traces: Vec::new(),
         };
         let outcome = self.handler.handle(&mut cycle, req, endpoints);
-        let mut trace = DecisionTrace {
-            request_id: req.request_id.clone(),
-            model: req.model.clone(),
-            handler: self.handler_name.clone(),
-            reason: String::new(),
-            profiles: cycle.traces,
+        let mut trace = match level {
+            TraceLevel::Full => DecisionTrace {
+                request_id: req.request_id.clone(),
+                model: req.model.clone(),
+                handler: self.handler_name.clone(),
+                reason: String::new(),
+                profiles: cycle.traces,
+            },
+            TraceLevel::Summary => DecisionTrace {
+                request_id: String::new(),
+                model: String::new(),
+                handler: String::new(),
+                reason: String::new(),
+                profiles: Vec::new(),
+            },
         };
         let route = outcome.and_then(|o| match o {
             HandlerOutcome::Aggregated { ranked, reason } => {
@@ -227,6 +269,8 @@ struct Cycle<'a> {
     req: &'a RequestView,
     endpoints: &'a [EndpointView],
     pick: PickCtx,
+    /// Record the full trace ([`TraceLevel::Full`]).
+    full: bool,
     traces: Vec<ProfileTrace>,
 }
 
@@ -235,6 +279,9 @@ impl ProfileRunner for Cycle<'_> {
         let Some(prof) = self.sched.profiles.iter().find(|p| p.name == name) else {
             return Err(ScheduleError::UnknownProfile(name.to_owned()));
         };
+        if !self.full {
+            return self.run_summary(prof);
+        }
         let (req, eps) = (self.req, self.endpoints);
         let mut trace = ProfileTrace {
             profile: prof.name.clone(),
@@ -279,30 +326,106 @@ impl ProfileRunner for Cycle<'_> {
         let mut totals = vec![0.0; n];
         for (sname, weight, s) in &prof.scorers {
             let mut scores = vec![0.0; n];
-            s.score(req, eps, &cands, &mut scores);
-            for (t, sc) in totals.iter_mut().zip(scores.iter_mut()) {
-                *sc = if sc.is_nan() { 0.0 } else { sc.clamp(0.0, 1.0) };
-                *t += weight * *sc;
-            }
+            add_scores(
+                req,
+                eps,
+                &cands,
+                s.as_ref(),
+                *weight,
+                &mut scores,
+                &mut totals,
+            );
             trace.scorers.push(ScorerTrace {
                 scorer: sname.clone(),
                 weight: *weight,
                 scores,
             });
         }
-        let mut picked = Vec::new();
-        prof.picker
-            .1
-            .pick(&mut self.pick, eps, &cands, &totals, &mut picked);
-        let ranked = valid_positions(&picked, &totals)
-            .into_iter()
-            .map(|p| cands[p])
-            .collect::<Vec<_>>();
+        let ranked = self.pick(prof, &cands, &totals);
         trace.candidates = cands.iter().map(|&i| eps[i].id.clone()).collect();
         trace.picked = ranked.iter().map(|&i| eps[i].id.clone()).collect();
         trace.totals = totals;
         self.traces.push(trace);
         Ok(ProfileResult { ranked })
+    }
+}
+
+impl Cycle<'_> {
+    /// [`ProfileRunner::run`] without a trace: the same filters, scorers
+    /// (skipped when one candidate is left, see the module docs) and picker.
+    fn run_summary(&mut self, prof: &Profile) -> Result<ProfileResult, ScheduleError> {
+        let (req, eps) = (self.req, self.endpoints);
+        let mut cands: Vec<usize> = (0..eps.len()).collect();
+        if cands.is_empty() {
+            return Err(ScheduleError::NoEndpoint {
+                model: req.model.clone(),
+                filter: "<no endpoints>".to_owned(),
+                profile: prof.name.clone(),
+            });
+        }
+        let mut before = Vec::with_capacity(cands.len());
+        for (fname, f) in &prof.filters {
+            before.clear();
+            before.extend_from_slice(&cands);
+            f.filter(req, eps, &mut cands);
+            keep_subsequence(&before, &mut cands);
+            if cands.is_empty() {
+                return Err(ScheduleError::NoEndpoint {
+                    model: req.model.clone(),
+                    filter: fname.clone(),
+                    profile: prof.name.clone(),
+                });
+            }
+        }
+        let n = cands.len();
+        let mut totals = vec![0.0; n];
+        if n > 1 {
+            let mut scores = vec![0.0; n];
+            for (_, weight, s) in &prof.scorers {
+                scores.fill(0.0);
+                add_scores(
+                    req,
+                    eps,
+                    &cands,
+                    s.as_ref(),
+                    *weight,
+                    &mut scores,
+                    &mut totals,
+                );
+            }
+        }
+        let ranked = self.pick(prof, &cands, &totals);
+        Ok(ProfileResult { ranked })
+    }
+
+    /// The picker's ranking as endpoint indices (see [`valid_positions`]).
+    fn pick(&mut self, prof: &Profile, cands: &[usize], totals: &[f64]) -> Vec<usize> {
+        let mut picked = Vec::new();
+        prof.picker
+            .1
+            .pick(&mut self.pick, self.endpoints, cands, totals, &mut picked);
+        valid_positions(&picked, totals)
+            .into_iter()
+            .map(|p| cands[p])
+            .collect()
+    }
+}
+
+/// Runs one scorer into `scores` (clamped to [0, 1], NaN as 0) and adds its
+/// weighted scores to `totals`.
+fn add_scores(
+    req: &RequestView,
+    eps: &[EndpointView],
+    cands: &[usize],
+    s: &dyn Scorer,
+    weight: f64,
+    scores: &mut [f64],
+    totals: &mut [f64],
+) {
+    s.score(req, eps, cands, scores);
+    for (t, sc) in totals.iter_mut().zip(scores.iter_mut()) {
+        *sc = if sc.is_nan() { 0.0 } else { sc.clamp(0.0, 1.0) };
+        *t += weight * *sc;
     }
 }
 
