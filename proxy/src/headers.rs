@@ -58,7 +58,9 @@ pub fn request_id(h: &HeaderMap) -> HeaderValue {
             return v.clone();
         }
     }
-    let id = uuid::Uuid::new_v4();
+    // A v4 UUID from the thread's CSPRNG (seeded once from the OS), not
+    // `Uuid::new_v4`, which asks the kernel for 16 bytes on every request.
+    let id = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
     let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
     let s = id.hyphenated().encode_lower(&mut buf);
     HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
@@ -87,7 +89,11 @@ mod tests {
     #[test]
     fn request_id_kept_or_generated() {
         let mut h = HeaderMap::new();
-        assert_eq!(request_id(&h).len(), 36);
+        let a = request_id(&h);
+        assert_eq!(a.len(), 36);
+        let parsed = uuid::Uuid::parse_str(a.to_str().unwrap()).unwrap();
+        assert_eq!(parsed.get_version_num(), 4);
+        assert_ne!(request_id(&h), a, "fresh ids differ");
         h.insert(REQUEST_ID, HeaderValue::from_static("abc-1"));
         assert_eq!(request_id(&h), "abc-1");
         h.insert(REQUEST_ID, HeaderValue::from_static("has space"));

@@ -3,9 +3,12 @@
 //! streams the time to first token and the gaps between chunks.
 //!
 //! Label values come from closed sets ([`Route`], HTTP status codes), so the
-//! number of series is bounded.
+//! number of series is bounded. The per-route series every request touches
+//! are resolved once and kept ([`PerRoute`]): a family lookup takes a lock
+//! shared by every worker thread and hashes the labels.
 
 use std::sync::atomic::AtomicU64;
+use std::sync::OnceLock;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -49,16 +52,53 @@ struct RouteLabels {
     route: Route,
 }
 
+impl Route {
+    const COUNT: usize = 5;
+
+    fn index(self) -> usize {
+        match self {
+            Self::Completions => 0,
+            Self::ChatCompletions => 1,
+            Self::Embeddings => 2,
+            Self::Models => 3,
+            Self::Other => 4,
+        }
+    }
+}
+
+/// One family's series per route, each created on first use (so the
+/// exposition lists the same series as plain lookups would) and kept.
+struct PerRoute<M> {
+    family: Family<RouteLabels, M, fn() -> M>,
+    series: [OnceLock<M>; Route::COUNT],
+}
+
+impl<M: Clone> PerRoute<M> {
+    fn new(family: Family<RouteLabels, M, fn() -> M>) -> Self {
+        Self {
+            family,
+            series: Default::default(),
+        }
+    }
+
+    fn get(&self, route: Route) -> &M {
+        self.series[route.index()]
+            .get_or_init(|| self.family.get_or_create(&RouteLabels { route }).clone())
+    }
+}
+
 /// All metric handles; cheap to share behind an `Arc`.
 pub struct Metrics {
     registry: Registry,
     requests: Family<StatusLabels, Counter>,
+    /// `requests{status="200"}` per route, the series nearly every request counts.
+    requests_ok: [OnceLock<Counter>; Route::COUNT],
     in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
-    upstream_latency: Family<RouteLabels, Histogram>,
-    ttft: Family<RouteLabels, Histogram>,
-    itl: Family<RouteLabels, Histogram>,
-    bytes_in: Family<RouteLabels, Counter<u64, AtomicU64>>,
-    bytes_out: Family<RouteLabels, Counter<u64, AtomicU64>>,
+    upstream_latency: PerRoute<Histogram>,
+    ttft: PerRoute<Histogram>,
+    itl: PerRoute<Histogram>,
+    bytes_in: PerRoute<Counter<u64, AtomicU64>>,
+    bytes_out: PerRoute<Counter<u64, AtomicU64>>,
     /// Scheduling decisions, filter reloads, engine scrapes.
     pub routing: crate::routing::metrics::RoutingMetrics,
     /// Tokenization, KV event ingestion and the prefix index.
@@ -87,17 +127,18 @@ impl Metrics {
         let mut registry = Registry::with_prefix("kvmesh");
         let requests = Family::<StatusLabels, Counter>::default();
         let in_flight = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
-        let upstream_latency = Family::<RouteLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        let ttft = Family::<RouteLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        let itl = Family::<RouteLabels, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
-        );
-        let bytes_in = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
-        let bytes_out = Family::<RouteLabels, Counter<u64, AtomicU64>>::default();
+        let histograms = || {
+            Family::<RouteLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            )
+        };
+        let (upstream_latency, ttft, itl) = (histograms(), histograms(), histograms());
+        let counters = || {
+            Family::<RouteLabels, Counter<u64, AtomicU64>, fn() -> Counter<u64, AtomicU64>>::new_with_constructor(
+                Counter::default,
+            )
+        };
+        let (bytes_in, bytes_out) = (counters(), counters());
         let routing = crate::routing::metrics::RoutingMetrics::register(&mut registry);
         let prefix = crate::prefix::metrics::PrefixMetrics::register(&mut registry);
         let mesh = crate::mesh::metrics::MeshMetrics::register(&mut registry);
@@ -145,12 +186,13 @@ impl Metrics {
         Self {
             registry,
             requests,
+            requests_ok: Default::default(),
             in_flight,
-            upstream_latency,
-            ttft,
-            itl,
-            bytes_in,
-            bytes_out,
+            upstream_latency: PerRoute::new(upstream_latency),
+            ttft: PerRoute::new(ttft),
+            itl: PerRoute::new(itl),
+            bytes_in: PerRoute::new(bytes_in),
+            bytes_out: PerRoute::new(bytes_out),
             routing,
             prefix,
             mesh,
@@ -175,37 +217,34 @@ impl Metrics {
     }
 
     pub fn request_done(&self, route: Route, status: u16) {
-        self.requests
-            .get_or_create(&StatusLabels { route, status })
-            .inc();
+        let labels = || StatusLabels { route, status };
+        if status == 200 {
+            self.requests_ok[route.index()]
+                .get_or_init(|| self.requests.get_or_create(&labels()).clone())
+                .inc();
+        } else {
+            self.requests.get_or_create(&labels()).inc();
+        }
     }
 
     pub fn upstream_latency(&self, route: Route, secs: f64) {
-        self.upstream_latency
-            .get_or_create(&RouteLabels { route })
-            .observe(secs);
+        self.upstream_latency.get(route).observe(secs);
     }
 
     pub fn ttft(&self, route: Route, secs: f64) {
-        self.ttft
-            .get_or_create(&RouteLabels { route })
-            .observe(secs);
+        self.ttft.get(route).observe(secs);
     }
 
     pub fn itl(&self, route: Route, secs: f64) {
-        self.itl.get_or_create(&RouteLabels { route }).observe(secs);
+        self.itl.get(route).observe(secs);
     }
 
     pub fn bytes_in(&self, route: Route, n: u64) {
-        self.bytes_in
-            .get_or_create(&RouteLabels { route })
-            .inc_by(n);
+        self.bytes_in.get(route).inc_by(n);
     }
 
     pub fn bytes_out(&self, route: Route, n: u64) {
-        self.bytes_out
-            .get_or_create(&RouteLabels { route })
-            .inc_by(n);
+        self.bytes_out.get(route).inc_by(n);
     }
 }
 
@@ -226,5 +265,34 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.gauge.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_series_count_in_the_exposition() {
+        let m = Metrics::new();
+        assert!(!m.encode().contains("kvmesh_request_bytes_total{"));
+        m.bytes_in(Route::Completions, 5);
+        m.bytes_in(Route::Completions, 7);
+        m.request_done(Route::Completions, 200);
+        m.request_done(Route::Completions, 200);
+        m.request_done(Route::Completions, 404);
+        m.upstream_latency(Route::ChatCompletions, 0.001);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"kvmesh_request_bytes_total{route="completions"} 12"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"kvmesh_requests_total{route="completions",status="200"} 2"#));
+        assert!(text.contains(r#"kvmesh_requests_total{route="completions",status="404"} 1"#));
+        assert!(
+            text.contains(r#"kvmesh_upstream_latency_seconds_count{route="chat_completions"} 1"#)
+        );
+        // Only the series used appear, as with plain family lookups.
+        assert!(!text.contains(r#"route="embeddings""#));
     }
 }

@@ -20,7 +20,9 @@ pub mod request;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvmesh_filters::sched::{ConfigError, Decision, FilterConfig, ScheduleError, Scheduler};
+use kvmesh_filters::sched::{
+    ConfigError, Decision, FilterConfig, ScheduleError, Scheduler, TraceLevel,
+};
 use parking_lot::RwLock;
 use tokio::time::Instant;
 
@@ -175,10 +177,23 @@ impl Routing {
         let started = std::time::Instant::now();
         let now = Instant::now();
         let (req, endpoints) = request::build(app, ctx, view, now);
-        let decision =
-            self.active()
-                .scheduler
-                .schedule(&req, &endpoints, self.now_ms(now), rand::random());
+        // The debug line below prints the handler's reason, which a summary
+        // trace has; the full trace (every plugin and endpoint name) costs
+        // more than the decision on a small fleet, so it is built only when
+        // the trace-level line that prints it is enabled. `/debug/route`
+        // asks the scheduler for the full trace itself.
+        let level = if tracing::enabled!(tracing::Level::TRACE) {
+            TraceLevel::Full
+        } else {
+            TraceLevel::Summary
+        };
+        let decision = self.active().scheduler.schedule_with(
+            &req,
+            &endpoints,
+            self.now_ms(now),
+            rand::random(),
+            level,
+        );
         m.scheduling_latency(started.elapsed().as_secs_f64());
         match decision {
             Ok(Decision { route, trace }) => {
@@ -190,6 +205,7 @@ impl Routing {
                     reason = %trace.reason,
                     "scheduled"
                 );
+                tracing::trace!(request_id = ctx.id(), trace = ?trace, "decision trace");
                 match plan {
                     Some(plan) => {
                         m.decision(plan.decision(), plan.reason);
