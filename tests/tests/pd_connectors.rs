@@ -444,3 +444,84 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
         Some(1.0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
+    use kvmesh_filters::sched::Role;
+    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
+
+    // This sidecar fronts a prefill engine; the decode pods are peers: one whose sidecar refuses
+    // connections (idle, so the scheduler prefers it) and a busier one that serves both roles.
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let spare = engine(SimRole::Both, Flavor::Vllm).await;
+    let spare_sidecar = start(config(&spare, &[], None)).await;
+    let sidecar = decode_sidecar(&prefill, |c| {
+        c.pod.role = Role::Prefill;
+        c.pd.min_uncached_tokens = Some(64);
+    })
+    .await;
+    let refusing = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let now = tokio::time::Instant::now();
+    for (addr, role, load) in [
+        (refusing, Role::Decode, EngineLoad::default()),
+        (
+            spare_sidecar.addr(),
+            Role::Both,
+            EngineLoad {
+                waiting: 2,
+                running: 6,
+                kv_usage: 0.4,
+                ..EngineLoad::default()
+            },
+        ),
+    ] {
+        let id = addr.to_string();
+        sidecar
+            .fleet()
+            .upsert_peer(PodInfo {
+                id: id.clone(),
+                sidecar_addr: Some(addr),
+                role,
+                models: vec![MODEL.to_owned()],
+                lora_adapters: vec![],
+                labels: Default::default(),
+            })
+            .unwrap();
+        sidecar.fleet().set_load(&id, load, now);
+    }
+
+    // Over the built-in filter config's 1024-token minimum for a split.
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let long = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
+        &[],
+    )
+    .await;
+    assert_eq!(long.status, 200, "{}", long.text());
+    // The split was made and its prefill leg ran ...
+    let p_reqs = inference(&prefill);
+    assert_eq!(p_reqs.len(), 1, "one prefill leg, no aggregated retry here");
+    assert_eq!(
+        p_reqs[0].json().unwrap()["kv_transfer_params"]["do_remote_decode"],
+        true
+    );
+    // ... the refusing decode pod was not tried again whole, and the spare pod served the
+    // request whole, as a request its sidecar runs locally.
+    let s_reqs = inference(&spare);
+    assert_eq!(s_reqs.len(), 1, "{s_reqs:?}");
+    let served = s_reqs[0].json().unwrap();
+    assert!(served.get("kv_transfer_params").is_none(), "{served}");
+    assert_eq!(served["prompt"], json!(prompt));
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="nixl",outcome="decode_refused"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+}

@@ -1,7 +1,10 @@
 //! Stage 4, execute: send the request to the plan's target and relay the
 //! response. A target that refuses the connection (nothing was sent) hands the
 //! request to the next fallback; any later failure is final, because the
-//! upstream may already be working on it.
+//! upstream may already be working on it. So does a disaggregated target whose
+//! decode pod refuses the connection: the client has no byte yet, and the next
+//! fallback serves the request whole (the prefill pod frees the blocks it held
+//! for that decode when its own hold timeout expires).
 
 use std::net::SocketAddr;
 
@@ -12,7 +15,7 @@ use tokio::time::Instant;
 
 use super::classify::{ClientBody, ClientRequest};
 use super::context::{RequestCtx, Served};
-use super::schedule::{Plan, Target, MAX_ATTEMPTS};
+use super::schedule::{Leg, Plan, Target, MAX_ATTEMPTS};
 use crate::app::App;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, Retry, UpstreamName};
@@ -28,19 +31,35 @@ pub async fn execute(
     if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
         return crate::pd::execute(app, ctx, crate::pd::PdPlan::llmd(prefiller), &req).await;
     }
-    let prefill_fallbacks = plan.prefill_fallbacks;
+    let mut prefill_fallbacks = plan.prefill_fallbacks;
     let targets = std::iter::once(plan.target)
         .chain(plan.fallbacks)
         .take(MAX_ATTEMPTS);
     let mut last = None;
+    // A decode pod that refused the connection: not tried again whole.
+    let mut refused_decode = None;
     for target in targets {
+        if refused_decode.as_ref() == Some(&target) {
+            continue;
+        }
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
+                let decode_name = leg_upstream(&decode).name(app);
+                let whole_on_decode = decode.whole();
+                let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
-                return crate::pd::execute(app, ctx, pd, &req).await;
+                match crate::pd::execute(app, ctx, pd, &req).await {
+                    Err(e) if refused_by(&e, &decode_name) => {
+                        tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod refused the connection; trying the next fallback whole");
+                        refused_decode = Some(whole_on_decode);
+                        last = Some(e);
+                        continue;
+                    }
+                    other => return other,
+                }
             }
         };
         // A streamed body can be sent once; after a refusal it is still unread,
@@ -68,6 +87,19 @@ pub async fn execute(
         }
     }
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
+}
+
+/// Whether `e` is `upstream` refusing the connection.
+fn refused_by(e: &ProxyError, upstream: &UpstreamName) -> bool {
+    matches!(e, ProxyError::Connect { upstream: u, .. } if u == upstream)
+}
+
+/// Where a disaggregated request's leg goes.
+pub(crate) fn leg_upstream(leg: &Leg) -> Upstream {
+    match leg {
+        Leg::LocalEngine => Upstream::Engine,
+        Leg::Peer { sidecar_addr } => Upstream::Peer(*sidecar_addr),
+    }
 }
 
 /// Where one attempt goes.

@@ -36,6 +36,18 @@ pub enum Leg {
     Peer { sidecar_addr: SocketAddr },
 }
 
+impl Leg {
+    /// The whole request on this leg's pod.
+    pub fn whole(&self) -> Target {
+        match self {
+            Self::LocalEngine => Target::LocalEngine,
+            Self::Peer { sidecar_addr } => Target::Peer {
+                sidecar_addr: *sidecar_addr,
+            },
+        }
+    }
+}
+
 /// The scheduler's answer: a target, what to try next, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {

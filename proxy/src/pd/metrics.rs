@@ -17,16 +17,29 @@ pub enum Outcome {
     Recompute,
     /// Prefill failed for good: the decode pod served the request whole.
     FallbackAggregated,
+    /// The decode pod refused the connection (nothing reached it): the request went on to the
+    /// plan's next fallback pod, served whole.
+    DecodeRefused,
     /// The request failed.
     Failed,
 }
 
 impl Outcome {
+    /// How a request whose decode leg failed with `e` ended: refused (the execute stage tries the
+    /// next pod) or failed.
+    pub fn of_decode_error(e: &crate::error::ProxyError) -> Self {
+        match e {
+            crate::error::ProxyError::Connect { .. } => Self::DecodeRefused,
+            _ => Self::Failed,
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Self::Disaggregated => "disaggregated",
             Self::Recompute => "recompute",
             Self::FallbackAggregated => "fallback_aggregated",
+            Self::DecodeRefused => "decode_refused",
             Self::Failed => "failed",
         }
     }

@@ -65,10 +65,7 @@ impl PdPlan {
 }
 
 fn upstream(leg: Leg) -> Upstream {
-    match leg {
-        Leg::LocalEngine => Upstream::Engine,
-        Leg::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
-    }
+    crate::path::execute::leg_upstream(&leg)
 }
 
 /// Runs the configured connector for one request.

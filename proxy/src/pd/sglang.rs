@@ -86,7 +86,7 @@ pub async fn run(
                 match r {
                     Ok(head) => decoded = Some(head),
                     Err(e) => {
-                        metrics.outcome("sglang", Outcome::Failed);
+                        metrics.outcome("sglang", Outcome::of_decode_error(&e));
                         return Err(e);
                     }
                 }

@@ -71,7 +71,7 @@ pub async fn run(
             Ok(relay(app, ctx, name, resp))
         }
         Err(e) => {
-            metrics.outcome(connector, Outcome::Failed);
+            metrics.outcome(connector, Outcome::of_decode_error(&e));
             Err(e)
         }
     }

@@ -52,10 +52,7 @@ pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {
 
 /// Where requests for pod `id` go.
 pub fn target_of(fleet: &Fleet, id: &str) -> Option<Target> {
-    Some(match leg_of(fleet, id)? {
-        Leg::LocalEngine => Target::LocalEngine,
-        Leg::Peer { sidecar_addr } => Target::Peer { sidecar_addr },
-    })
+    leg_of(fleet, id).map(|leg| leg.whole())
 }
 
 fn leg_of(fleet: &Fleet, id: &str) -> Option<Leg> {
