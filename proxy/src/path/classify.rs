@@ -57,10 +57,11 @@ pub async fn classify(
     };
     let bytes = read_body(app, ctx, body, limit).await?;
     app.metrics.bytes_in(ctx.route, bytes.len() as u64);
-    let view = RequestView::parse(&bytes, shape).map_err(|source| ProxyError::MalformedJson {
-        route: ctx.route.as_str(),
-        source,
-    })?;
+    let view =
+        RequestView::parse_shared(&bytes, shape).map_err(|source| ProxyError::MalformedJson {
+            route: ctx.route.as_str(),
+            source,
+        })?;
     ctx.view = Some(view);
     Ok(ClientRequest {
         head,

@@ -5,8 +5,10 @@
 //! engine would reject is rejected here with the same 400, before any routing.
 
 use kvmesh_filters::prefix::tokenize::ChatMessage;
+use std::borrow::Cow;
 use std::fmt;
 
+use bytes::Bytes;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
@@ -30,12 +32,83 @@ pub enum Prompt {
     /// Embeddings, or a body without a prompt.
     #[default]
     None,
-    Text(String),
+    Text(Text),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
     /// Chat messages, multi-part text content flattened.
     Chat(Vec<ChatMessage>),
+}
+
+/// A text prompt. A JSON string without escapes is a slice of the request
+/// body itself ([`RequestView::parse_shared`]): a 200 KB prompt is then
+/// neither copied nor allocated again; the body is held for the request's
+/// life anyway, to be sent upstream.
+#[derive(Clone)]
+pub struct Text(TextRepr);
+
+#[derive(Clone)]
+enum TextRepr {
+    Owned(String),
+    /// Valid UTF-8: only [`Text::from_body`] builds it, from a `&str`.
+    Shared(Bytes),
+}
+
+impl Text {
+    /// `s` as a slice of `body` when it lies inside it, else a copy.
+    fn from_body(body: &Bytes, s: &str) -> Self {
+        let (start, end) = (body.as_ptr() as usize, body.as_ptr() as usize + body.len());
+        let at = s.as_ptr() as usize;
+        if at >= start && at + s.len() <= end {
+            let from = at - start;
+            Self(TextRepr::Shared(body.slice(from..from + s.len())))
+        } else {
+            Self(TextRepr::Owned(s.to_owned()))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            TextRepr::Owned(s) => s,
+            // SAFETY: `Shared` holds the bytes of a `&str` (see `from_body`),
+            // and `Bytes` is immutable.
+            TextRepr::Shared(b) => unsafe { std::str::from_utf8_unchecked(b) },
+        }
+    }
+}
+
+impl std::ops::Deref for Text {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl fmt::Debug for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl PartialEq for Text {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Text {}
+
+impl From<String> for Text {
+    fn from(s: String) -> Self {
+        Self(TextRepr::Owned(s))
+    }
+}
+
+impl From<&str> for Text {
+    fn from(s: &str) -> Self {
+        Self(TextRepr::Owned(s.to_owned()))
+    }
 }
 
 /// Which body shape to expect.
@@ -47,9 +120,10 @@ pub enum Shape {
 }
 
 #[derive(Deserialize)]
-struct Wire {
+struct Wire<'a> {
     model: Option<String>,
-    prompt: Option<WirePrompt>,
+    #[serde(borrow)]
+    prompt: Option<WirePrompt<'a>>,
     messages: Option<Vec<WireMessage>>,
     stream: Option<bool>,
     max_tokens: Option<u64>,
@@ -59,38 +133,43 @@ struct Wire {
 
 /// `prompt`: a string, strings, token ids or batches of token ids. Decoded by
 /// hand rather than with `#[serde(untagged)]`, which buffers the value (a
-/// 200 KB prompt copied twice) before trying each shape.
-enum WirePrompt {
-    Text(String),
+/// 200 KB prompt copied twice) before trying each shape. A string without
+/// escapes is borrowed from the body.
+enum WirePrompt<'a> {
+    Text(Cow<'a, str>),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
 }
 
-impl<'de> Deserialize<'de> for WirePrompt {
+impl<'de: 'a, 'a> Deserialize<'de> for WirePrompt<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(PromptVisitor)
+        d.deserialize_any(PromptVisitor(std::marker::PhantomData))
     }
 }
 
-struct PromptVisitor;
+struct PromptVisitor<'a>(std::marker::PhantomData<&'a ()>);
 
-impl<'de> Visitor<'de> for PromptVisitor {
-    type Value = WirePrompt;
+impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
+    type Value = WirePrompt<'a>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a string, an array of strings, of token ids or of arrays of token ids")
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<WirePrompt, E> {
-        Ok(WirePrompt::Text(v.to_owned()))
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<WirePrompt<'a>, E> {
+        Ok(WirePrompt::Text(Cow::Borrowed(v)))
     }
 
-    fn visit_string<E: de::Error>(self, v: String) -> Result<WirePrompt, E> {
-        Ok(WirePrompt::Text(v))
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<WirePrompt<'a>, E> {
+        Ok(WirePrompt::Text(Cow::Owned(v.to_owned())))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WirePrompt, A::Error> {
+    fn visit_string<E: de::Error>(self, v: String) -> Result<WirePrompt<'a>, E> {
+        Ok(WirePrompt::Text(Cow::Owned(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WirePrompt<'a>, A::Error> {
         // The first element decides the shape; the rest must share it.
         let Some(first) = seq.next_element::<PromptItem>()? else {
             return Ok(WirePrompt::Texts(Vec::new()));
@@ -237,12 +316,30 @@ impl RequestView {
     /// Parses an inference body. Errors are the client's (malformed JSON or a
     /// field of the wrong type).
     pub fn parse(body: &[u8], shape: Shape) -> Result<Self, serde_json::Error> {
+        Self::parse_with(body, None, shape)
+    }
+
+    /// [`RequestView::parse`] of a body the request keeps: a text prompt
+    /// without JSON escapes is a slice of `body`, not a copy.
+    pub fn parse_shared(body: &Bytes, shape: Shape) -> Result<Self, serde_json::Error> {
+        Self::parse_with(body, Some(body), shape)
+    }
+
+    fn parse_with(
+        body: &[u8],
+        shared: Option<&Bytes>,
+        shape: Shape,
+    ) -> Result<Self, serde_json::Error> {
         let w: Wire = serde_json::from_slice(body)?;
+        let text = |s: Cow<'_, str>| match (s, shared) {
+            (Cow::Borrowed(s), Some(b)) => Text::from_body(b, s),
+            (s, _) => Text::from(s.into_owned()),
+        };
         let prompt = match shape {
             Shape::Embedding => Prompt::None,
             Shape::Completion => match w.prompt {
                 None => Prompt::None,
-                Some(WirePrompt::Text(s)) => Prompt::Text(s),
+                Some(WirePrompt::Text(s)) => Prompt::Text(text(s)),
                 Some(WirePrompt::Texts(v)) => Prompt::Texts(v),
                 Some(WirePrompt::Tokens(v)) => Prompt::Tokens(v),
                 Some(WirePrompt::TokenBatches(v)) => Prompt::TokenBatches(v),
@@ -355,6 +452,25 @@ mod tests {
         let chat = |b: &str| RequestView::parse(b.as_bytes(), Shape::Chat);
         assert!(chat(r#"{"messages":[{"role":"user","content":7}]}"#).is_err());
         assert!(chat(r#"{"messages":[{"role":"user","content":"x"}]}"#).is_ok());
+    }
+
+    #[test]
+    fn shared_text_is_a_slice_of_the_body_and_escapes_are_decoded() {
+        let body = Bytes::from_static(br#"{"model":"m","prompt":"plain text \u00e9 no"}"#);
+        let v = RequestView::parse_shared(&body, Shape::Completion).unwrap();
+        // An escape: decoded into an owned copy.
+        assert_eq!(v.prompt, Prompt::Text("plain text \u{e9} no".into()));
+        let body = Bytes::from(r#"{"prompt":"héllo wörld","stream":false}"#.to_owned());
+        let v = RequestView::parse_shared(&body, Shape::Completion).unwrap();
+        let Prompt::Text(t) = &v.prompt else {
+            panic!("not text")
+        };
+        assert_eq!(t.as_str(), "héllo wörld");
+        assert!(matches!(t.0, TextRepr::Shared(_)), "borrowed from the body");
+        let inside = body.as_ptr_range();
+        assert!(inside.contains(&t.as_str().as_ptr()));
+        assert_eq!(v, RequestView::parse(&body, Shape::Completion).unwrap());
+        assert_eq!(format!("{t:?}"), "\"héllo wörld\"");
     }
 
     #[test]

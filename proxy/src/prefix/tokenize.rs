@@ -349,7 +349,7 @@ mod tests {
         let t = LocalTokenizer::builtin(1 << 20);
         let text = "word ".repeat(10_000);
         let got = t
-            .tokenize(&Prompt::Text(text.clone()), true, 1000)
+            .tokenize(&Prompt::Text(text.clone().into()), true, 1000)
             .unwrap()
             .unwrap();
         assert!(got.capped);
