@@ -9,7 +9,9 @@
 use std::time::Duration;
 
 use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
+use kvmesh_filters::sched::Role;
 use kvmesh_proxy::config::{Config, Duration as CfgDuration, OnPrefillFailure, PdConnector};
+use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, next_chunk, request, send};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
@@ -64,6 +66,25 @@ async fn completion(
         &h,
     );
     fetch(&http1(), req).await
+}
+
+/// Makes the pod whose sidecar is at `addr` known to `sidecar`'s fleet, as the mesh would.
+fn add_peer(sidecar: &SidecarHandle, addr: std::net::SocketAddr, role: Role, load: EngineLoad) {
+    let id = addr.to_string();
+    sidecar
+        .fleet()
+        .upsert_peer(PodInfo {
+            id: id.clone(),
+            sidecar_addr: Some(addr),
+            role,
+            models: vec![MODEL.to_owned()],
+            lora_adapters: vec![],
+            labels: Default::default(),
+        })
+        .unwrap();
+    sidecar
+        .fleet()
+        .set_load(&id, load, tokio::time::Instant::now());
 }
 
 fn external_tokens(engine: &SimHandle) -> u64 {
@@ -371,9 +392,6 @@ async fn a_prefiller_outside_the_allow_list_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_decode_pod() {
-    use kvmesh_filters::sched::Role;
-    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
-
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
     let prefill_sidecar = start(config(&prefill, &[], None)).await;
@@ -383,21 +401,12 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
         c.pd.min_uncached_tokens = Some(64);
     })
     .await;
-    let peer = prefill_sidecar.addr().to_string();
-    sidecar
-        .fleet()
-        .upsert_peer(PodInfo {
-            id: peer.clone(),
-            sidecar_addr: Some(prefill_sidecar.addr()),
-            role: Role::Prefill,
-            models: vec![MODEL.to_owned()],
-            lora_adapters: vec![],
-            labels: Default::default(),
-        })
-        .unwrap();
-    sidecar
-        .fleet()
-        .set_load(&peer, EngineLoad::default(), tokio::time::Instant::now());
+    add_peer(
+        &sidecar,
+        prefill_sidecar.addr(),
+        Role::Prefill,
+        EngineLoad::default(),
+    );
 
     // A short prompt stays aggregated on the decode pod ...
     let short = completion(
@@ -447,9 +456,6 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
-    use kvmesh_filters::sched::Role;
-    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
-
     // This sidecar fronts a prefill engine; the decode pods are peers: one whose sidecar refuses
     // connections (idle, so the scheduler prefers it) and a busier one that serves both roles.
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
@@ -464,34 +470,14 @@ async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
     };
-    let now = tokio::time::Instant::now();
-    for (addr, role, load) in [
-        (refusing, Role::Decode, EngineLoad::default()),
-        (
-            spare_sidecar.addr(),
-            Role::Both,
-            EngineLoad {
-                waiting: 2,
-                running: 6,
-                kv_usage: 0.4,
-                ..EngineLoad::default()
-            },
-        ),
-    ] {
-        let id = addr.to_string();
-        sidecar
-            .fleet()
-            .upsert_peer(PodInfo {
-                id: id.clone(),
-                sidecar_addr: Some(addr),
-                role,
-                models: vec![MODEL.to_owned()],
-                lora_adapters: vec![],
-                labels: Default::default(),
-            })
-            .unwrap();
-        sidecar.fleet().set_load(&id, load, now);
-    }
+    add_peer(&sidecar, refusing, Role::Decode, EngineLoad::default());
+    let busier = EngineLoad {
+        waiting: 2,
+        running: 6,
+        kv_usage: 0.4,
+        ..EngineLoad::default()
+    };
+    add_peer(&sidecar, spare_sidecar.addr(), Role::Both, busier);
 
     // Over the built-in filter config's 1024-token minimum for a split.
     let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
