@@ -22,6 +22,7 @@ pub mod fleet;
 pub mod headers;
 pub mod kvevents;
 pub mod logging;
+pub mod malloc;
 pub mod mesh;
 pub mod metrics;
 pub mod path;
