@@ -432,6 +432,10 @@ fn add_scores(
 /// Make `after` the entries of `before` it kept (in `before`'s order, so a
 /// filter cannot add or reorder), and return those removed.
 fn keep_subsequence(before: &[usize], after: &mut Vec<usize>) -> Vec<usize> {
+    // The usual case, a filter that removed nothing, allocates nothing.
+    if after.as_slice() == before {
+        return Vec::new();
+    }
     let mut removed = Vec::new();
     let mut kept = Vec::with_capacity(after.len());
     let mut j = 0;
