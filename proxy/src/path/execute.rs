@@ -19,7 +19,7 @@ use super::schedule::{Leg, Plan, Target, MAX_ATTEMPTS};
 use crate::app::App;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, Retry, UpstreamName};
-use crate::headers::{strip_hop_by_hop, REQUEST_ID, ROUTED};
+use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
 
 pub async fn execute(
     app: &App,
@@ -279,24 +279,22 @@ fn build_request(
     *out.uri_mut() = uri;
     let headers = out.headers_mut();
     headers.clone_from(&head.headers);
-    strip_hop_by_hop(headers);
-    if rewritten {
-        headers.remove(header::CONTENT_LENGTH);
-    }
-    // llm-d's P/D headers are for this sidecar; the engine never sees them.
-    headers.remove(crate::pd::llmd::PREFILLER);
-    // The client pool sets Host from the upstream URI, as a reverse proxy should.
-    headers.remove(header::HOST);
+    let to_engine = !matches!(upstream, Upstream::Peer(_));
+    // Hop-by-hop headers and, in the same pass: the client's length of a
+    // body the pool measures itself; llm-d's P/D headers, which are for this
+    // sidecar (the engine never sees them); Host, which the client pool sets
+    // from the upstream URI, as a reverse proxy should; the mesh's routing
+    // marks, towards an engine.
+    strip(headers, |n| {
+        (rewritten && n == header::CONTENT_LENGTH)
+            || n == crate::pd::llmd::PREFILLER
+            || n == header::HOST
+            || (to_engine && (n == ROUTED || n == crate::headers::HOPS))
+    });
     headers.insert(REQUEST_ID, ctx.request_id.clone());
-    match upstream {
-        Upstream::Peer(addr) => {
-            crate::mesh::forward::prepare(app, *addr, &head.headers, headers)?;
-            headers.insert(ROUTED, HeaderValue::from_static("1"));
-        }
-        Upstream::Engine | Upstream::Direct(_) => {
-            headers.remove(ROUTED);
-            headers.remove(crate::headers::HOPS);
-        }
+    if let Upstream::Peer(addr) = upstream {
+        crate::mesh::forward::prepare(app, *addr, &head.headers, headers)?;
+        headers.insert(ROUTED, HeaderValue::from_static("1"));
     }
     Ok(out)
 }
