@@ -60,7 +60,13 @@ pub struct RelayParams {
 pub struct Relay {
     inner: Incoming,
     p: RelayParams,
-    deadline: Pin<Box<Sleep>>,
+    /// When the relay gives up if no frame arrives: the idle deadline after
+    /// the last frame, capped by the overall one.
+    deadline_at: Instant,
+    /// The timer for `deadline_at`, made the first time the upstream keeps
+    /// the relay waiting: a response whose frames are ready when polled (a
+    /// small answer read with its head) never touches the timer wheel.
+    deadline: Option<Pin<Box<Sleep>>>,
     overall_at: Instant,
     last_chunk: Option<Instant>,
     /// The last forwarded bytes did not end an SSE event.
@@ -92,14 +98,13 @@ impl ResponseBody {
     pub fn relay(inner: Incoming, p: RelayParams) -> Self {
         let now = Instant::now();
         let overall_at = p.started + p.overall;
-        let deadline = Box::pin(tokio::time::sleep_until(
-            (now + p.stream_idle).min(overall_at),
-        ));
+        let deadline_at = (now + p.stream_idle).min(overall_at);
         Self {
             kind: Kind::Relay(Box::new(Relay {
                 inner,
                 p,
-                deadline,
+                deadline_at,
+                deadline: None,
                 overall_at,
                 last_chunk: None,
                 mid_event: false,
@@ -170,7 +175,7 @@ impl Relay {
                 self.done = true;
                 Poll::Ready(None)
             }
-            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+            Poll::Pending => match self.deadline_timer().poll(cx) {
                 Poll::Ready(()) => {
                     let err = if Instant::now() >= self.overall_at {
                         ProxyError::OverallTimeout {
@@ -205,8 +210,19 @@ impl Relay {
             self.mid_event = !(data.ends_with(b"\n\n") || data.ends_with(b"\r\n\r\n"));
         }
         self.last_chunk = Some(now);
-        let next = (now + self.p.stream_idle).min(self.overall_at);
-        self.deadline.as_mut().reset(next);
+        self.deadline_at = (now + self.p.stream_idle).min(self.overall_at);
+    }
+
+    /// The timer for `deadline_at`, made or moved there.
+    fn deadline_timer(&mut self) -> Pin<&mut Sleep> {
+        let at = self.deadline_at;
+        let timer = self
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        if timer.deadline() != at {
+            timer.as_mut().reset(at);
+        }
+        timer.as_mut()
     }
 
     /// Ends the body after an upstream failure: an SSE error event and a clean
