@@ -2,18 +2,21 @@
 //! sidecar that ingests its engine's KV events and (standing in for the mesh)
 //! its peer's. A request sharing a long prefix with an earlier one goes to
 //! the pod that served the first, whichever sidecar receives it, and the
-//! engine's `cached_tokens` shows the hit.
+//! engine's `cached_tokens` shows the hit. And a burst sharing a prefix stays
+//! on one pod before any event arrives (predicted blocks).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
-use kvmesh_engine_sim::{KvSubscriber, SimHandle};
+use kvmesh_engine_sim::{KvSubscriber, SimConfig, SimHandle};
 use kvmesh_filters::prefix::kvevents::decode_batch;
+use kvmesh_proxy::config::{Duration as CfgDuration, TokenizerChoice};
 use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::prefix::{
     cached_tokens, complete, endpoints, kv_config, sim_with_events, words, BLOCK,
 };
-use kvmesh_tests::route::{add_peer, eventually};
+use kvmesh_tests::route::{add_peer, config, eventually, sim_with, MODEL};
 use kvmesh_tests::sidecar::start;
 use tokio::task::JoinHandle;
 
@@ -114,4 +117,71 @@ async fn shared_prefix_follows_the_pod_that_cached_it() {
     b.shutdown().await;
     sim_a.shutdown().await;
     sim_b.shutdown().await;
+}
+
+/// How many of a burst of `n` requests sharing a long prefix each of two pods served, the burst
+/// sent to sidecar A one request at a time, each once the previous one reached an engine (so it
+/// is in flight, and no KV event says anything yet: neither sidecar ingests any).
+async fn burst_split(predict_ttl: Duration, n: usize) -> (usize, usize) {
+    let slow = || {
+        sim_with(
+            SimConfig::new(MODEL)
+                .with_time_scale(1.0)
+                .with_block_size(BLOCK),
+        )
+    };
+    let (sim_a, sim_b) = (slow().await, slow().await);
+    let mut ca = config(&sim_a, &[], None);
+    ca.prefix.tokenizer = TokenizerChoice::Builtin;
+    ca.prefix.block_size = BLOCK as u32;
+    ca.prefix.predict_ttl = CfgDuration::from_millis(predict_ttl.as_millis() as u64);
+    let a = start(ca).await;
+    let b = start(config(&sim_b, &[], None)).await;
+    add_peer(&a, &b, &[]);
+    let shared = words("burst", 0, 320);
+    let served = |sim: &SimHandle| {
+        sim.received_requests()
+            .iter()
+            .filter(|r| r.path == "/v1/completions")
+            .count()
+    };
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let body = serde_json::json!({
+            "model": MODEL,
+            "prompt": format!("{shared} question {i}"),
+            "max_tokens": 40,
+        })
+        .to_string();
+        let addr = a.addr();
+        tasks.push(tokio::spawn(async move {
+            let r = fetch(&http1(), post_json(addr, "/v1/completions", &body)).await;
+            assert!(r.status.is_success(), "{} {}", r.status, r.text());
+        }));
+        eventually("the request reached an engine", || async {
+            (served(&sim_a) + served(&sim_b) == i + 1).then_some(())
+        })
+        .await;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let split = (served(&sim_a), served(&sim_b));
+    a.shutdown().await;
+    b.shutdown().await;
+    sim_a.shutdown().await;
+    sim_b.shutdown().await;
+    split
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_sharing_a_prefix_stays_on_one_pod_before_any_kv_event() {
+    let (a, b) = burst_split(Duration::from_secs(5), 4).await;
+    assert!(
+        (a, b) == (4, 0) || (a, b) == (0, 4),
+        "predicted: the burst stays together, got {a} + {b}"
+    );
+    // Without predictions the same burst is placed by load alone: the pods take turns.
+    let (a, b) = burst_split(Duration::ZERO, 4).await;
+    assert!(a > 0 && b > 0, "unpredicted: spread by load, got {a} + {b}");
 }

@@ -6,4 +6,5 @@ pub mod hash;
 pub mod index;
 pub mod kvevents;
 mod lru;
+pub mod predicted;
 pub mod tokenize;

@@ -33,6 +33,12 @@ pub struct Prefix {
     pub approx_chunk_chars: usize,
     /// Text blocks remembered per pod in approximate mode (LRU).
     pub approx_blocks_per_pod: usize,
+    /// Precise mode: how long a routing decision counts as the chosen pod holding the request's
+    /// blocks before its engine's KV events say so (0: off). Keeps a burst that shares a prefix
+    /// together.
+    pub predict_ttl: Duration,
+    /// Precise mode: most predicted blocks kept per pod.
+    pub predict_blocks_per_pod: usize,
 }
 
 /// Which tokenizer the prefix stage uses.
@@ -94,6 +100,8 @@ impl Default for Prefix {
             index_max_blocks_per_pod: 1 << 20,
             approx_chunk_chars: 256,
             approx_blocks_per_pod: 65_536,
+            predict_ttl: Duration::from_secs(2),
+            predict_blocks_per_pod: 65_536,
         }
     }
 }
@@ -222,6 +230,15 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     }
     if p.approx_blocks_per_pod == 0 {
         return err("prefix.approx_blocks_per_pod", "must be at least 1");
+    }
+    if p.predict_ttl.get() > std::time::Duration::from_secs(60) {
+        return err(
+            "prefix.predict_ttl",
+            "must be at most 60s (KV events arrive after the prefill; 0 turns it off)",
+        );
+    }
+    if p.predict_blocks_per_pod == 0 {
+        return err("prefix.predict_blocks_per_pod", "must be at least 1");
     }
     if let TokenizerChoice::Dir(dir) = &p.tokenizer {
         if !dir.join("tokenizer.json").is_file() {

@@ -42,6 +42,7 @@ pub async fn execute(
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
+        crate::routing::predict(app, ctx, &target);
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),

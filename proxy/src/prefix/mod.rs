@@ -31,6 +31,7 @@ use std::sync::Arc;
 use kvmesh_filters::prefix::approx::{ApproxConfig, ApproxIndex};
 use kvmesh_filters::prefix::index::{ApplyStats, IndexConfig, PodId, PrefixIndex};
 use kvmesh_filters::prefix::kvevents::EventBatch;
+use kvmesh_filters::prefix::predicted::PredictedIndex;
 use tokio::sync::broadcast;
 
 use crate::app::App;
@@ -62,6 +63,8 @@ pub struct PrefixState {
     source: Source,
     index: Arc<PrefixIndex>,
     approx: ApproxIndex,
+    /// Precise mode: where requests were just routed, until their events arrive.
+    predicted: PredictedIndex,
     local_pod: PodId,
     local_name: String,
     /// The model events and model-less requests are keyed by.
@@ -107,11 +110,13 @@ impl PrefixState {
             default_blocks_per_pod: p.approx_blocks_per_pod,
             hash_seed: p.hash_seed.clone(),
         });
+        let predicted = PredictedIndex::new(p.predict_ttl.get(), p.predict_blocks_per_pod);
         let (local_updates, _) = broadcast::channel(LOCAL_UPDATES_CAPACITY);
         Ok(Self {
             source,
             index,
             approx,
+            predicted,
             local_pod: local,
             local_name: local_pod.to_owned(),
             default_model: config.pod.models.first().cloned().unwrap_or_default(),
@@ -194,6 +199,7 @@ impl PrefixState {
             self.index.remove_pod(id);
         }
         self.approx.remove_pod(pod);
+        self.predicted.remove_pod(pod);
     }
 
     /// Local KV updates, for the mesh to forward to peers. Bounded: a
@@ -315,6 +321,11 @@ impl PrefixState {
                         out.insert(name, n(m.blocks));
                     }
                 }
+                let now = std::time::Instant::now();
+                for (pod, blocks) in self.predicted.match_prefix(&ctx.block_keys, now) {
+                    let e = out.entry(pod).or_insert(0);
+                    *e = (*e).max(n(blocks));
+                }
             }
             Mode::Approximate => {
                 for m in self.approx.match_prefix(&ctx.block_keys) {
@@ -323,6 +334,17 @@ impl PrefixState {
             }
         }
         out
+    }
+
+    /// Precise mode: predicts that `pod_id` will hold this request's blocks,
+    /// which the scheduler just sent there, until the engine's events say so
+    /// (`prefix.predict_ttl`; docs/prefix.md). A no-op in approximate mode,
+    /// where [`Self::record`] does this for good.
+    pub fn predict(&self, pod_id: &str, ctx: &RequestCtx) {
+        if self.mode() == Mode::Precise && !ctx.block_keys.is_empty() {
+            self.predicted
+                .record(pod_id, &ctx.block_keys, std::time::Instant::now());
+        }
     }
 
     /// Records that this request was sent to `pod_id` (approximate mode; a

@@ -288,6 +288,24 @@ pub fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
     }
 }
 
+/// Precise mode: the pods `target` sends this request's prompt to will hold
+/// its blocks (both legs of a split: prefill computes them, decode receives
+/// them), until their engines' KV events say so. A request a peer already
+/// routed was predicted there.
+pub fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
+    if ctx.already_routed || ctx.block_keys.is_empty() {
+        return;
+    }
+    if let Target::Disaggregated { prefill, .. } = target {
+        if let Some(id) = leg_id(&app.fleet, prefill) {
+            app.prefix.predict(&id, ctx);
+        }
+    }
+    if let Some(id) = pod_of(&app.fleet, target) {
+        app.prefix.predict(&id, ctx);
+    }
+}
+
 fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
     let leg = match target {
         Target::LocalEngine => Leg::LocalEngine,
@@ -296,8 +314,12 @@ fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
         },
         Target::Disaggregated { decode, .. } => decode.clone(),
     };
+    leg_id(fleet, &leg)
+}
+
+fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
     match leg {
         Leg::LocalEngine => Some(fleet.local_id().to_owned()),
-        Leg::Peer { sidecar_addr } => fleet.peer_id(sidecar_addr),
+        Leg::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
     }
 }
