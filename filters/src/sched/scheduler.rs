@@ -294,34 +294,22 @@ impl ProfileRunner for Cycle<'_> {
             picker: prof.picker.0.clone(),
             picked: Vec::new(),
         };
-        let mut cands: Vec<usize> = (0..eps.len()).collect();
-        let mut emptied = cands.is_empty().then(|| "<no endpoints>".to_owned());
-        let mut before = Vec::with_capacity(cands.len());
-        for (fname, f) in &prof.filters {
-            if emptied.is_some() {
-                break;
-            }
-            before.clear();
-            before.extend_from_slice(&cands);
-            f.filter(req, eps, &mut cands);
-            let removed = keep_subsequence(&before, &mut cands);
+        let filtered = filter_candidates(req, eps, prof, |fname, removed| {
             trace.filters.push(FilterTrace {
-                filter: fname.clone(),
+                filter: fname.to_owned(),
                 removed: removed.iter().map(|&i| eps[i].id.clone()).collect(),
             });
-            if cands.is_empty() {
-                emptied = Some(fname.clone());
+        });
+        let cands = match filtered {
+            Ok(cands) => cands,
+            Err(e) => {
+                if let ScheduleError::NoEndpoint { filter, .. } = &e {
+                    trace.emptied_by = Some(filter.clone());
+                }
+                self.traces.push(trace);
+                return Err(e);
             }
-        }
-        if let Some(filter) = emptied {
-            trace.emptied_by = Some(filter.clone());
-            self.traces.push(trace);
-            return Err(ScheduleError::NoEndpoint {
-                model: req.model.clone(),
-                filter,
-                profile: prof.name.clone(),
-            });
-        }
+        };
         let n = cands.len();
         let mut totals = vec![0.0; n];
         for (sname, weight, s) in &prof.scorers {
@@ -355,28 +343,7 @@ impl Cycle<'_> {
     /// (skipped when one candidate is left, see the module docs) and picker.
     fn run_summary(&mut self, prof: &Profile) -> Result<ProfileResult, ScheduleError> {
         let (req, eps) = (self.req, self.endpoints);
-        let mut cands: Vec<usize> = (0..eps.len()).collect();
-        if cands.is_empty() {
-            return Err(ScheduleError::NoEndpoint {
-                model: req.model.clone(),
-                filter: "<no endpoints>".to_owned(),
-                profile: prof.name.clone(),
-            });
-        }
-        let mut before = Vec::with_capacity(cands.len());
-        for (fname, f) in &prof.filters {
-            before.clear();
-            before.extend_from_slice(&cands);
-            f.filter(req, eps, &mut cands);
-            keep_subsequence(&before, &mut cands);
-            if cands.is_empty() {
-                return Err(ScheduleError::NoEndpoint {
-                    model: req.model.clone(),
-                    filter: fname.clone(),
-                    profile: prof.name.clone(),
-                });
-            }
-        }
+        let cands = filter_candidates(req, eps, prof, |_, _| {})?;
         let n = cands.len();
         let mut totals = vec![0.0; n];
         if n > 1 {
@@ -431,6 +398,38 @@ fn add_scores(
 
 /// Make `after` the entries of `before` it kept (in `before`'s order, so a
 /// filter cannot add or reorder), and return those removed.
+/// Runs `prof`'s filters in order over every endpoint: the candidates left, or
+/// `NoEndpoint` naming the filter that removed the last one (`<no endpoints>`
+/// when there were none). `removed` hears each filter's name and the
+/// endpoints it took out (empty when none), for the full trace.
+fn filter_candidates(
+    req: &RequestView,
+    eps: &[EndpointView],
+    prof: &Profile,
+    mut removed: impl FnMut(&str, &[usize]),
+) -> Result<Vec<usize>, ScheduleError> {
+    let none_left = |filter: &str| ScheduleError::NoEndpoint {
+        model: req.model.clone(),
+        filter: filter.to_owned(),
+        profile: prof.name.clone(),
+    };
+    let mut cands: Vec<usize> = (0..eps.len()).collect();
+    if cands.is_empty() {
+        return Err(none_left("<no endpoints>"));
+    }
+    let mut before = Vec::with_capacity(cands.len());
+    for (fname, f) in &prof.filters {
+        before.clear();
+        before.extend_from_slice(&cands);
+        f.filter(req, eps, &mut cands);
+        removed(fname, &keep_subsequence(&before, &mut cands));
+        if cands.is_empty() {
+            return Err(none_left(fname));
+        }
+    }
+    Ok(cands)
+}
+
 fn keep_subsequence(before: &[usize], after: &mut Vec<usize>) -> Vec<usize> {
     // The usual case, a filter that removed nothing, allocates nothing.
     if after.as_slice() == before {
