@@ -31,27 +31,25 @@ struct Pod {
 }
 
 impl Pod {
-    fn expire(&mut self, now: Instant) {
-        while let Some(&(at, key)) = self.order.front() {
-            if at > now {
-                break;
-            }
-            self.order.pop_front();
+    /// Drops the oldest prediction (and its key, unless predicted again since).
+    fn drop_oldest(&mut self) {
+        if let Some((at, key)) = self.order.pop_front() {
             if self.expires.get(&key) == Some(&at) {
                 self.expires.remove(&key);
             }
         }
     }
 
+    fn expire(&mut self, now: Instant) {
+        while self.order.front().is_some_and(|&(at, _)| at <= now) {
+            self.drop_oldest();
+        }
+    }
+
     /// Drops the oldest predictions until at most `max` keys are left.
     fn shrink(&mut self, max: usize) {
-        while self.expires.len() > max {
-            let Some((at, key)) = self.order.pop_front() else {
-                break;
-            };
-            if self.expires.get(&key) == Some(&at) {
-                self.expires.remove(&key);
-            }
+        while self.expires.len() > max && !self.order.is_empty() {
+            self.drop_oldest();
         }
     }
 }
