@@ -32,7 +32,7 @@ use crate::body::ResponseBody;
 use crate::config::PdConnector;
 use crate::error::ProxyError;
 use crate::path::classify::{ClientBody, ClientRequest};
-use crate::path::execute::Upstream;
+use crate::path::execute::{leg_upstream, Upstream};
 use crate::path::{Leg, RequestCtx};
 
 /// Where the legs of one disaggregated request go.
@@ -49,9 +49,9 @@ impl PdPlan {
         Self {
             prefill: std::iter::once(prefill)
                 .chain(prefill_fallbacks)
-                .map(upstream)
+                .map(|leg| leg_upstream(&leg))
                 .collect(),
-            decode: upstream(decode),
+            decode: leg_upstream(&decode),
         }
     }
 
@@ -62,10 +62,6 @@ impl PdPlan {
             decode: Upstream::Engine,
         }
     }
-}
-
-fn upstream(leg: Leg) -> Upstream {
-    crate::path::execute::leg_upstream(&leg)
 }
 
 /// Runs the configured connector for one request.

@@ -307,14 +307,11 @@ pub fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
 }
 
 fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
-    let leg = match target {
-        Target::LocalEngine => Leg::LocalEngine,
-        Target::Peer { sidecar_addr } => Leg::Peer {
-            sidecar_addr: *sidecar_addr,
-        },
-        Target::Disaggregated { decode, .. } => decode.clone(),
-    };
-    leg_id(fleet, &leg)
+    match target {
+        Target::LocalEngine => leg_id(fleet, &Leg::LocalEngine),
+        Target::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
+        Target::Disaggregated { decode, .. } => leg_id(fleet, decode),
+    }
 }
 
 fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
