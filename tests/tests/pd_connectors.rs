@@ -87,6 +87,35 @@ fn add_peer(sidecar: &SidecarHandle, addr: std::net::SocketAddr, role: Role, loa
         .set_load(&id, load, tokio::time::Instant::now());
 }
 
+/// Sends `sidecar` a prompt over the built-in filter config's 1024-token
+/// minimum for a split; checks it was answered and that `prefill` received
+/// exactly one prefill leg. The prompt and that leg.
+async fn split_long_prompt(
+    sidecar: &SidecarHandle,
+    prefill: &SimHandle,
+) -> (String, ReceivedRequest) {
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let long = completion(
+        sidecar,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
+        &[],
+    )
+    .await;
+    assert_eq!(long.status, 200, "{}", long.text());
+    let mut p_reqs = inference(prefill);
+    assert_eq!(
+        p_reqs.len(),
+        1,
+        "one prefill leg reached the prefill engine"
+    );
+    let leg = p_reqs.remove(0);
+    assert_eq!(
+        leg.json().unwrap()["kv_transfer_params"]["do_remote_decode"],
+        true
+    );
+    (prompt, leg)
+}
+
 fn external_tokens(engine: &SimHandle) -> u64 {
     engine.stats().external_kv_tokens
 }
@@ -417,24 +446,10 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
     .await;
     assert_eq!(short.status, 200, "{}", short.text());
     assert!(inference(&prefill).is_empty());
-    // ... a long one (over the built-in config's 1024-token minimum) is
-    // split: prefill on the peer, decode here.
-    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
-    let long = completion(
-        &sidecar,
-        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
-        &[],
-    )
-    .await;
-    assert_eq!(long.status, 200, "{}", long.text());
-    let p_reqs = inference(&prefill);
-    assert_eq!(p_reqs.len(), 1, "the prefill leg reached the peer's engine");
+    // ... a long one is split: prefill on the peer, decode here.
+    let (_, prefill_leg) = split_long_prompt(&sidecar, &prefill).await;
     assert_eq!(
-        p_reqs[0].json().unwrap()["kv_transfer_params"]["do_remote_decode"],
-        true
-    );
-    assert_eq!(
-        p_reqs[0].header("x-kvmesh-routed"),
+        prefill_leg.header("x-kvmesh-routed"),
         None,
         "the peer's sidecar ran it locally"
     );
@@ -479,22 +494,8 @@ async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
     };
     add_peer(&sidecar, spare_sidecar.addr(), Role::Both, busier);
 
-    // Over the built-in filter config's 1024-token minimum for a split.
-    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
-    let long = completion(
-        &sidecar,
-        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
-        &[],
-    )
-    .await;
-    assert_eq!(long.status, 200, "{}", long.text());
-    // The split was made and its prefill leg ran ...
-    let p_reqs = inference(&prefill);
-    assert_eq!(p_reqs.len(), 1, "one prefill leg, no aggregated retry here");
-    assert_eq!(
-        p_reqs[0].json().unwrap()["kv_transfer_params"]["do_remote_decode"],
-        true
-    );
+    // The split was made and its prefill leg ran (once: no aggregated retry there) ...
+    let (prompt, _) = split_long_prompt(&sidecar, &prefill).await;
     // ... the refusing decode pod was not tried again whole, and the spare pod served the
     // request whole, as a request its sidecar runs locally.
     let s_reqs = inference(&spare);
