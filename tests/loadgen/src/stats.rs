@@ -62,7 +62,7 @@ impl Dist {
 /// Field names are the JSON names the demo and the harness print
 /// (`ttft_p50_ms`, `hit_rate`, `throughput_tok_s`, ...). Latency fields are
 /// `None` (JSON `null`) when no request produced that measurement.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Requests sent.
     pub requests: u64,
