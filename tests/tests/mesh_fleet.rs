@@ -4,7 +4,8 @@
 //! holds their prefix (as when one sidecar routes for all); a restarted
 //! sidecar rejoins and resyncs; a stalled peer leaves the scheduling set; a
 //! forwarding loop is refused; an unknown model is a clear error; a slow
-//! subscriber is dropped, not buffered.
+//! subscriber is dropped, not buffered; `follow: same-models` leaves a peer
+//! of another model alone.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -512,4 +513,81 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
         .await;
     }
     m.shutdown().await;
+}
+
+/// `kvmesh_mesh_peers{state}` of one sidecar.
+async fn peers_in(s: &SidecarHandle, state: &str) -> Option<f64> {
+    metric(s, &format!(r#"kvmesh_mesh_peers{{state="{state}"}}"#)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
+    use kvmesh_proxy::config::mesh::Follow;
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let mut engines = Vec::new();
+    let mut sidecars = Vec::new();
+    for model in [MODEL, MODEL, "other-model"] {
+        let e = kv_sim().await;
+        let mut c = mesh_config(&e, peers.path());
+        c.pod.models = vec![model.to_owned()];
+        c.mesh.follow = Follow::SameModels;
+        sidecars.push(start_on(c, None).await);
+        engines.push(e);
+    }
+    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    write_peers(peers.path(), &addrs);
+    let ids = |s: &SidecarHandle| -> Vec<String> {
+        let now = tokio::time::Instant::now();
+        let mut v: Vec<String> = s
+            .fleet()
+            .snapshot(now)
+            .into_iter()
+            .map(|p| p.info.id)
+            .collect();
+        v.sort();
+        v
+    };
+    // The two pods of MODEL follow each other; each saw the third pod's hello and left it.
+    let mut pair: Vec<String> = sidecars[..2].iter().map(|s| s.addr().to_string()).collect();
+    pair.sort();
+    for s in &sidecars[..2] {
+        eventually(
+            "the other pod of the model in sync, the third not followed",
+            || async {
+                let fresh = peers_in(s, "fresh").await == Some(1.0);
+                let other = peers_in(s, "other_models").await == Some(1.0);
+                (fresh && other).then_some(())
+            },
+        )
+        .await;
+        assert_eq!(ids(s), pair);
+    }
+    // The third pod follows nobody: both peers serve other models.
+    let lone = &sidecars[2];
+    eventually("both peers not followed", || async {
+        (peers_in(lone, "other_models").await == Some(2.0)).then_some(())
+    })
+    .await;
+    assert_eq!(peers_in(lone, "known").await, Some(0.0));
+    assert_eq!(ids(lone), vec![lone.addr().to_string()]);
+    // Requests for the model route as usual; the other model is unknown here, since the pod that
+    // serves it is not followed.
+    complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;
+    let r = fetch(
+        &http1(),
+        post_json(
+            sidecars[0].addr(),
+            "/v1/completions",
+            r#"{"model":"other-model","prompt":"hi","max_tokens":1}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    for s in sidecars {
+        s.shutdown().await;
+    }
+    for e in engines {
+        e.shutdown().await;
+    }
 }

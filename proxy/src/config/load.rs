@@ -164,6 +164,13 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     }
     super::prefix::validate(c)?;
     c.mesh.validate()?;
+    if c.mesh.follow == super::mesh::Follow::SameModels && c.pod.models.is_empty() {
+        return err(
+            "mesh.follow",
+            "same-models needs pod.models: this pod's models are what peers are matched against"
+                .to_owned(),
+        );
+    }
     c.pd.validate()?;
     if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&c.logging.level) {
         return err(

@@ -40,6 +40,31 @@ pub struct Mesh {
     pub connect_timeout: Duration,
     /// Longest pause between reconnect attempts (the backoff doubles up to it).
     pub reconnect_max: Duration,
+    /// Which discovered peers are followed (docs/mesh.md, "How it shards").
+    pub follow: Follow,
+}
+
+/// Which discovered peers a sidecar follows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Follow {
+    /// Every peer: requests for any model the mesh serves can be routed here.
+    #[default]
+    All,
+    /// Only peers announcing a model this pod serves (`pod.models`); a peer
+    /// announcing no models is followed. Twenty models over 1000 pods make
+    /// twenty meshes of 50, but a request for another model finds no pod.
+    SameModels,
+}
+
+impl Follow {
+    /// Whether a peer announcing `theirs` is followed by a pod serving `ours`.
+    pub fn follows(self, ours: &[String], theirs: &[String]) -> bool {
+        match self {
+            Self::All => true,
+            Self::SameModels => theirs.is_empty() || theirs.iter().any(|m| ours.contains(m)),
+        }
+    }
 }
 
 /// DNS discovery of a headless Service.
@@ -67,6 +92,7 @@ impl Default for Mesh {
             max_subscribers: 1024,
             connect_timeout: Duration::from_secs(2),
             reconnect_max: Duration::from_secs(5),
+            follow: Follow::All,
         }
     }
 }
@@ -154,9 +180,28 @@ mod tests {
                 "mesh.load_interval",
             ),
             ("mesh:\n  listen: 0.0.0.0:7000\n  bogus: 1\n", "mesh"),
+            (
+                "mesh:\n  listen: 0.0.0.0:7000\n  follow: same-models\n",
+                "mesh.follow",
+            ),
+            ("mesh:\n  follow: some\n", "mesh.follow"),
         ] {
             let e = load(yaml).unwrap_err();
             assert!(e.contains(field), "{yaml}: {e}");
         }
+    }
+
+    #[test]
+    fn same_models_follows_a_peer_sharing_a_model_or_announcing_none() {
+        use super::Follow;
+        let ours = ["a".to_owned(), "b".to_owned()];
+        let (b, c) = (["b".to_owned()], ["c".to_owned()]);
+        assert!(Follow::SameModels.follows(&ours, &b));
+        assert!(!Follow::SameModels.follows(&ours, &c));
+        assert!(Follow::SameModels.follows(&ours, &[]));
+        assert!(Follow::All.follows(&ours, &c));
+        let c = load("pod:\n  models: [a]\nmesh:\n  listen: 0.0.0.0:7000\n  follow: same-models\n")
+            .unwrap();
+        assert_eq!(c.mesh.follow, Follow::SameModels);
     }
 }

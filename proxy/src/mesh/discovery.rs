@@ -100,10 +100,14 @@ pub async fn run(app: Arc<App>, shutdown: Shutdown) {
 
 fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     let now = Instant::now();
-    let (mut known, mut fresh, mut lag) = (0, 0, 0u64);
+    let (mut known, mut fresh, mut other_models, mut lag) = (0, 0, 0, 0u64);
     for f in follows.values() {
         let s = f.status.borrow();
         if s.is_self {
+            continue;
+        }
+        if s.other_models {
+            other_models += 1;
             continue;
         }
         known += 1;
@@ -115,7 +119,7 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
             }
         }
     }
-    app.metrics.mesh.peers(known, fresh);
+    app.metrics.mesh.peers(known, fresh, other_models);
     app.metrics.mesh.lag_ms(lag);
 }
 

@@ -60,7 +60,7 @@ impl MeshMetrics {
         };
         r.register(
             "mesh_peers",
-            "Peers by state: known (discovered) and fresh (stream in sync, heard within stale_after)",
+            "Peers by state: known (discovered and followed), fresh (stream in sync, heard within stale_after), other_models (discovered, serving none of this pod's models, not followed under mesh.follow: same-models)",
             m.peers.clone(),
         );
         r.register_with_unit(
@@ -107,14 +107,18 @@ impl MeshMetrics {
         m
     }
 
-    pub fn peers(&self, known: usize, fresh: usize) {
+    /// Peers followed (`known`), of them in sync and heard from within
+    /// `stale_after` (`fresh`), and peers not followed because they serve
+    /// none of this pod's models (`other_models`).
+    pub fn peers(&self, known: usize, fresh: usize, other_models: usize) {
         let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
-        self.peers
-            .get_or_create(&StateLabels { state: "known" })
-            .set(n(known));
-        self.peers
-            .get_or_create(&StateLabels { state: "fresh" })
-            .set(n(fresh));
+        for (state, v) in [
+            ("known", known),
+            ("fresh", fresh),
+            ("other_models", other_models),
+        ] {
+            self.peers.get_or_create(&StateLabels { state }).set(n(v));
+        }
     }
 
     pub fn lag_ms(&self, ms: u64) {

@@ -10,7 +10,10 @@
 //! doubles up to `reconnect_max`, and the next snapshot resyncs. A peer that
 //! stays unreachable past `stale_after` leaves the fleet and the index; it
 //! comes back with its next snapshot. A stream announcing this sidecar's own
-//! identity (DNS lists every pod, this one included) is not followed.
+//! identity (DNS lists every pod, this one included) is not followed. With
+//! `mesh.follow: same-models`, neither is a peer announcing none of this
+//! pod's models: the stream is dropped at its hello and tried again after
+//! [`OTHER_MODELS_RECHECK`] (a pod changes models only by restarting).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +36,9 @@ use crate::fleet::PodInfo;
 /// First pause before reconnecting.
 const BACKOFF_START: Duration = Duration::from_millis(50);
 
+/// Pause before asking again a peer that served other models.
+const OTHER_MODELS_RECHECK: Duration = Duration::from_secs(60);
+
 /// What the discovery loop reads about one subscriber.
 #[derive(Debug, Clone, Default)]
 pub struct PeerStatus {
@@ -43,6 +49,8 @@ pub struct PeerStatus {
     pub last_frame: Option<Instant>,
     /// The address turned out to be this sidecar itself.
     pub is_self: bool,
+    /// The peer serves none of this pod's models (`mesh.follow: same-models`).
+    pub other_models: bool,
 }
 
 /// Why one stream ended.
@@ -68,6 +76,8 @@ enum StreamEnd {
     IsSelf,
     #[error("peer announced an identity it cannot be reached at: {0}")]
     BadIdentity(String),
+    #[error("peer {0} serves none of this pod's models")]
+    OtherModels(String),
 }
 
 /// Follows the stream of the peer at `addr` until `stop` (see the module docs).
@@ -94,6 +104,22 @@ pub async fn run(
                 status.send_modify(|s| s.is_self = true);
                 stop.cancelled().await;
                 break;
+            }
+            StreamEnd::OtherModels(_) => {
+                tracing::debug!(%addr, reason = %ended, "mesh: peer not followed");
+                // It may have served this pod's models before a restart.
+                if let Some(id) = known.take() {
+                    forget(&app, &id);
+                }
+                lost_at = None;
+                status.send_modify(|s| s.other_models = true);
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(OTHER_MODELS_RECHECK) => {}
+                }
+                backoff = BACKOFF_START;
+                reason = "connect";
+                continue;
             }
             StreamEnd::Connect(_) | StreamEnd::Status(_) => {
                 tracing::debug!(%addr, reason = %ended, "mesh: peer unreachable");
@@ -301,6 +327,14 @@ impl Reader<'_> {
         if a.id == app.fleet.local_id() {
             return Err(StreamEnd::IsSelf);
         }
+        if !app
+            .config
+            .mesh
+            .follow
+            .follows(&app.config.pod.models, &a.models)
+        {
+            return Err(StreamEnd::OtherModels(a.id));
+        }
         let sidecar_addr = resolve(&a.id)
             .await
             .ok_or_else(|| StreamEnd::BadIdentity(a.id.clone()))?;
@@ -324,7 +358,10 @@ impl Reader<'_> {
             return Err(StreamEnd::BadIdentity(a.id));
         }
         *self.known = Some(a.id.clone());
-        self.status.send_modify(|s| s.id = Some(a.id.clone()));
+        self.status.send_modify(|s| {
+            s.id = Some(a.id.clone());
+            s.other_models = false;
+        });
         self.peer = Some(a.id);
         self.next_seq = None;
         Ok(())
