@@ -275,19 +275,20 @@ fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-        if let Some(tls) = &config.listeners.tls {
-            if let Err(e) = crate::tls::acceptor(tls) {
-                let field = match e {
-                    crate::tls::TlsError::Key { .. } => "listeners.tls.key",
-                    _ => "listeners.tls.cert",
-                };
-                let src = std::fs::read_to_string(file).unwrap_or_default();
-                let loc = config::load::locate(&src, field)
-                    .map(|(l, c)| format!(":{l}:{c}"))
-                    .unwrap_or_default();
-                eprintln!("{}{loc}: {field}: {e}", file.display());
-                return ExitCode::from(2);
-            }
+        let client_tls = config.listeners.tls.as_ref().map(crate::tls::acceptor);
+        let mesh_tls = config.mesh.tls.as_ref().map(crate::tls::MeshTls::load);
+        let tls_errors = [
+            client_tls.and_then(Result::err),
+            mesh_tls.and_then(Result::err),
+        ];
+        if let Some(e) = tls_errors.into_iter().flatten().next() {
+            let field = e.field();
+            let src = std::fs::read_to_string(file).unwrap_or_default();
+            let loc = config::load::locate(&src, field)
+                .map(|(l, c)| format!(":{l}:{c}"))
+                .unwrap_or_default();
+            eprintln!("{}{loc}: {field}: {e}", file.display());
+            return ExitCode::from(2);
         }
         named_filters = config.scheduling.filters;
         println!("{}: ok", file.display());

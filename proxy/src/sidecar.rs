@@ -108,7 +108,15 @@ impl Sidecar {
                     source,
                 })?;
         let mesh_addr = crate::mesh::local_addr(&mesh_listener);
-        let mesh = Arc::new(crate::mesh::Mesh::new(&config, &fleet, &prefix, mesh_addr));
+        let mesh_tls = config
+            .mesh
+            .tls
+            .as_ref()
+            .map(crate::tls::MeshTls::load)
+            .transpose()?;
+        let mesh = Arc::new(crate::mesh::Mesh::new(
+            &config, &fleet, &prefix, mesh_addr, mesh_tls,
+        ));
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),

@@ -116,6 +116,19 @@ fn missing_tls_key_is_reported_with_its_field() {
 }
 
 #[test]
+fn missing_mesh_tls_files_are_reported_with_their_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "mesh-tls.yaml",
+        "mesh:\n  listen: 127.0.0.1:7000\n  tls:\n    ca: /nonexistent/ca.pem\n    cert: /nonexistent/tls.crt\n    key: /nonexistent/tls.key\n",
+    );
+    let (code, _, stderr) = check(&f);
+    assert_eq!(code, 2);
+    assert!(stderr.contains(":4:5: mesh.tls.ca:"), "{stderr}");
+}
+
+#[test]
 fn filters_file_must_be_yaml() {
     let dir = tempfile::tempdir().unwrap();
     let p = write(

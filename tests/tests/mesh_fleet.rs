@@ -515,6 +515,19 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
     m.shutdown().await;
 }
 
+/// The pods in a sidecar's fleet, sorted.
+fn pod_ids(s: &SidecarHandle) -> Vec<String> {
+    let now = tokio::time::Instant::now();
+    let mut v: Vec<String> = s
+        .fleet()
+        .snapshot(now)
+        .into_iter()
+        .map(|p| p.info.id)
+        .collect();
+    v.sort();
+    v
+}
+
 /// `kvmesh_mesh_peers{state}` of one sidecar.
 async fn peers_in(s: &SidecarHandle, state: &str) -> Option<f64> {
     metric(s, &format!(r#"kvmesh_mesh_peers{{state="{state}"}}"#)).await
@@ -536,17 +549,6 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     }
     let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
     write_peers(peers.path(), &addrs);
-    let ids = |s: &SidecarHandle| -> Vec<String> {
-        let now = tokio::time::Instant::now();
-        let mut v: Vec<String> = s
-            .fleet()
-            .snapshot(now)
-            .into_iter()
-            .map(|p| p.info.id)
-            .collect();
-        v.sort();
-        v
-    };
     // The two pods of MODEL follow each other; each saw the third pod's hello and left it.
     let mut pair: Vec<String> = sidecars[..2].iter().map(|s| s.addr().to_string()).collect();
     pair.sort();
@@ -560,7 +562,7 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
             },
         )
         .await;
-        assert_eq!(ids(s), pair);
+        assert_eq!(pod_ids(s), pair);
     }
     // The third pod follows nobody: both peers serve other models.
     let lone = &sidecars[2];
@@ -569,7 +571,7 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     })
     .await;
     assert_eq!(peers_in(lone, "known").await, Some(0.0));
-    assert_eq!(ids(lone), vec![lone.addr().to_string()]);
+    assert_eq!(pod_ids(lone), vec![lone.addr().to_string()]);
     // Requests for the model route as usual; the other model is unknown here, since the pod that
     // serves it is not followed.
     complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;
@@ -590,4 +592,117 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     for e in engines {
         e.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_mesh_tls_only_peers_holding_a_certificate_of_the_mesh_ca_join() {
+    use kvmesh_tests::certs::MeshPki;
+    let (mesh_ca, other_ca) = (MeshPki::new(), MeshPki::new());
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let mut engines = Vec::new();
+    let mut sidecars = Vec::new();
+    for (i, ca) in [&mesh_ca, &mesh_ca, &other_ca].into_iter().enumerate() {
+        let e = kv_sim().await;
+        let mut c = mesh_config(&e, peers.path());
+        c.mesh.tls = Some(ca.files(&format!("pod{i}"), "kvmesh-mesh"));
+        sidecars.push(start_on(c, None).await);
+        engines.push(e);
+    }
+    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    write_peers(peers.path(), &addrs);
+    // The two pods of the mesh CA follow each other over TLS; the third pod's certificate is
+    // refused both when it subscribes to them and when they subscribe to it.
+    let mut pair: Vec<String> = sidecars[..2].iter().map(|s| s.addr().to_string()).collect();
+    pair.sort();
+    for s in &sidecars[..2] {
+        eventually(
+            "in sync with the other pod, the third refused both ways",
+            || async {
+                let fresh = peers_in(s, "fresh").await == Some(1.0);
+                let accept = tls_failures(s, "accept").await >= 1.0;
+                let connect = tls_failures(s, "connect").await >= 1.0;
+                (fresh && accept && connect).then_some(())
+            },
+        )
+        .await;
+        assert_eq!(pod_ids(s), pair);
+    }
+    // A client that trusts the mesh CA but has no certificate of its own gets no stream.
+    let anonymous =
+        stream_without_client_cert(addrs[0], &mesh_ca.files("anon", "kvmesh-mesh").ca).await;
+    assert!(anonymous.is_err(), "{anonymous:?}");
+    let outsider = &sidecars[2];
+    assert_eq!(peers_in(outsider, "fresh").await, Some(0.0));
+    assert_eq!(pod_ids(outsider), vec![outsider.addr().to_string()]);
+    // The TLS mesh shares KV state: both indexes hold the blocks of a request served by one pod.
+    complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;
+    eventually("indexes converged over TLS", || async {
+        let e: Vec<usize> = sidecars[..2]
+            .iter()
+            .map(|s| s.prefix().index().stats().entries)
+            .collect();
+        (e[0] > 0 && e[0] == e[1]).then_some(())
+    })
+    .await;
+    assert_eq!(outsider.prefix().index().stats().entries, 0);
+    for s in sidecars {
+        s.shutdown().await;
+    }
+    for e in engines {
+        e.shutdown().await;
+    }
+}
+
+/// `kvmesh_mesh_tls_handshake_failures_total{side}` of one sidecar (0 before any).
+async fn tls_failures(s: &SidecarHandle, side: &str) -> f64 {
+    let series = format!(r#"kvmesh_mesh_tls_handshake_failures_total{{side="{side}"}}"#);
+    metric(s, &series).await.unwrap_or(0.0)
+}
+
+/// `GET /mesh/v1/stream` over TLS trusting the CA in `ca_pem`, with no client certificate: the
+/// response status, or why there was none.
+async fn stream_without_client_cert(
+    addr: SocketAddr,
+    ca_pem: &std::path::Path,
+) -> Result<http::StatusCode, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(ca_pem).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let attempt = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let name = ServerName::try_from("kvmesh-mesh").unwrap();
+        let tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                .await
+                .map_err(|e| format!("h2: {e}"))?;
+        tokio::spawn(conn);
+        let req = http::Request::get(format!("https://{addr}/mesh/v1/stream"))
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let resp = send
+            .send_request(req)
+            .await
+            .map_err(|e| format!("request: {e}"))?;
+        Ok(resp.status())
+    };
+    tokio::time::timeout(Duration::from_secs(5), attempt)
+        .await
+        .unwrap_or_else(|_| Err("no answer within 5 s".to_owned()))
 }

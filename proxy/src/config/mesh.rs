@@ -42,6 +42,29 @@ pub struct Mesh {
     pub reconnect_max: Duration,
     /// Which discovered peers are followed (docs/mesh.md, "How it shards").
     pub follow: Follow,
+    /// Mutual TLS on the state streams; absent: h2c.
+    pub tls: Option<MeshTlsFiles>,
+}
+
+/// PEM files of the mesh's mutual TLS (docs/mesh.md, "Security").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeshTlsFiles {
+    /// The mesh CA: a peer's certificate must chain to one of these.
+    pub ca: PathBuf,
+    /// This sidecar's certificate chain (leaf first), presented on the mesh
+    /// port and to the peers it subscribes to.
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// The DNS name (SAN) every mesh certificate carries; a peer is verified
+    /// against it, not against its pod IP.
+    #[serde(default = "default_server_name")]
+    pub server_name: String,
+}
+
+fn default_server_name() -> String {
+    "kvmesh-mesh".to_owned()
 }
 
 /// Which discovered peers a sidecar follows.
@@ -93,6 +116,7 @@ impl Default for Mesh {
             connect_timeout: Duration::from_secs(2),
             reconnect_max: Duration::from_secs(5),
             follow: Follow::All,
+            tls: None,
         }
     }
 }
@@ -127,6 +151,9 @@ impl Mesh {
                     self.load_interval, self.stale_after
                 ),
             );
+        }
+        if self.tls.is_some() && self.listen.is_none() {
+            return err("tls", "is set but the mesh port (listen) is not".to_owned());
         }
         let discovers = !self.peers.is_empty() || self.dns.is_some() || self.file.is_some();
         if discovers && self.listen.is_none() {
@@ -185,6 +212,11 @@ mod tests {
                 "mesh.follow",
             ),
             ("mesh:\n  follow: some\n", "mesh.follow"),
+            ("mesh:\n  tls: {ca: a, cert: b, key: c}\n", "mesh.tls"),
+            (
+                "mesh:\n  listen: 0.0.0.0:7000\n  tls: {ca: a, cert: b}\n",
+                "mesh.tls",
+            ),
         ] {
             let e = load(yaml).unwrap_err();
             assert!(e.contains(field), "{yaml}: {e}");

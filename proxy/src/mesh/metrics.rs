@@ -1,7 +1,7 @@
 //! The mesh's metrics: peers known and fresh, stream lag, resyncs, frames,
-//! subscribers served and dropped, and requests by where they ran. Label
-//! values are `&'static str` from closed sets, except `target`, a pod id
-//! (bounded by the fleet's size limit).
+//! subscribers served and dropped, requests by where they ran, and failed TLS
+//! handshakes. Label values are `&'static str` from closed sets, except
+//! `target`, a pod id (bounded by the fleet's size limit).
 
 use std::sync::atomic::AtomicU64;
 
@@ -27,6 +27,11 @@ struct WhereLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SideLabels {
+    side: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct TargetLabels {
     target: String,
 }
@@ -42,6 +47,7 @@ pub struct MeshMetrics {
     dropped: Family<ReasonLabels, Counter>,
     requests: Family<WhereLabels, Counter>,
     forwarded: Family<TargetLabels, Counter>,
+    tls_failures: Family<SideLabels, Counter>,
 }
 
 impl MeshMetrics {
@@ -57,6 +63,7 @@ impl MeshMetrics {
             dropped: Family::default(),
             requests: Family::default(),
             forwarded: Family::default(),
+            tls_failures: Family::default(),
         };
         r.register(
             "mesh_peers",
@@ -104,7 +111,17 @@ impl MeshMetrics {
             "Requests forwarded to a peer sidecar, by target pod",
             m.forwarded.clone(),
         );
+        r.register(
+            "mesh_tls_handshake_failures",
+            "Mutual-TLS handshakes that failed (mesh.tls): accept (a peer subscribing here) or connect (subscribing to a peer)",
+            m.tls_failures.clone(),
+        );
         m
+    }
+
+    /// A mesh TLS handshake failed on `side` (`accept` or `connect`).
+    pub fn tls_failure(&self, side: &'static str) {
+        self.tls_failures.get_or_create(&SideLabels { side }).inc();
     }
 
     /// Peers followed (`known`), of them in sync and heard from within

@@ -56,6 +56,8 @@ pub struct Mesh {
     local_kv: Mutex<Option<broadcast::Receiver<LocalKvUpdate>>>,
     /// Whether the mesh port is configured (else nothing is published).
     enabled: bool,
+    /// Mutual TLS on the mesh port and the subscriptions (`mesh.tls`).
+    tls: Option<crate::tls::MeshTls>,
 }
 
 struct Hub {
@@ -91,6 +93,7 @@ impl Mesh {
         fleet: &crate::fleet::Fleet,
         prefix: &crate::prefix::PrefixState,
         mesh_addr: Option<SocketAddr>,
+        tls: Option<crate::tls::MeshTls>,
     ) -> Self {
         let m = &config.mesh;
         let enabled = mesh_addr.is_some();
@@ -121,7 +124,13 @@ impl Mesh {
             max_subscribers: m.max_subscribers,
             local_kv: Mutex::new(enabled.then(|| prefix.subscribe_local())),
             enabled,
+            tls,
         }
+    }
+
+    /// The mesh's mutual TLS, when `mesh.tls` is set.
+    pub fn tls(&self) -> Option<&crate::tls::MeshTls> {
+        self.tls.as_ref()
     }
 
     /// This pod's identity, as announced.

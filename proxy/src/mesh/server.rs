@@ -1,4 +1,6 @@
-//! The mesh port: HTTP/2 by prior knowledge (h2c). `GET /mesh/v1/stream`
+//! The mesh port: HTTP/2 by prior knowledge (h2c), or over mutual TLS with
+//! `mesh.tls` (a peer without a certificate from the mesh CA gets no stream;
+//! the handshake is bounded by `timeouts.tls_handshake`). `GET /mesh/v1/stream`
 //! answers `200` with a never-ending body: the snapshot frames, then the
 //! subscriber's queue of deltas ([`super::Mesh::subscribe`]). The body ends
 //! when the sender drops the subscriber (slow) or shuts down; the subscriber
@@ -17,6 +19,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -93,27 +96,49 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
         let app = app.clone();
         let shutdown = shutdown.clone();
         conns.spawn(async move {
-            let svc = service_fn(move |req| {
-                let app = app.clone();
-                async move { Ok::<_, Infallible>(handle(&app, &req)) }
-            });
-            let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-            b.timer(TokioTimer::new())
-                .keep_alive_interval(Some(Duration::from_secs(10)))
-                .keep_alive_timeout(Duration::from_secs(20));
-            let conn = b.serve_connection(TokioIo::new(tcp), svc);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = shutdown.triggered() => {
-                    // Streams never end by themselves: close the connection.
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+            let Some(tls) = app.mesh.tls() else {
+                return serve_conn(app.clone(), tcp, &shutdown).await;
+            };
+            let handshake = app.config.timeouts.tls_handshake.get();
+            match tokio::time::timeout(handshake, tls.acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => serve_conn(app.clone(), stream, &shutdown).await,
+                Ok(Err(e)) => {
+                    app.metrics.mesh.tls_failure("accept");
+                    tracing::info!(error = %e, "mesh: TLS handshake with a subscriber failed");
+                }
+                Err(_) => {
+                    app.metrics.mesh.tls_failure("accept");
+                    tracing::info!("mesh: TLS handshake with a subscriber timed out");
                 }
             }
         });
     }
     conns.shutdown().await;
+}
+
+/// Serves one connection (TCP or TLS) until it ends or shutdown.
+async fn serve_conn<I>(app: Arc<App>, io: I, shutdown: &Shutdown)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req| {
+        let app = app.clone();
+        async move { Ok::<_, Infallible>(handle(&app, &req)) }
+    });
+    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    b.timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(10)))
+        .keep_alive_timeout(Duration::from_secs(20));
+    let conn = b.serve_connection(TokioIo::new(io), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = shutdown.triggered() => {
+            // Streams never end by themselves: close the connection.
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+        }
+    }
 }
 
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {

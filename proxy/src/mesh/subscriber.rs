@@ -1,7 +1,8 @@
 //! One peer's state stream, applied here: one owned task per discovered mesh
 //! address ([`run`]).
 //!
-//! Connect (TCP + HTTP/2, under `connect_timeout`), `GET /mesh/v1/stream`,
+//! Connect (TCP, mutual TLS with `mesh.tls`, HTTP/2, all under
+//! `connect_timeout`), `GET /mesh/v1/stream`,
 //! then read frames, each under the `stale_after` deadline (the peer's load
 //! ticks are its heartbeat). The snapshot replaces everything known about
 //! the peer (its index entries are cleared first); deltas must come with
@@ -15,14 +16,18 @@
 //! pod's models: the stream is dropped at its hello and tried again after
 //! [`OTHER_MODELS_RECHECK`] (a pod changes models only by restarting).
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::Request;
 use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -162,6 +167,25 @@ pub async fn run(
     }
 }
 
+/// Drives one HTTP/2 client connection (over TCP or TLS).
+type Driver = Pin<Box<dyn Future<Output = Result<(), hyper::Error>> + Send>>;
+
+/// The HTTP/2 handshake on a connected stream.
+async fn handshake<I>(io: I) -> Result<(SendRequest<Empty<Bytes>>, Driver), String>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+    // A small window: a subscriber that cannot keep up stops the sender
+    // quickly instead of buffering megabytes in flight.
+    b.initial_stream_window_size(256 * 1024);
+    let (send, conn) = b
+        .handshake::<_, Empty<Bytes>>(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((send, Box::pin(conn)))
+}
+
 /// Removes a peer from scheduling and from the index.
 fn forget(app: &App, id: &str) {
     tracing::info!(peer = id, "mesh: peer left the scheduling set");
@@ -178,16 +202,24 @@ async fn follow(
     reason: &'static str,
 ) -> StreamEnd {
     let cfg = &app.config.mesh;
+    let tls = app.mesh.tls();
     let connect = async {
         let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
-        let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
-        // A small window: a subscriber that cannot keep up stops the sender
-        // quickly instead of buffering megabytes in flight.
-        b.initial_stream_window_size(256 * 1024);
-        b.handshake::<_, Empty<Bytes>>(TokioIo::new(tcp))
-            .await
-            .map_err(|e| e.to_string())
+        match tls {
+            None => handshake(tcp).await,
+            Some(tls) => {
+                let stream = tls
+                    .connector
+                    .connect(tls.server_name.clone(), tcp)
+                    .await
+                    .map_err(|e| {
+                        app.metrics.mesh.tls_failure("connect");
+                        format!("TLS handshake: {e}")
+                    })?;
+                handshake(stream).await
+            }
+        }
     };
     let (mut send, conn) = match tokio::time::timeout(cfg.connect_timeout.get(), connect).await {
         Ok(Ok(x)) => x,
@@ -195,7 +227,8 @@ async fn follow(
         Err(_) => return StreamEnd::Connect("timed out".to_owned()),
     };
     tokio::pin!(conn);
-    let req = match Request::get(format!("http://{addr}{STREAM_PATH}")).body(Empty::new()) {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let req = match Request::get(format!("{scheme}://{addr}{STREAM_PATH}")).body(Empty::new()) {
         Ok(r) => r,
         Err(e) => return StreamEnd::Connect(e.to_string()),
     };
