@@ -595,9 +595,12 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn with_mesh_tls_only_peers_holding_a_certificate_of_the_mesh_ca_join() {
-    use kvmesh_tests::certs::MeshPki;
+async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded_over_it() {
+    use kvmesh_tests::certs::{MeshPki, TestCert};
     let (mesh_ca, other_ca) = (MeshPki::new(), MeshPki::new());
+    // Pod 1's client port speaks TLS for its clients, so a forward to it over plain HTTP would
+    // fail: requests reach it only through its mesh port.
+    let client_cert = TestCert::new();
     let peers = tempfile::NamedTempFile::new().unwrap();
     let mut engines = Vec::new();
     let mut sidecars = Vec::new();
@@ -605,6 +608,12 @@ async fn with_mesh_tls_only_peers_holding_a_certificate_of_the_mesh_ca_join() {
         let e = kv_sim().await;
         let mut c = mesh_config(&e, peers.path());
         c.mesh.tls = Some(ca.files(&format!("pod{i}"), "kvmesh-mesh"));
+        if i == 1 {
+            c.listeners.tls = Some(kvmesh_proxy::config::Tls {
+                cert: client_cert.cert_path.clone(),
+                key: client_cert.key_path.clone(),
+            });
+        }
         sidecars.push(start_on(c, None).await);
         engines.push(e);
     }
@@ -634,8 +643,26 @@ async fn with_mesh_tls_only_peers_holding_a_certificate_of_the_mesh_ca_join() {
     let outsider = &sidecars[2];
     assert_eq!(peers_in(outsider, "fresh").await, Some(0.0));
     assert_eq!(pod_ids(outsider), vec![outsider.addr().to_string()]);
-    // The TLS mesh shares KV state: both indexes hold the blocks of a request served by one pod.
-    complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;
+    // The TLS mesh shares KV state: pod 1 runs a prompt (its sidecar told to keep it), and both
+    // indexes then hold its blocks ...
+    let warm = request(
+        "POST",
+        sidecars[1].addr(),
+        "/v1/completions",
+        shared_prefix_body(0, 0),
+        &[
+            ("content-type", "application/json"),
+            ("x-kvmesh-routed", "1"),
+        ],
+    );
+    let (_, r) = kvmesh_tests::client::tls_fetch(
+        sidecars[1].addr(),
+        client_cert.der.clone(),
+        kvmesh_tests::client::Alpn::Http1,
+        warm,
+    )
+    .await;
+    assert_eq!(r.status, 200);
     eventually("indexes converged over TLS", || async {
         let e: Vec<usize> = sidecars[..2]
             .iter()
@@ -645,6 +672,17 @@ async fn with_mesh_tls_only_peers_holding_a_certificate_of_the_mesh_ca_join() {
     })
     .await;
     assert_eq!(outsider.prefix().index().stats().entries, 0);
+    // ... so pod 0 forwards the same prompt to pod 1, over the mesh port.
+    complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;
+    let served = |s, how: &'static str| async move {
+        let series = format!(r#"kvmesh_mesh_requests_total{{served="{how}"}}"#);
+        metric(s, &series).await
+    };
+    assert_eq!(served(&sidecars[0], "forwarded").await, Some(1.0));
+    // (The warm-up, marked as routed, counts as received too.)
+    assert_eq!(served(&sidecars[1], "received").await, Some(2.0));
+    assert_eq!(completions(&engines[1]).len(), 2);
+    assert!(completions(&engines[0]).is_empty());
     for s in sidecars {
         s.shutdown().await;
     }

@@ -16,6 +16,7 @@
 //! [`run`] is the one task the sidecar spawns; everything below it is owned
 //! by it and stops on shutdown.
 
+pub mod client;
 pub mod discovery;
 pub mod forward;
 pub mod metrics;
@@ -58,6 +59,10 @@ pub struct Mesh {
     enabled: bool,
     /// Mutual TLS on the mesh port and the subscriptions (`mesh.tls`).
     tls: Option<crate::tls::MeshTls>,
+    /// With `mesh.tls`: forwarded requests go over it, to peers' mesh ports.
+    client: Option<client::MeshClient>,
+    /// Each followed peer's mesh port.
+    routes: client::MeshRoutes,
 }
 
 struct Hub {
@@ -124,13 +129,27 @@ impl Mesh {
             max_subscribers: m.max_subscribers,
             local_kv: Mutex::new(enabled.then(|| prefix.subscribe_local())),
             enabled,
+            client: tls
+                .clone()
+                .map(|t| client::MeshClient::new(t, config.timeouts.connect.get())),
             tls,
+            routes: client::MeshRoutes::default(),
         }
     }
 
     /// The mesh's mutual TLS, when `mesh.tls` is set.
     pub fn tls(&self) -> Option<&crate::tls::MeshTls> {
         self.tls.as_ref()
+    }
+
+    /// The client that forwards over the mesh's mutual TLS, when `mesh.tls` is set.
+    pub fn tls_client(&self) -> Option<&client::MeshClient> {
+        self.client.as_ref()
+    }
+
+    /// Where each followed peer's mesh port is.
+    pub fn routes(&self) -> &client::MeshRoutes {
+        &self.routes
     }
 
     /// This pod's identity, as announced.
@@ -323,7 +342,11 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = shutdown.triggered() => return,
+            _ = shutdown.triggered() => {
+                // Ends every subscriber's stream, so mesh connections can close.
+                mesh.hub.lock().subs.clear();
+                return;
+            }
             _ = tick.tick() => mesh.tick(&app),
             u = recv(&mut kv) => match u {
                 Ok(update) => mesh.local_kv(&app, update),

@@ -1,10 +1,12 @@
 //! The mesh port: HTTP/2 by prior knowledge (h2c), or over mutual TLS with
-//! `mesh.tls` (a peer without a certificate from the mesh CA gets no stream;
+//! `mesh.tls` (a peer without a certificate from the mesh CA gets nothing;
 //! the handshake is bounded by `timeouts.tls_handshake`). `GET /mesh/v1/stream`
 //! answers `200` with a never-ending body: the snapshot frames, then the
 //! subscriber's queue of deltas ([`super::Mesh::subscribe`]). The body ends
 //! when the sender drops the subscriber (slow) or shuts down; the subscriber
-//! then reconnects and resyncs. Anything else is `404`.
+//! then reconnects and resyncs. With `mesh.tls` every other request is one a
+//! peer forwarded ([`super::client`]) and goes down the request path as on
+//! the client port; without it, anything else is `404`.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -25,6 +27,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::app::App;
+use crate::body::{BoxError, ResponseBody};
 use crate::shutdown::Shutdown;
 
 /// The stream's path on the mesh port.
@@ -116,14 +119,21 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
     conns.shutdown().await;
 }
 
-/// Serves one connection (TCP or TLS) until it ends or shutdown.
+/// Serves one connection (TCP or TLS) until it ends or shutdown. On
+/// shutdown, streams end (the hub drops its subscribers) and forwarded
+/// requests get `timeouts.shutdown_drain` to finish.
 async fn serve_conn<I>(app: Arc<App>, io: I, shutdown: &Shutdown)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let drain = if app.mesh.tls().is_some() {
+        app.config.timeouts.shutdown_drain.get()
+    } else {
+        Duration::from_secs(1)
+    };
     let svc = service_fn(move |req| {
         let app = app.clone();
-        async move { Ok::<_, Infallible>(handle(&app, &req)) }
+        async move { Ok::<_, Infallible>(respond(app, req).await) }
     });
     let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     b.timer(TokioTimer::new())
@@ -134,11 +144,55 @@ where
     tokio::select! {
         _ = conn.as_mut() => {}
         _ = shutdown.triggered() => {
-            // Streams never end by themselves: close the connection.
             conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+            let _ = tokio::time::timeout(drain, conn).await;
         }
     }
+}
+
+/// A mesh-port response body: the state stream, or a forwarded request's.
+pub enum MeshBody {
+    Stream(StreamBody),
+    Proxy(ResponseBody),
+}
+
+impl Body for MeshBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            Self::Stream(s) => Pin::new(s)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(|never| match never {}))),
+            Self::Proxy(p) => Pin::new(p).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Self::Stream(s) => s.is_end_stream(),
+            Self::Proxy(p) => p.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Self::Stream(s) => s.size_hint(),
+            Self::Proxy(p) => p.size_hint(),
+        }
+    }
+}
+
+/// The state stream, or with `mesh.tls` a request a peer forwarded.
+async fn respond(app: Arc<App>, req: Request<Incoming>) -> Response<MeshBody> {
+    if req.uri().path() == STREAM_PATH || app.mesh.tls().is_none() {
+        return handle(&app, &req).map(MeshBody::Stream);
+    }
+    crate::path::handle(app, req).await.map(MeshBody::Proxy)
 }
 
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {

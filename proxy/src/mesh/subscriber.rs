@@ -165,6 +165,7 @@ pub async fn run(
     if let Some(id) = known {
         forget(&app, &id);
     }
+    app.mesh.routes().remove_mesh(addr);
 }
 
 /// Drives one HTTP/2 client connection (over TCP or TLS).
@@ -247,6 +248,7 @@ async fn follow(
     let mut body = resp.into_body();
     let mut reader = Reader {
         app,
+        addr,
         status,
         known,
         buf: BytesMut::new(),
@@ -278,6 +280,8 @@ async fn follow(
 
 struct Reader<'a> {
     app: &'a App,
+    /// The peer's mesh port (this stream's address).
+    addr: SocketAddr,
     status: &'a watch::Sender<PeerStatus>,
     known: &'a mut Option<String>,
     buf: BytesMut,
@@ -386,6 +390,8 @@ impl Reader<'_> {
             lora_adapters: a.lora_adapters,
             labels: a.labels.into_iter().collect(),
         };
+        // Known before the peer becomes a target, so no forward finds it missing.
+        app.mesh.routes().set(sidecar_addr, self.addr);
         if let Err(e) = app.fleet.upsert_peer(info) {
             tracing::warn!(peer = %a.id, error = %e, "mesh: peer not added");
             return Err(StreamEnd::BadIdentity(a.id));

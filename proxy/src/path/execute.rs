@@ -20,6 +20,7 @@ use crate::app::App;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, Retry, UpstreamName};
 use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
+use crate::mesh::client::MeshSendError;
 
 pub async fn execute(
     app: &App,
@@ -176,30 +177,56 @@ pub(crate) async fn send(
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
     let head_wait = timeouts.first_byte.get().min(overall_left);
     let sent = Instant::now();
-    let resp = match tokio::time::timeout(head_wait, app.client.request(out)).await {
+    let resp = match tokio::time::timeout(head_wait, request(app, upstream, &name, out)).await {
         Err(_) => {
             return Err(ProxyError::FirstByteTimeout {
                 upstream: name,
                 after: head_wait,
             })
         }
-        Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::Connect {
-                upstream: name,
-                reason: error_chain(&e),
-            })
-        }
-        Ok(Err(e)) => {
-            return Err(ProxyError::UpstreamFailed {
-                upstream: name,
-                reason: error_chain(&e),
-            })
-        }
-        Ok(Ok(resp)) => resp,
+        Ok(r) => r?,
     };
     app.metrics
         .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
     Ok((resp, name))
+}
+
+/// Sends `out` over the pooled client, or, to a peer with `mesh.tls`, over the
+/// mesh's mutual TLS to its mesh port; a connection error means nothing was sent.
+async fn request(
+    app: &App,
+    upstream: &Upstream,
+    name: &UpstreamName,
+    out: Request<UpstreamBody>,
+) -> Result<Response<hyper::body::Incoming>, ProxyError> {
+    let connect = |reason: String| ProxyError::Connect {
+        upstream: name.clone(),
+        reason,
+    };
+    let failed = |reason: String| ProxyError::UpstreamFailed {
+        upstream: name.clone(),
+        reason,
+    };
+    match (upstream, app.mesh.tls_client()) {
+        (Upstream::Peer(peer), Some(mesh)) => {
+            let port = app
+                .mesh
+                .routes()
+                .get(*peer)
+                .ok_or_else(|| connect("no mesh port known for this peer".to_owned()))?;
+            mesh.send(port, out).await.map_err(|e| match e {
+                MeshSendError::Connect { .. } => connect(e.to_string()),
+                MeshSendError::Request { .. } => failed(e.to_string()),
+            })
+        }
+        _ => app.client.request(out).await.map_err(|e| {
+            if e.is_connect() {
+                connect(error_chain(&e))
+            } else {
+                failed(error_chain(&e))
+            }
+        }),
+    }
 }
 
 /// Relays an upstream response to the client, chunk by chunk, under the idle
@@ -266,8 +293,13 @@ fn build_request(
         .path_and_query()
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let over_mesh_tls = matches!(upstream, Upstream::Peer(_)) && app.mesh.tls_client().is_some();
     let uri = Uri::builder()
-        .scheme(Scheme::HTTP)
+        .scheme(if over_mesh_tls {
+            Scheme::HTTPS
+        } else {
+            Scheme::HTTP
+        })
         .authority(authority)
         .path_and_query(path)
         .build()
