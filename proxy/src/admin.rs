@@ -1,6 +1,7 @@
 //! The admin port: `/health` (the sidecar is up), `/ready` (the local engine
-//! answers its health check), `/metrics` (Prometheus text) and `/config` (the
-//! effective config as JSON: paths of TLS files, never key material).
+//! answers its health check), `/metrics` (Prometheus text), `/config` (the
+//! effective config as JSON: paths of TLS files, never key material) and
+//! `/autoscale` (how many pods each pool should run, [`crate::autoscale`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -49,18 +50,37 @@ impl Admin {
                     )
                 }
             }
-            "/metrics" => reply(
-                StatusCode::OK,
-                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-                Bytes::from(self.app.metrics.encode()),
-            ),
+            "/metrics" => {
+                self.app.metrics.autoscale.set(&self.autoscale());
+                reply(
+                    StatusCode::OK,
+                    prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                    Bytes::from(self.app.metrics.encode()),
+                )
+            }
+            "/autoscale" => match serde_json::to_vec_pretty(&self.autoscale()) {
+                Ok(body) => reply(StatusCode::OK, "application/json", Bytes::from(body)),
+                Err(e) => reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    Bytes::from(format!("autoscale: {e}\n")),
+                ),
+            },
             "/config" => reply(StatusCode::OK, "application/json", self.config_json.clone()),
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /debug/fleet /debug/route (POST)\n"),
+                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /autoscale /debug/fleet /debug/route (POST)\n"),
             ),
         }
+    }
+}
+
+impl Admin {
+    /// The autoscaling hook's answer for the fleet as this sidecar sees it now.
+    fn autoscale(&self) -> crate::autoscale::Answer {
+        let pods = self.app.fleet.snapshot(tokio::time::Instant::now());
+        crate::autoscale::answer(&self.app.config.autoscale, &pods)
     }
 }
 

@@ -13,6 +13,7 @@
 
 mod admin;
 mod app;
+pub mod autoscale;
 pub mod body;
 pub mod cli;
 pub mod config;

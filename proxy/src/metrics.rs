@@ -107,6 +107,8 @@ pub struct Metrics {
     pub mesh: crate::mesh::metrics::MeshMetrics,
     /// Prefill/decode disaggregation.
     pub pd: crate::pd::metrics::PdMetrics,
+    /// The autoscaling hook's answer, set at each scrape.
+    pub autoscale: crate::autoscale::AutoscaleMetrics,
 }
 
 /// Decrements the in-flight gauge when the response body is finished or dropped.
@@ -143,6 +145,7 @@ impl Metrics {
         let prefix = crate::prefix::metrics::PrefixMetrics::register(&mut registry);
         let mesh = crate::mesh::metrics::MeshMetrics::register(&mut registry);
         let pd = crate::pd::metrics::PdMetrics::register(&mut registry);
+        let autoscale = crate::autoscale::AutoscaleMetrics::register(&mut registry);
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
@@ -197,6 +200,7 @@ impl Metrics {
             prefix,
             mesh,
             pd,
+            autoscale,
         }
     }
 

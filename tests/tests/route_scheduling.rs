@@ -1,7 +1,8 @@
 //! Routing end to end: every inference request is scheduled by the filter
 //! config, the decision shows in metrics, the local engine's load is scraped,
-//! unknown models get a clear error, `/debug/route` explains a decision, and
-//! a request the scheduler sends to a peer is served by the peer's engine.
+//! unknown models get a clear error, `/debug/route` explains a decision, a
+//! request the scheduler sends to a peer is served by the peer's engine, and
+//! the autoscaling hook sizes each pool from the fleet's load.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kvmesh_engine_sim::SimConfig;
@@ -244,4 +245,62 @@ async fn a_request_scheduled_to_a_peer_is_forwarded_there_and_served_by_its_engi
     }
     ea.shutdown().await;
     eb.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_autoscaling_hook_sizes_each_pool_from_the_fleets_load() {
+    use kvmesh_filters::sched::Role;
+    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
+    let engine = sim().await;
+    // This pod serves both roles and is idle: the aggregated pool shrinks to its minimum.
+    let s = sidecar(&engine, &[], None).await;
+    eventually("the local load is scraped", || async {
+        let pods = s.fleet().snapshot(tokio::time::Instant::now());
+        pods.iter().all(|p| p.load_age_ms.is_some()).then_some(())
+    })
+    .await;
+    // Peers with the loads their engines would report, as the mesh brings them.
+    let peers = [
+        (Role::Prefill, 6, 0.2),
+        (Role::Prefill, 4, 0.2),
+        (Role::Decode, 1, 0.9),
+        (Role::Decode, 1, 0.9),
+        (Role::Decode, 1, 0.9),
+    ];
+    for (i, (role, waiting, kv_usage)) in peers.into_iter().enumerate() {
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{}", 10_001 + i).parse().unwrap();
+        let info = PodInfo {
+            id: addr.to_string(),
+            sidecar_addr: Some(addr),
+            role,
+            models: vec![MODEL.to_owned()],
+            lora_adapters: vec![],
+            labels: Default::default(),
+        };
+        s.fleet().upsert_peer(info).unwrap();
+        let load = EngineLoad {
+            waiting,
+            kv_usage,
+            ..EngineLoad::default()
+        };
+        s.fleet()
+            .set_load(&addr.to_string(), load, tokio::time::Instant::now());
+    }
+    let a = admin_get(s.admin_addr(), "/autoscale").await;
+    assert_eq!(a.status, 200);
+    let a = a.json();
+    // Prefill: 5 waiting per pod against a target of 2, so 2 pods become ceil(2 x 2.5) = 5.
+    assert_eq!(a["prefill"]["pods"], 2);
+    assert_eq!(a["prefill"]["desired"], 5, "{a}");
+    assert_eq!(a["prefill"]["signal"], "waiting");
+    // Decode: 90% KV usage against 75%, so 3 pods become ceil(3 x 1.2) = 4.
+    assert_eq!(a["decode"]["desired"], 4, "{a}");
+    assert_eq!(a["decode"]["signal"], "kv_usage");
+    assert_eq!(a["aggregated"]["pods"], 1);
+    assert_eq!(a["aggregated"]["desired"], 1, "{a}");
+    // The same answer in Prometheus form, for an HPA through an adapter.
+    let desired = r#"kvmesh_autoscale_desired_replicas{pool="decode"}"#;
+    assert_eq!(metric(&s, desired).await, Some(4.0));
+    s.shutdown().await;
+    engine.shutdown().await;
 }

@@ -10,6 +10,7 @@
 //! `pd`, `filters`, engine `kv_events`), each as one struct with its defaults
 //! beside it and its checks in [`load::validate`].
 
+pub mod autoscale;
 pub mod load;
 pub mod mesh;
 pub mod pd;
@@ -21,11 +22,12 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use autoscale::Autoscale;
 pub use load::{from_yaml_str, load_file, ConfigError};
 pub use mesh::Mesh;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
 pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};
-pub use units::{ByteSize, Duration, EngineUrl};
+pub use units::{ByteSize, Duration, EngineUrl, Fraction};
 
 /// The whole `proxy.yaml`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +49,8 @@ pub struct Config {
     pub mesh: Mesh,
     /// How a request split into prefill and decode is carried out (docs/pd.md).
     pub pd: Pd,
+    /// The targets the autoscaling hook sizes each pool against (docs/autoscaling.md).
+    pub autoscale: Autoscale,
 }
 
 /// Where the sidecar listens.

@@ -249,3 +249,49 @@ mod tests {
         assert!(EngineUrl::parse("http://x").is_err());
     }
 }
+
+/// A number in (0, 1], such as a target utilization: `0.75`.
+#[derive(Debug, Clone, Copy)]
+pub struct Fraction(f64);
+
+impl Fraction {
+    pub const ONE: Fraction = Fraction(1.0);
+
+    /// `v` when it lies in (0, 1].
+    pub fn new(v: f64) -> Option<Self> {
+        (v > 0.0 && v <= 1.0).then_some(Self(v))
+    }
+
+    pub const fn get(self) -> f64 {
+        self.0
+    }
+}
+
+// Values are finite by construction, so comparing bits is an equivalence.
+impl PartialEq for Fraction {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_bits() == other.0.to_bits()
+    }
+}
+
+impl Eq for Fraction {}
+
+impl fmt::Display for Fraction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl Serialize for Fraction {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Fraction {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = f64::deserialize(d)?;
+        Fraction::new(v)
+            .ok_or_else(|| de::Error::custom(format!("{v} is not a fraction in (0, 1]")))
+    }
+}
