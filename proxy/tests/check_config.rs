@@ -161,3 +161,79 @@ fn run_rejects_a_bad_flag_value() {
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no path"));
 }
+
+/// Every document of a YAML file.
+fn yaml_docs(path: &Path) -> Vec<serde_yaml_ng::Value> {
+    use serde::Deserialize;
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde_yaml_ng::Value::deserialize(d).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_sidecar_component_passes_check_config_and_its_ports_agree() {
+    use serde_yaml_ng::Value;
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/sidecar");
+    // The ConfigMap's proxy.yaml, as the sidecar will read it.
+    let cm = &yaml_docs(&deploy.join("proxy-configmap.yaml"))[0];
+    let text = cm["data"]["proxy.yaml"].as_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, stderr) = check(&write(dir.path(), "proxy.yaml", text));
+    assert_eq!(code, 0, "{stderr}");
+    let c = kvmesh_proxy::config::from_yaml_str(text, "proxy.yaml").unwrap();
+    let (client, admin) = (c.listeners.client.port(), c.listeners.admin.port());
+    let mesh = c.mesh.listen.unwrap().port();
+    // The container exposes those ports, advertises the client port, probes the admin port.
+    let patch = &yaml_docs(&deploy.join("sidecar-patch.yaml"))[0];
+    let sidecar = &patch["spec"]["template"]["spec"]["initContainers"][0];
+    let ports: Vec<u64> = sidecar["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p["containerPort"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ports,
+        [u64::from(client), u64::from(admin), u64::from(mesh)]
+    );
+    let args: Vec<&str> = sidecar["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.contains(&format!("--advertise=$(POD_IP):{client}").as_str()),
+        "{args:?}"
+    );
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(
+            sidecar[probe]["httpGet"]["port"].as_u64(),
+            Some(u64::from(admin))
+        );
+    }
+    // The client Service targets the client port; the headless one is what mesh.dns names.
+    let services = yaml_docs(&deploy.join("services.yaml"));
+    let target = |name: &str| -> &Value {
+        let s = services
+            .iter()
+            .find(|s| s["metadata"]["name"] == name)
+            .unwrap();
+        &s["spec"]["ports"][0]
+    };
+    assert_eq!(
+        target("kvmesh")["targetPort"].as_u64(),
+        Some(u64::from(client))
+    );
+    let dns = c.mesh.dns.as_ref().unwrap();
+    assert_eq!(dns.name, "kvmesh-mesh");
+    assert_eq!(
+        target("kvmesh-mesh")["port"].as_u64(),
+        Some(u64::from(dns.port))
+    );
+    assert_eq!(
+        target("kvmesh-mesh")["targetPort"].as_u64(),
+        Some(u64::from(mesh))
+    );
+}
