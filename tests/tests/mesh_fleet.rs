@@ -31,24 +31,33 @@ struct Mesh {
     peers: tempfile::NamedTempFile,
 }
 
+/// `n` pods that found each other, every one knowing every other.
 async fn mesh(n: usize) -> Mesh {
+    let m = mesh_with(n, |_, _| {}).await;
+    m.wait_full().await;
+    m
+}
+
+/// `n` pods joined through one peers file, pod `i`'s config changed by
+/// `adjust(i, config)` first; returns before they have found each other.
+async fn mesh_with(n: usize, adjust: impl Fn(usize, &mut kvmesh_proxy::config::Config)) -> Mesh {
     let peers = tempfile::NamedTempFile::new().unwrap();
     let mut engines = Vec::new();
     let mut sidecars = Vec::new();
-    for _ in 0..n {
+    for i in 0..n {
         let e = kv_sim().await;
-        sidecars.push(start_on(mesh_config(&e, peers.path()), None).await);
+        let mut c = mesh_config(&e, peers.path());
+        adjust(i, &mut c);
+        sidecars.push(start_on(c, None).await);
         engines.push(e);
     }
     let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
     write_peers(peers.path(), &addrs);
-    let m = Mesh {
+    Mesh {
         engines,
         sidecars,
         peers,
-    };
-    m.wait_full().await;
-    m
+    }
 }
 
 impl Mesh {
@@ -515,6 +524,13 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
     m.shutdown().await;
 }
 
+/// The client addresses (pod ids) of `sidecars`, sorted.
+fn client_addrs(sidecars: &[SidecarHandle]) -> Vec<String> {
+    let mut v: Vec<String> = sidecars.iter().map(|s| s.addr().to_string()).collect();
+    v.sort();
+    v
+}
+
 /// The pods in a sidecar's fleet, sorted.
 fn pod_ids(s: &SidecarHandle) -> Vec<String> {
     let now = tokio::time::Instant::now();
@@ -536,22 +552,15 @@ async fn peers_in(s: &SidecarHandle, state: &str) -> Option<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     use kvmesh_proxy::config::mesh::Follow;
-    let peers = tempfile::NamedTempFile::new().unwrap();
-    let mut engines = Vec::new();
-    let mut sidecars = Vec::new();
-    for model in [MODEL, MODEL, "other-model"] {
-        let e = kv_sim().await;
-        let mut c = mesh_config(&e, peers.path());
+    let m = mesh_with(3, |i, c| {
+        let model = if i == 2 { "other-model" } else { MODEL };
         c.pod.models = vec![model.to_owned()];
         c.mesh.follow = Follow::SameModels;
-        sidecars.push(start_on(c, None).await);
-        engines.push(e);
-    }
-    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
-    write_peers(peers.path(), &addrs);
+    })
+    .await;
+    let sidecars = &m.sidecars;
     // The two pods of MODEL follow each other; each saw the third pod's hello and left it.
-    let mut pair: Vec<String> = sidecars[..2].iter().map(|s| s.addr().to_string()).collect();
-    pair.sort();
+    let pair = client_addrs(&sidecars[..2]);
     for s in &sidecars[..2] {
         eventually(
             "the other pod of the model in sync, the third not followed",
@@ -586,12 +595,7 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     .await;
     assert_eq!(r.status, 404, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "model_not_found");
-    for s in sidecars {
-        s.shutdown().await;
-    }
-    for e in engines {
-        e.shutdown().await;
-    }
+    m.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -601,12 +605,8 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
     // Pod 1's client port speaks TLS for its clients, so a forward to it over plain HTTP would
     // fail: requests reach it only through its mesh port.
     let client_cert = TestCert::new();
-    let peers = tempfile::NamedTempFile::new().unwrap();
-    let mut engines = Vec::new();
-    let mut sidecars = Vec::new();
-    for (i, ca) in [&mesh_ca, &mesh_ca, &other_ca].into_iter().enumerate() {
-        let e = kv_sim().await;
-        let mut c = mesh_config(&e, peers.path());
+    let m = mesh_with(3, |i, c| {
+        let ca = if i == 2 { &other_ca } else { &mesh_ca };
         c.mesh.tls = Some(ca.files(&format!("pod{i}"), "kvmesh-mesh"));
         if i == 1 {
             c.listeners.tls = Some(kvmesh_proxy::config::Tls {
@@ -614,15 +614,12 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
                 key: client_cert.key_path.clone(),
             });
         }
-        sidecars.push(start_on(c, None).await);
-        engines.push(e);
-    }
-    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
-    write_peers(peers.path(), &addrs);
+    })
+    .await;
+    let (sidecars, engines) = (&m.sidecars, &m.engines);
     // The two pods of the mesh CA follow each other over TLS; the third pod's certificate is
     // refused both when it subscribes to them and when they subscribe to it.
-    let mut pair: Vec<String> = sidecars[..2].iter().map(|s| s.addr().to_string()).collect();
-    pair.sort();
+    let pair = client_addrs(&sidecars[..2]);
     for s in &sidecars[..2] {
         eventually(
             "in sync with the other pod, the third refused both ways",
@@ -637,8 +634,11 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
         assert_eq!(pod_ids(s), pair);
     }
     // A client that trusts the mesh CA but has no certificate of its own gets no stream.
-    let anonymous =
-        stream_without_client_cert(addrs[0], &mesh_ca.files("anon", "kvmesh-mesh").ca).await;
+    let anonymous = stream_without_client_cert(
+        sidecars[0].mesh_addr().unwrap(),
+        &mesh_ca.files("anon", "kvmesh-mesh").ca,
+    )
+    .await;
     assert!(anonymous.is_err(), "{anonymous:?}");
     let outsider = &sidecars[2];
     assert_eq!(peers_in(outsider, "fresh").await, Some(0.0));
@@ -683,12 +683,7 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
     assert_eq!(served(&sidecars[1], "received").await, Some(2.0));
     assert_eq!(completions(&engines[1]).len(), 2);
     assert!(completions(&engines[0]).is_empty());
-    for s in sidecars {
-        s.shutdown().await;
-    }
-    for e in engines {
-        e.shutdown().await;
-    }
+    m.shutdown().await;
 }
 
 /// `kvmesh_mesh_tls_handshake_failures_total{side}` of one sidecar (0 before any).

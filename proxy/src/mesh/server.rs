@@ -18,6 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -27,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::app::App;
-use crate::body::{BoxError, ResponseBody};
+use crate::body::ResponseBody;
 use crate::shutdown::Shutdown;
 
 /// The stream's path on the mesh port.
@@ -151,48 +152,14 @@ where
 }
 
 /// A mesh-port response body: the state stream, or a forwarded request's.
-pub enum MeshBody {
-    Stream(StreamBody),
-    Proxy(ResponseBody),
-}
-
-impl Body for MeshBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            Self::Stream(s) => Pin::new(s)
-                .poll_frame(cx)
-                .map(|f| f.map(|r| r.map_err(|never| match never {}))),
-            Self::Proxy(p) => Pin::new(p).poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            Self::Stream(s) => s.is_end_stream(),
-            Self::Proxy(p) => p.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            Self::Stream(s) => s.size_hint(),
-            Self::Proxy(p) => p.size_hint(),
-        }
-    }
-}
+type MeshBody = Either<StreamBody, ResponseBody>;
 
 /// The state stream, or with `mesh.tls` a request a peer forwarded.
 async fn respond(app: Arc<App>, req: Request<Incoming>) -> Response<MeshBody> {
     if req.uri().path() == STREAM_PATH || app.mesh.tls().is_none() {
-        return handle(&app, &req).map(MeshBody::Stream);
+        return handle(&app, &req).map(Either::Left);
     }
-    crate::path::handle(app, req).await.map(MeshBody::Proxy)
+    crate::path::handle(app, req).await.map(Either::Right)
 }
 
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
