@@ -139,3 +139,28 @@ fn the_demo_leaves_no_task_running() {
         "tasks still alive after the demo returned (engines, sidecars or clients leaked)"
     );
 }
+
+#[test]
+fn the_autoscaling_hook_sizes_every_fleet_and_splits_prefill_from_decode_under_pd() {
+    let report = &quick_run().report;
+    for w in &report.workloads {
+        for p in w.policies.iter().filter(|p| p.available) {
+            let peak = &p.autoscale_peak;
+            let pods: u32 = peak.values().map(|k| k.pods).sum();
+            assert_eq!(
+                pods as usize, report.engines,
+                "{} {}: {peak:?}",
+                w.name, p.policy
+            );
+            assert!(peak.values().all(|k| k.desired >= 1), "{peak:?}");
+        }
+    }
+    let pd = report
+        .workload("long-prompt")
+        .and_then(|w| w.policies.iter().find(|p| p.policy == "pd"))
+        .expect("the long-prompt workload runs P/D");
+    assert!(pd.available, "{:?}", pd.note);
+    let pools: Vec<&str> = pd.autoscale_peak.keys().map(String::as_str).collect();
+    assert_eq!(pools, ["decode", "prefill"], "{:?}", pd.autoscale_peak);
+    assert!(demo::render(report, false).contains("autoscale hook"));
+}

@@ -17,6 +17,7 @@ pub mod fleet;
 pub mod policy;
 pub mod report;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvmesh_loadgen::workload::{PdParams, SharedPrefixParams};
@@ -230,7 +231,17 @@ async fn run_policy(
             ),
         );
     }
+    let stop = tokio_util::sync::CancellationToken::new();
+    let sampler = fleet
+        .pods
+        .first()
+        .map(|p| tokio::spawn(sample_autoscale(p.sidecar.fleet().clone(), stop.clone())));
     let outcome = drive(opts, wl, policy, &fleet).await;
+    stop.cancel();
+    let autoscale_peak = match sampler {
+        Some(task) => task.await.unwrap_or_default(),
+        None => BTreeMap::new(),
+    };
     let prefill_requests = fleet.prefill_requests();
     fleet.shutdown().await;
     let result = match outcome? {
@@ -253,7 +264,39 @@ async fn run_policy(
     if policy.disaggregated() && prefill_requests == 0 {
         note = Some("no request reached a prefill pod: P/D never engaged".to_owned());
     }
-    Ok(PolicyReport::ran(policy.name(), summary, note))
+    let mut report = PolicyReport::ran(policy.name(), summary, note);
+    report.autoscale_peak = autoscale_peak;
+    Ok(report)
+}
+
+/// The autoscaling hook's answer (default targets) for the fleet as `fleet`
+/// sees it, every 100 ms until `stop`: per pool with pods, its largest size
+/// and the most pods asked for.
+async fn sample_autoscale(
+    fleet: std::sync::Arc<crate::fleet::Fleet>,
+    stop: tokio_util::sync::CancellationToken,
+) -> BTreeMap<String, report::PoolPeak> {
+    let cfg = crate::config::Autoscale::default();
+    let mut peak: BTreeMap<String, report::PoolPeak> = BTreeMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return peak,
+            _ = tick.tick() => {}
+        }
+        let pods = fleet.snapshot(tokio::time::Instant::now());
+        for (pool, a) in crate::autoscale::answer(&cfg, &pods) {
+            if a.pods == 0 {
+                continue;
+            }
+            let p = peak.entry(pool.to_owned()).or_insert(report::PoolPeak {
+                pods: a.pods,
+                desired: a.desired,
+            });
+            p.pods = p.pods.max(a.pods);
+            p.desired = p.desired.max(a.desired);
+        }
+    }
 }
 
 /// Probes (for P/D) and runs the workload. The inner error is a reason the

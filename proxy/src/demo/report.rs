@@ -4,6 +4,7 @@
 //! (round-robin). Rendered as a text table or as JSON
 //! (`{"workloads": [{"name", "policies": [{"policy", "ttft_p50_ms", ...}]}]}`).
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use kvmesh_loadgen::report::ratio;
@@ -53,6 +54,17 @@ pub struct PolicyReport {
     /// Each figure divided by the baseline's (TTFT/ITL below 1 and
     /// throughput/hit rate above 1 are better).
     pub vs_baseline: Ratios,
+    /// The autoscaling hook's largest answer per pool while the policy ran
+    /// (`prefill`, `decode`, `aggregated`; pools with pods only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub autoscale_peak: BTreeMap<String, PoolPeak>,
+}
+
+/// A pool's size and the most pods the autoscaling hook asked for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PoolPeak {
+    pub pods: u32,
+    pub desired: u32,
 }
 
 /// Ratios to the baseline policy; `None` when either side is missing or the
@@ -77,6 +89,7 @@ impl PolicyReport {
             note,
             summary: Some(summary),
             vs_baseline: Ratios::default(),
+            autoscale_peak: BTreeMap::new(),
         }
     }
 
@@ -88,6 +101,7 @@ impl PolicyReport {
             note: Some(why),
             summary: None,
             vs_baseline: Ratios::default(),
+            autoscale_peak: BTreeMap::new(),
         }
     }
 }
@@ -223,6 +237,26 @@ impl DemoReport {
                 if let Some(n) = &p.note {
                     let _ = writeln!(out, "  {}: {n}", p.policy);
                 }
+            }
+            let peaks: Vec<String> = w
+                .policies
+                .iter()
+                .filter(|p| !p.autoscale_peak.is_empty())
+                .map(|p| {
+                    let pools: Vec<String> = p
+                        .autoscale_peak
+                        .iter()
+                        .map(|(pool, k)| format!("{pool} {} -> {}", k.pods, k.desired))
+                        .collect();
+                    format!("{} {}", p.policy, pools.join(", "))
+                })
+                .collect();
+            if !peaks.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  autoscale hook, most pods asked for during the run (pods -> asked): {}",
+                    peaks.join("; ")
+                );
             }
         }
         let _ = writeln!(
