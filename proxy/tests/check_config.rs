@@ -237,3 +237,32 @@ fn the_sidecar_component_passes_check_config_and_its_ports_agree() {
         Some(u64::from(mesh))
     );
 }
+
+#[test]
+fn the_full_example_names_every_key_of_every_section() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/proxy.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    // A key counts as named when a line (commented or not) starts with it.
+    let named = |key: &str| {
+        text.lines().any(|l| {
+            let l = l.trim_start().trim_start_matches('#').trim_start();
+            l.starts_with(&format!("{key}:"))
+        })
+    };
+    let defaults = serde_json::to_value(kvmesh_proxy::config::Config::default()).unwrap();
+    let mut missing = Vec::new();
+    for (section, keys) in defaults.as_object().unwrap() {
+        if !named(section) {
+            missing.push(section.clone());
+        }
+        for key in keys.as_object().unwrap().keys() {
+            if !named(key) {
+                missing.push(format!("{section}.{key}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "deploy/examples/proxy.yaml lacks {missing:?}"
+    );
+}
