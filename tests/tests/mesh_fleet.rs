@@ -605,7 +605,7 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
     // Pod 1's client port speaks TLS for its clients, so a forward to it over plain HTTP would
     // fail: requests reach it only through its mesh port.
     let client_cert = TestCert::new();
-    let m = mesh_with(3, |i, c| {
+    let mut m = mesh_with(3, |i, c| {
         let ca = if i == 2 { &other_ca } else { &mesh_ca };
         c.mesh.tls = Some(ca.files(&format!("pod{i}"), "kvmesh-mesh"));
         if i == 1 {
@@ -683,6 +683,25 @@ async fn with_mesh_tls_only_peers_of_the_mesh_ca_join_and_requests_are_forwarded
     assert_eq!(served(&sidecars[1], "received").await, Some(2.0));
     assert_eq!(completions(&engines[1]).len(), 2);
     assert!(completions(&engines[0]).is_empty());
+    // A forwarded request still running when its peer shuts down completes: the mesh port
+    // drains instead of cutting it.
+    engines[1]
+        .faults()
+        .delay_first_byte(Some(Duration::from_millis(600)));
+    let req = post_json(
+        sidecars[0].addr(),
+        "/v1/completions",
+        &shared_prefix_body(0, 0),
+    );
+    let held = tokio::spawn(async move { fetch(&http1(), req).await.status });
+    eventually("the forwarded request reached pod 1's engine", || async {
+        (completions(&m.engines[1]).len() == 3).then_some(())
+    })
+    .await;
+    let pod1 = m.sidecars.remove(1);
+    let stopping = tokio::spawn(pod1.shutdown());
+    assert_eq!(held.await.unwrap(), 200);
+    stopping.await.unwrap();
     m.shutdown().await;
 }
 

@@ -26,9 +26,14 @@ use crate::tls::MeshTls;
 /// Why a request could not be forwarded over the mesh.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshSendError {
-    /// Nothing reached the peer: the next fallback may take the request.
+    /// The peer cannot have started on the request: the next fallback may
+    /// take it. `tls`: the peer's TLS refused this sidecar.
     #[error("mesh connection to {addr}: {reason}")]
-    Connect { addr: SocketAddr, reason: String },
+    Connect {
+        addr: SocketAddr,
+        reason: String,
+        tls: bool,
+    },
     /// The request was handed to the connection and failed there.
     #[error("mesh request to {addr}: {reason}")]
     Request { addr: SocketAddr, reason: String },
@@ -85,23 +90,43 @@ impl MeshClient {
     }
 
     /// Sends `req` to the mesh port `addr`; the response head, or why none.
+    /// A failure is [`MeshSendError::Connect`] whenever the peer cannot have
+    /// started on the request: no connection, a request hyper hands back
+    /// unsent (the connection closed first), a stream the peer refused
+    /// (`REFUSED_STREAM`), or a TLS alert (with TLS 1.3 a peer that rejects
+    /// this sidecar's certificate says so only after the handshake, when the
+    /// first request is written).
     pub async fn send(
         &self,
         addr: SocketAddr,
         req: http::Request<UpstreamBody>,
     ) -> Result<http::Response<Incoming>, MeshSendError> {
         let mut sender = self.sender(addr).await?;
-        sender.ready().await.map_err(|e| MeshSendError::Connect {
-            addr,
-            reason: e.to_string(),
-        })?;
+        let unsent = |reason: String, tls: bool| MeshSendError::Connect { addr, reason, tls };
         sender
-            .send_request(req)
+            .ready()
             .await
-            .map_err(|e| MeshSendError::Request {
-                addr,
-                reason: e.to_string(),
-            })
+            .map_err(|e| unsent(e.to_string(), tls_alert(&e)))?;
+        match sender.try_send_request(req).await {
+            Ok(resp) => Ok(resp),
+            Err(mut e) => {
+                let returned = e.take_message().is_some();
+                let e = e.into_error();
+                let reason = crate::path::execute::error_chain(&e);
+                let tls = tls_alert(&e);
+                if returned || tls || refused_stream(&e) {
+                    Err(unsent(reason, tls))
+                } else {
+                    Err(MeshSendError::Request { addr, reason })
+                }
+            }
+        }
+    }
+
+    /// Drops the connection to the mesh port `addr` (its peer's stream
+    /// ended); requests still on it finish.
+    pub fn forget(&self, addr: SocketAddr) {
+        self.conns.lock().remove(&addr);
     }
 
     /// The open connection to `addr`, or a new one.
@@ -112,29 +137,36 @@ impl MeshClient {
             }
         }
         let connect = async {
-            let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+            let tcp = TcpStream::connect(addr)
+                .await
+                .map_err(|e| (e.to_string(), false))?;
             let _ = tcp.set_nodelay(true);
             let tls = self
                 .tls
                 .connector
                 .connect(self.tls.server_name.clone(), tcp)
                 .await
-                .map_err(|e| format!("TLS handshake: {e}"))?;
+                .map_err(|e| (format!("TLS handshake: {e}"), true))?;
             let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+            // Pinged while idle too: a peer lost without a FIN is noticed and
+            // its connection closes instead of being reused.
             b.timer(TokioTimer::new())
                 .keep_alive_interval(Some(Duration::from_secs(10)))
-                .keep_alive_timeout(Duration::from_secs(20));
+                .keep_alive_timeout(Duration::from_secs(20))
+                .keep_alive_while_idle(true)
+                .adaptive_window(true);
             b.handshake::<_, UpstreamBody>(TokioIo::new(tls))
                 .await
-                .map_err(|e| format!("HTTP/2 handshake: {e}"))
+                .map_err(|e| (format!("HTTP/2 handshake: {e}"), false))
         };
         let (sender, conn) = match tokio::time::timeout(self.connect_timeout, connect).await {
             Ok(Ok(x)) => x,
-            Ok(Err(reason)) => return Err(MeshSendError::Connect { addr, reason }),
+            Ok(Err((reason, tls))) => return Err(MeshSendError::Connect { addr, reason, tls }),
             Err(_) => {
                 return Err(MeshSendError::Connect {
                     addr,
                     reason: format!("not connected within {:?}", self.connect_timeout),
+                    tls: false,
                 })
             }
         };
@@ -144,11 +176,38 @@ impl MeshClient {
             }
         });
         let mut conns = self.conns.lock();
-        // Connections to peers that left are closed by now: drop them here.
+        // Connections that closed since (a peer that went away, noticed by
+        // the idle pings) are dropped here.
         conns.retain(|_, s| !s.is_closed());
         conns.insert(addr, sender.clone());
         Ok(sender)
     }
+}
+
+/// Whether `e` (or a cause) is a TLS error: the peer's alert, or one of ours.
+fn tls_alert(e: &(dyn std::error::Error + 'static)) -> bool {
+    causes(e).any(|c| {
+        c.downcast_ref::<rustls::Error>().is_some()
+            || c.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
+    })
+}
+
+/// Whether the peer reset the stream with `REFUSED_STREAM` (RFC 9113 8.7:
+/// not processed).
+fn refused_stream(e: &(dyn std::error::Error + 'static)) -> bool {
+    causes(e).any(|c| {
+        c.downcast_ref::<h2::Error>()
+            .is_some_and(|h| h.reason() == Some(h2::Reason::REFUSED_STREAM))
+    })
+}
+
+/// `e` and its causes, at most 16 deep.
+fn causes<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |c| c.source()).take(16)
 }
 
 #[cfg(test)]
@@ -158,6 +217,19 @@ mod tests {
 
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn tls_alerts_and_refused_streams_are_told_apart_from_other_failures() {
+        let alert = rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRequired);
+        let io = std::io::Error::new(std::io::ErrorKind::InvalidData, alert);
+        assert!(tls_alert(&io));
+        let plain = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(!tls_alert(&plain));
+        let refused = h2::Error::from(h2::Reason::REFUSED_STREAM);
+        assert!(refused_stream(&refused));
+        assert!(!refused_stream(&h2::Error::from(h2::Reason::CANCEL)));
+        assert!(!refused_stream(&plain));
     }
 
     #[test]

@@ -73,6 +73,8 @@ struct Hub {
     decisions: VecDeque<(String, Vec<u64>)>,
     last_load: Option<LoadMsg>,
     last_in_flight: Vec<(String, u32)>,
+    /// Shutting down: streams have ended and no new one starts.
+    closed: bool,
 }
 
 /// A new subscriber's stream: the snapshot frames, then its queue.
@@ -124,6 +126,7 @@ impl Mesh {
                 decisions: VecDeque::new(),
                 last_load: None,
                 last_in_flight: Vec::new(),
+                closed: false,
             }),
             queue: m.subscriber_queue,
             max_subscribers: m.max_subscribers,
@@ -194,9 +197,13 @@ impl Mesh {
 
     /// Registers a subscriber: the snapshot as of now and a queue of every
     /// later delta, consistent because both are taken under the hub lock.
-    /// `None` when [`crate::config::Mesh::max_subscribers`] are served.
+    /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
+    /// when the sidecar is shutting down.
     pub fn subscribe(&self, app: &App) -> Option<Subscription> {
         let mut hub = self.hub.lock();
+        if hub.closed {
+            return None;
+        }
         hub.subs.retain(|s| !s.is_closed());
         if hub.subs.len() >= self.max_subscribers {
             app.metrics.mesh.dropped("over_limit");
@@ -343,8 +350,11 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
     loop {
         tokio::select! {
             _ = shutdown.triggered() => {
-                // Ends every subscriber's stream, so mesh connections can close.
-                mesh.hub.lock().subs.clear();
+                // Ends every subscriber's stream (and refuses new ones), so
+                // mesh connections can close.
+                let mut hub = mesh.hub.lock();
+                hub.closed = true;
+                hub.subs.clear();
                 return;
             }
             _ = tick.tick() => mesh.tick(&app),

@@ -117,7 +117,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
             }
         });
     }
-    conns.shutdown().await;
+    // Each connection finishes on its own deadline (serve_conn); the set is
+    // not aborted, so forwarded requests do drain.
+    drop(listener);
+    while conns.join_next().await.is_some() {}
 }
 
 /// Serves one connection (TCP or TLS) until it ends or shutdown. On
@@ -132,14 +135,20 @@ where
     } else {
         Duration::from_secs(1)
     };
+    let app_limit = app.config.limits.max_connections;
     let svc = service_fn(move |req| {
         let app = app.clone();
         async move { Ok::<_, Infallible>(respond(app, req).await) }
     });
+    // One connection carries every request a peer forwards here: no
+    // stream cap below the client port's connection limit.
+    let streams = u32::try_from(app_limit).unwrap_or(u32::MAX);
     let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     b.timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs(10)))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_concurrent_streams(streams)
+        .adaptive_window(true);
     let conn = b.serve_connection(TokioIo::new(io), svc);
     tokio::pin!(conn);
     tokio::select! {

@@ -166,6 +166,9 @@ pub async fn run(
         forget(&app, &id);
     }
     app.mesh.routes().remove_mesh(addr);
+    if let Some(client) = app.mesh.tls_client() {
+        client.forget(addr);
+    }
 }
 
 /// Drives one HTTP/2 client connection (over TCP or TLS).

@@ -215,7 +215,12 @@ async fn request(
                 .get(*peer)
                 .ok_or_else(|| connect("no mesh port known for this peer".to_owned()))?;
             mesh.send(port, out).await.map_err(|e| match e {
-                MeshSendError::Connect { .. } => connect(e.to_string()),
+                MeshSendError::Connect { tls, .. } => {
+                    if tls {
+                        app.metrics.mesh.tls_failure("connect");
+                    }
+                    connect(e.to_string())
+                }
                 MeshSendError::Request { .. } => failed(e.to_string()),
             })
         }
@@ -334,7 +339,7 @@ fn build_request(
 
 /// The error and its causes on one line: hyper's top-level message alone
 /// ("client error (Connect)") does not say what happened.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     let mut depth = 0;
