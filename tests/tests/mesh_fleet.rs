@@ -581,6 +581,11 @@ async fn with_follow_same_models_a_peer_serving_other_models_is_not_followed() {
     .await;
     assert_eq!(peers_in(lone, "known").await, Some(0.0));
     assert_eq!(pod_ids(lone), vec![lone.addr().to_string()]);
+    // Each pod named its models when it asked, so the third pod turned the pair away before
+    // building a snapshot they would have dropped, and served no subscriber.
+    let turned_away = r#"kvmesh_mesh_subscribers_dropped_total{reason="other_models"}"#;
+    assert!(metric(lone, turned_away).await >= Some(2.0));
+    assert_eq!(metric(lone, "kvmesh_mesh_subscribers").await, Some(0.0));
     // Requests for the model route as usual; the other model is unknown here, since the pod that
     // serves it is not followed.
     complete(sidecars[0].addr(), &shared_prefix_body(0, 0)).await;

@@ -98,7 +98,7 @@ impl MeshMetrics {
         );
         r.register(
             "mesh_subscribers_dropped",
-            "Subscribers dropped by this sidecar: slow (queue full) or over the limit",
+            "Subscribers dropped by this sidecar: slow (queue full), over the limit, or other_models (a subscriber with follow: same-models that serves none of this pod's models)",
             m.dropped.clone(),
         );
         r.register(

@@ -35,6 +35,10 @@ use crate::shutdown::Shutdown;
 pub const STREAM_PATH: &str = "/mesh/v1/stream";
 /// Content type of the stream.
 pub const CONTENT_TYPE: &str = "application/x-kvmesh-stream";
+/// A subscriber with `mesh.follow: same-models` names its models here (a JSON
+/// array); a sidecar serving none of them answers `409` at once rather than
+/// build a snapshot the subscriber would drop at its hello.
+pub const FOLLOW_MODELS: &str = "x-kvmesh-follow-models";
 /// Most mesh connections served at once (peers plus a margin).
 const MAX_CONNECTIONS: usize = 8192;
 
@@ -174,6 +178,17 @@ async fn respond(app: Arc<App>, req: Request<Incoming>) -> Response<MeshBody> {
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
     if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {
         return status(StatusCode::NOT_FOUND);
+    }
+    let theirs: Option<Vec<String>> = req
+        .headers()
+        .get(FOLLOW_MODELS)
+        .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
+    if let Some(theirs) = theirs {
+        let ours = &app.config.pod.models;
+        if !crate::config::mesh::Follow::SameModels.follows(&theirs, ours) {
+            app.metrics.mesh.dropped("other_models");
+            return status(StatusCode::CONFLICT);
+        }
     }
     match app.mesh.subscribe(app) {
         Some(sub) => {

@@ -12,9 +12,11 @@
 //! stays unreachable past `stale_after` leaves the fleet and the index; it
 //! comes back with its next snapshot. A stream announcing this sidecar's own
 //! identity (DNS lists every pod, this one included) is not followed. With
-//! `mesh.follow: same-models`, neither is a peer announcing none of this
-//! pod's models: the stream is dropped at its hello and tried again after
-//! [`OTHER_MODELS_RECHECK`] (a pod changes models only by restarting).
+//! `mesh.follow: same-models`, neither is a peer serving none of this pod's
+//! models: the request names this pod's models, so the peer answers `409`
+//! without building a snapshot (a peer of an older version is dropped at its
+//! hello instead), and it is asked again after [`OTHER_MODELS_RECHECK`] (a
+//! pod changes models only by restarting).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -33,9 +35,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::server::STREAM_PATH;
+use super::server::{FOLLOW_MODELS, STREAM_PATH};
 use super::wire::{self, Announce, Msg, WireError};
 use crate::app::App;
+use crate::config::mesh::Follow;
 use crate::fleet::PodInfo;
 
 /// First pause before reconnecting.
@@ -232,7 +235,14 @@ async fn follow(
     };
     tokio::pin!(conn);
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let req = match Request::get(format!("{scheme}://{addr}{STREAM_PATH}")).body(Empty::new()) {
+    let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}"));
+    if cfg.follow == Follow::SameModels {
+        // The peer checks them first and answers 409 instead of a snapshot.
+        if let Ok(models) = serde_json::to_string(&app.config.pod.models) {
+            req = req.header(FOLLOW_MODELS, models);
+        }
+    }
+    let req = match req.body(Empty::new()) {
         Ok(r) => r,
         Err(e) => return StreamEnd::Connect(e.to_string()),
     };
@@ -245,6 +255,9 @@ async fn follow(
         Ok(Err(e)) => return StreamEnd::Connect(e.to_string()),
         Err(_) => return StreamEnd::Connect("no response head".to_owned()),
     };
+    if resp.status() == http::StatusCode::CONFLICT && cfg.follow == Follow::SameModels {
+        return StreamEnd::OtherModels(addr.to_string());
+    }
     if !resp.status().is_success() {
         return StreamEnd::Status(resp.status());
     }
