@@ -18,6 +18,10 @@
 //! is no reason to scale. Stabilization over time (scale down slowly) is left
 //! to the HPA's `behavior`, which KEDA passes through.
 //!
+//! Pools span every model the sidecar follows: where several models share a
+//! mesh, run it with `mesh.follow: same-models` so each model's sidecars
+//! answer for that model's pools only.
+//!
 //! Every sidecar of a mesh sees the same fleet, so any of them answers, at
 //! `GET /autoscale` on the admin port (JSON) and as
 //! `kvmesh_autoscale_desired_replicas{pool}` in `/metrics`.
@@ -95,7 +99,15 @@ fn size(cfg: &Autoscale, role: Role, members: &[&PodSnapshot]) -> PoolAnswer {
     let waiting = fresh.iter().map(|p| f64::from(p.load.waiting)).sum::<f64>() / n;
     let kv = fresh
         .iter()
-        .map(|p| p.load.kv_usage.clamp(0.0, 1.0))
+        // A load without a usable KV figure counts as empty, not as NaN.
+        .map(|p| {
+            let u = p.load.kv_usage;
+            if u.is_finite() {
+                u.clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
+        })
         .sum::<f64>()
         / n;
     let by_queue = waiting / f64::from(cfg.target_waiting_per_pod);
@@ -260,6 +272,15 @@ mod tests {
             pod(Role::Decode, 50, 1.0, None),
             sick,
         ];
+        let nan = [
+            pod(Role::Decode, 1, f64::NAN, Some(100)),
+            pod(Role::Decode, 1, 0.9, Some(100)),
+        ];
+        let a = &answer(&cfg, &nan)["decode"];
+        assert!(
+            a.kv_usage.is_finite() && (a.kv_usage - 0.45).abs() < 1e-9,
+            "{a:?}"
+        );
         let a = &answer(&cfg, &pods)["decode"];
         assert_eq!(
             (a.pods, a.measured, a.desired, a.signal),

@@ -46,6 +46,13 @@ impl Autoscale {
                 "must be at least 1".to_owned(),
             ));
         }
+        if self.min_replicas == 0 {
+            return Err((
+                "autoscale.min_replicas".to_owned(),
+                "must be at least 1: a pool scaled to zero has no load to scale it up again"
+                    .to_owned(),
+            ));
+        }
         if self.min_replicas > self.max_replicas {
             return Err((
                 "autoscale.min_replicas".to_owned(),
@@ -87,6 +94,7 @@ mod tests {
                 "autoscale:\n  min_replicas: 9\n  max_replicas: 8\n",
                 "autoscale.min_replicas",
             ),
+            ("autoscale:\n  min_replicas: 0\n", "autoscale.min_replicas"),
         ] {
             let e = from_yaml_str(yaml, "proxy.yaml").unwrap_err().to_string();
             assert!(e.contains(field), "{yaml}: {e}");

@@ -235,13 +235,14 @@ async fn measure_case(
     Ok(out)
 }
 
-/// `w` in `rounds` parts of (nearly) equal size, in order.
+/// `w` in `rounds` parts whose sizes differ by at most one, in order (fewer
+/// parts only when there are fewer requests than rounds).
 fn split(w: &Workload, rounds: usize) -> Vec<Workload> {
-    let size = w.requests.len().div_ceil(rounds.max(1)).max(1);
-    w.requests
-        .chunks(size)
-        .map(|reqs| Workload {
-            requests: reqs.to_vec(),
+    let n = w.requests.len();
+    let rounds = rounds.clamp(1, n.max(1));
+    (0..rounds)
+        .map(|i| Workload {
+            requests: w.requests[i * n / rounds..(i + 1) * n / rounds].to_vec(),
             ..w.clone()
         })
         .collect()
@@ -574,7 +575,12 @@ mod tests {
         let parts = split(&w, 3);
         assert_eq!(
             parts.iter().map(Workload::len).collect::<Vec<_>>(),
-            [4, 4, 2]
+            [3, 3, 4]
+        );
+        let nine = split(&tiny(9, 0), 4);
+        assert_eq!(
+            nine.iter().map(Workload::len).collect::<Vec<_>>(),
+            [2, 2, 2, 3]
         );
         let again: Vec<_> = parts.iter().flat_map(|p| p.requests.iter()).collect();
         assert!(again.iter().zip(&w.requests).all(|(a, b)| a.user == b.user));
