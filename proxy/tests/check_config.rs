@@ -175,13 +175,16 @@ fn yaml_docs(path: &Path) -> Vec<serde_yaml_ng::Value> {
 fn the_sidecar_component_passes_check_config_and_its_ports_agree() {
     use serde_yaml_ng::Value;
     let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/sidecar");
-    // The ConfigMap's proxy.yaml, as the sidecar will read it.
-    let cm = &yaml_docs(&deploy.join("proxy-configmap.yaml"))[0];
-    let text = cm["data"]["proxy.yaml"].as_str().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let (code, _, stderr) = check(&write(dir.path(), "proxy.yaml", text));
+    // The proxy.yaml the ConfigMap is generated from, as the sidecar will read it.
+    let file = deploy.join("proxy.yaml");
+    let (code, _, stderr) = check(&file);
     assert_eq!(code, 0, "{stderr}");
-    let c = kvmesh_proxy::config::from_yaml_str(text, "proxy.yaml").unwrap();
+    let text = std::fs::read_to_string(&file).unwrap();
+    let c = kvmesh_proxy::config::from_yaml_str(&text, "proxy.yaml").unwrap();
+    let kustomization = &yaml_docs(&deploy.join("kustomization.yaml"))[0];
+    let generated = &kustomization["configMapGenerator"][0];
+    assert_eq!(generated["name"], "kvmesh-proxy");
+    assert_eq!(generated["files"][0], "proxy.yaml");
     let (client, admin) = (c.listeners.client.port(), c.listeners.admin.port());
     let mesh = c.mesh.listen.unwrap().port();
     // The container exposes those ports, advertises the client port, probes the admin port.

@@ -185,7 +185,7 @@ impl MeshClient {
 }
 
 /// Whether `e` (or a cause) is a TLS error: the peer's alert, or one of ours.
-fn tls_alert(e: &(dyn std::error::Error + 'static)) -> bool {
+pub(crate) fn tls_alert(e: &(dyn std::error::Error + 'static)) -> bool {
     causes(e).any(|c| {
         c.downcast_ref::<rustls::Error>().is_some()
             || c.downcast_ref::<std::io::Error>()

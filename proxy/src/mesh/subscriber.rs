@@ -252,7 +252,14 @@ async fn follow(
     };
     let resp = match head {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => return StreamEnd::Connect(e.to_string()),
+        Ok(Err(e)) => {
+            // With TLS 1.3 a peer that refuses this sidecar's certificate
+            // says so here, after the handshake.
+            if super::client::tls_alert(&e) {
+                app.metrics.mesh.tls_failure("connect");
+            }
+            return StreamEnd::Connect(e.to_string());
+        }
         Err(_) => return StreamEnd::Connect("no response head".to_owned()),
     };
     if resp.status() == http::StatusCode::CONFLICT && cfg.follow == Follow::SameModels {
