@@ -8,6 +8,10 @@ use super::http::Http;
 use super::report::note;
 use super::{counter, long_prompt, scrape, MODEL};
 
+/// How long the by-hand decode leg may take before it counts as a stalled NIXL pull (it answers
+/// in seconds when the transfer works).
+const DECODE_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Two legs as a P/D proxy makes them, checked against vLLM's own counters and an aggregated run.
 pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result<()> {
     let prompt = long_prompt("pd", 300);
@@ -24,45 +28,60 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
     )
     .await?;
 
-    let before = scrape(http, decode).await?;
     let ext = [("source", "external_kv_transfer")];
-    let ext_before = counter(&before, "vllm:prompt_tokens_by_source_total", &ext)?;
-
-    let first = http
-        .post_json(
-            &url(prefill),
-            &json!({
-                "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
-                "kv_transfer_params": {
-                    "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                    "remote_block_ids": null, "remote_host": null, "remote_port": null
-                }
-            }),
-        )
-        .await?
-        .json()?;
-    let params = first
-        .get("kv_transfer_params")
-        .cloned()
-        .unwrap_or(Value::Null);
-    ensure!(
-        params.get("do_remote_prefill") == Some(&Value::Bool(true)),
-        "prefill returned no usable kv_transfer_params: {first}"
-    );
-    let second = http
-        .post_json(
-            &url(decode),
-            &json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": true, "kv_transfer_params": params}),
-        )
-        .await?
-        .json()?;
-    let got_text = second["choices"][0]["text"]
-        .as_str()
-        .context("decode text")?;
-
-    let after = scrape(http, decode).await?;
-    let ext_after = counter(&after, "vllm:prompt_tokens_by_source_total", &ext)?;
+    // NIXL over UCX TCP on loopback once stalled a decode's KV pull past the whole request
+    // deadline (CI, 29 Nov; the engines were otherwise healthy). A first stall is reported and
+    // retried once with a fresh prefill; a second one fails the case.
+    let mut stalls = 0;
+    let (got_text, ext_before, ext_after) = loop {
+        let before = scrape(http, decode).await?;
+        let ext_before = counter(&before, "vllm:prompt_tokens_by_source_total", &ext)?;
+        let first = http
+            .post_json(
+                &url(prefill),
+                &json!({
+                    "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
+                    "kv_transfer_params": {
+                        "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                        "remote_block_ids": null, "remote_host": null, "remote_port": null
+                    }
+                }),
+            )
+            .await?
+            .json()?;
+        let params = first
+            .get("kv_transfer_params")
+            .cloned()
+            .unwrap_or(Value::Null);
+        ensure!(
+            params.get("do_remote_prefill") == Some(&Value::Bool(true)),
+            "prefill returned no usable kv_transfer_params: {first}"
+        );
+        let decode_body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": true, "kv_transfer_params": params});
+        let decode_url = url(decode);
+        let decode_leg = http.post_json(&decode_url, &decode_body);
+        let second = match tokio::time::timeout(DECODE_STALL, decode_leg).await {
+            Ok(answer) => answer?.json()?,
+            Err(_) if stalls == 0 => {
+                stalls += 1;
+                note(&format!(
+                    "pair: the decode leg stalled for {DECODE_STALL:?} on its NIXL pull; retrying once with a fresh prefill"
+                ));
+                continue;
+            }
+            Err(_) => {
+                anyhow::bail!("the decode leg stalled twice for {DECODE_STALL:?} on its NIXL pull")
+            }
+        };
+        let got_text = second["choices"][0]["text"]
+            .as_str()
+            .context("decode text")?
+            .to_owned();
+        let after = scrape(http, decode).await?;
+        let ext_after = counter(&after, "vllm:prompt_tokens_by_source_total", &ext)?;
+        break (got_text, ext_before, ext_after);
+    };
     note(&format!(
         "pair: P/D prompt {prompt_tokens} tokens, decode external_kv_transfer +{}, output {got_text:?}",
         ext_after - ext_before
