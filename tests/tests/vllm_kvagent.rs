@@ -275,14 +275,7 @@ async fn two_legs(
         "do_remote_decode": true, "do_remote_prefill": false,
         "kvmesh_transfer_id": transfer, "kvmesh_dest_agent": dest_agent.peer,
     });
-    let first = http
-        .post_json(&completions(prefill), &first)
-        .await?
-        .json()?;
-    let params = first
-        .get("kv_transfer_params")
-        .cloned()
-        .unwrap_or(Value::Null);
+    let (first, params) = vllm::prefill_leg(http, &completions(prefill), &first).await?;
     let n = Answer::from_reply(&first)?.prompt_tokens;
     ensure!(
         params["kvmesh_transfer_id"] == transfer && params["kvmesh_num_tokens"].as_f64() == Some(n),

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use super::engine::Engine;
 use super::http::Http;
 use super::report::note;
-use super::{counter, long_prompt, scrape, MODEL};
+use super::{counter, long_prompt, prefill_leg, scrape, MODEL};
 
 /// How long the by-hand decode leg may take before it counts as a stalled NIXL pull (it answers
 /// in seconds when the transfer works).
@@ -36,23 +36,14 @@ pub async fn manual_pd(http: &Http, prefill: &Engine, decode: &Engine) -> Result
     let (got_text, ext_before, ext_after) = loop {
         let before = scrape(http, decode).await?;
         let ext_before = counter(&before, "vllm:prompt_tokens_by_source_total", &ext)?;
-        let first = http
-            .post_json(
-                &url(prefill),
-                &json!({
-                    "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
-                    "kv_transfer_params": {
-                        "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                        "remote_block_ids": null, "remote_host": null, "remote_port": null
-                    }
-                }),
-            )
-            .await?
-            .json()?;
-        let params = first
-            .get("kv_transfer_params")
-            .cloned()
-            .unwrap_or(Value::Null);
+        let prefill_body = json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
+            "kv_transfer_params": {
+                "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                "remote_block_ids": null, "remote_host": null, "remote_port": null
+            }
+        });
+        let (first, params) = prefill_leg(http, &url(prefill), &prefill_body).await?;
         ensure!(
             params.get("do_remote_prefill") == Some(&Value::Bool(true)),
             "prefill returned no usable kv_transfer_params: {first}"

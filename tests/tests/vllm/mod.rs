@@ -99,6 +99,21 @@ pub async fn scrape(http: &http::Http, engine: &engine::Engine) -> anyhow::Resul
     Ok(reply.text())
 }
 
+/// A P/D prefill leg: posts `body` to `url` and returns the reply with the
+/// `kv_transfer_params` it carries (`Null` when it carries none).
+pub async fn prefill_leg(
+    http: &http::Http,
+    url: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<(serde_json::Value, serde_json::Value)> {
+    let reply: serde_json::Value = http.post_json(url, body).await?.json()?;
+    let params = reply
+        .get("kv_transfer_params")
+        .cloned()
+        .unwrap_or(serde_json::Value::Null);
+    Ok((reply, params))
+}
+
 /// One counter (summed over the series matching `labels`); an error when vLLM does not export it.
 pub fn counter(text: &str, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
     use anyhow::Context;
