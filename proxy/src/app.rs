@@ -14,6 +14,8 @@ pub struct App {
     pub config: Arc<Config>,
     pub metrics: Arc<Metrics>,
     pub client: UpstreamClient,
+    /// The local engine's own keep-alive pool (HTTP/1.1); `None` with h2c upstreams.
+    pub engine: Option<crate::upstream::EnginePool>,
     /// The active filter config and how a request becomes a plan.
     pub routing: Arc<Routing>,
     /// Every pod this sidecar can route to, the local one included.

@@ -22,6 +22,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Full, Limited};
 use hyper::body::Incoming;
+
+use crate::upstream::ReplyBody;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{ProxyError, UpstreamName};
@@ -58,7 +60,7 @@ pub struct RelayParams {
 
 /// An upstream body being forwarded to the client.
 pub struct Relay {
-    inner: Incoming,
+    inner: ReplyBody,
     p: RelayParams,
     /// When the relay gives up if no frame arrives: the idle deadline after
     /// the last frame, capped by the overall one.
@@ -95,7 +97,7 @@ impl ResponseBody {
         }
     }
 
-    pub fn relay(inner: Incoming, p: RelayParams) -> Self {
+    pub fn relay(inner: ReplyBody, p: RelayParams) -> Self {
         let now = Instant::now();
         let overall_at = p.started + p.overall;
         let deadline_at = (now + p.stream_idle).min(overall_at);

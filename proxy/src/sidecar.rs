@@ -120,6 +120,7 @@ impl Sidecar {
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
+            engine: crate::upstream::engine_pool(&config),
             config: config.clone(),
             metrics: Arc::new(Metrics::new()),
             routing: routing.clone(),

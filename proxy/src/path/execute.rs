@@ -21,6 +21,7 @@ use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, Retry, UpstreamName};
 use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
 use crate::mesh::client::MeshSendError;
+use crate::upstream::{EngineError, ReplyBody};
 
 pub async fn execute(
     app: &App,
@@ -30,7 +31,13 @@ pub async fn execute(
 ) -> Result<Response<ResponseBody>, ProxyError> {
     crate::mesh::forward::check_arrival(&req.head.headers)?;
     if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
-        return crate::pd::execute(app, ctx, crate::pd::PdPlan::llmd(prefiller), &req).await;
+        return Box::pin(crate::pd::execute(
+            app,
+            ctx,
+            crate::pd::PdPlan::llmd(prefiller),
+            &req,
+        ))
+        .await;
     }
     let mut prefill_fallbacks = plan.prefill_fallbacks;
     let targets = std::iter::once(plan.target)
@@ -53,7 +60,7 @@ pub async fn execute(
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
-                match crate::pd::execute(app, ctx, pd, &req).await {
+                match Box::pin(crate::pd::execute(app, ctx, pd, &req)).await {
                     Err(e) if refused_by(&e, &decode_name) => {
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod refused the connection; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
@@ -170,7 +177,7 @@ pub(crate) async fn send(
     upstream: &Upstream,
     head: &http::request::Parts,
     body: UpstreamBody,
-) -> Result<(Response<hyper::body::Incoming>, UpstreamName), ProxyError> {
+) -> Result<(Response<ReplyBody>, UpstreamName), ProxyError> {
     let (authority, name) = upstream.resolve(app)?;
     let out = build_request(app, ctx, upstream, authority, head, body)?;
     let timeouts = &app.config.timeouts;
@@ -191,14 +198,15 @@ pub(crate) async fn send(
     Ok((resp, name))
 }
 
-/// Sends `out` over the pooled client, or, to a peer with `mesh.tls`, over the
-/// mesh's mutual TLS to its mesh port; a connection error means nothing was sent.
+/// Sends `out` over the engine's own pool, the general pooled client, or, to a
+/// peer with `mesh.tls`, over the mesh's mutual TLS to its mesh port; a
+/// connection error means nothing was sent.
 async fn request(
     app: &App,
     upstream: &Upstream,
     name: &UpstreamName,
     out: Request<UpstreamBody>,
-) -> Result<Response<hyper::body::Incoming>, ProxyError> {
+) -> Result<Response<ReplyBody>, ProxyError> {
     let connect = |reason: String| ProxyError::Connect {
         upstream: name.clone(),
         reason,
@@ -207,14 +215,21 @@ async fn request(
         upstream: name.clone(),
         reason,
     };
-    match (upstream, app.mesh.tls_client()) {
-        (Upstream::Peer(peer), Some(mesh)) => {
+    match (upstream, app.mesh.tls_client(), &app.engine) {
+        // Boxed, like the mesh and P/D calls: the engine's path stays the
+        // common one, and the request's future stays small (it is moved on
+        // every request).
+        (Upstream::Engine, _, Some(pool)) => pool.send(out).await.map_err(|e| match e {
+            EngineError::Connect { .. } => connect(e.to_string()),
+            EngineError::Request(e) => failed(error_chain(&e)),
+        }),
+        (Upstream::Peer(peer), Some(mesh), _) => {
             let port = app
                 .mesh
                 .routes()
                 .get(*peer)
                 .ok_or_else(|| connect("no mesh port known for this peer".to_owned()))?;
-            mesh.send(port, out).await.map_err(|e| match e {
+            let resp = Box::pin(mesh.send(port, out)).await.map_err(|e| match e {
                 MeshSendError::Connect { tls, .. } => {
                     if tls {
                         app.metrics.mesh.tls_failure("connect");
@@ -222,15 +237,14 @@ async fn request(
                     connect(e.to_string())
                 }
                 MeshSendError::Request { .. } => failed(e.to_string()),
-            })
+            })?;
+            Ok(resp.map(ReplyBody::plain))
         }
-        _ => app.client.request(out).await.map_err(|e| {
-            if e.is_connect() {
-                connect(error_chain(&e))
-            } else {
-                failed(error_chain(&e))
-            }
-        }),
+        _ => match app.client.request(out).await {
+            Ok(resp) => Ok(resp.map(ReplyBody::plain)),
+            Err(e) if e.is_connect() => Err(connect(error_chain(&e))),
+            Err(e) => Err(failed(error_chain(&e))),
+        },
     }
 }
 
@@ -240,7 +254,7 @@ pub(crate) fn relay(
     app: &App,
     ctx: &RequestCtx,
     name: UpstreamName,
-    resp: Response<hyper::body::Incoming>,
+    resp: Response<ReplyBody>,
 ) -> Response<ResponseBody> {
     let timeouts = &app.config.timeouts;
     let (mut head, incoming) = resp.into_parts();

@@ -1,0 +1,524 @@
+//! The keep-alive pool to the local engine over HTTP/1.1: the connection
+//! nearly every request uses, so it is kept lean. The pool holds only idle
+//! connections, newest last; a request takes the newest one that is ready
+//! (or dials a new one), and gives it back when the response body has been
+//! read to its end and dropped ([`ReplyBody`]). hyper's connection task owns
+//! the socket; a connection that closes (the engine's keep-alive timeout, a
+//! response dropped half-read) is noticed when it is next looked at and
+//! dropped. Other upstreams (peers, llm-d's prefiller, h2c) go through the
+//! general client in `mod.rs`.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{Authority, PathAndQuery};
+use http::{header, HeaderValue, Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::body::UpstreamBody;
+
+/// How many times a request whose connection closed before it was written
+/// is sent on another one (the engine closed an idle connection just as it
+/// was taken: the usual keep-alive race, and safe to retry since nothing was sent).
+const UNSENT_RETRIES: usize = 2;
+
+type Sender = http1::SendRequest<UpstreamBody>;
+
+/// Idle keep-alive connections to one engine.
+pub struct EnginePool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    authority: Authority,
+    host: HeaderValue,
+    connect_timeout: Duration,
+    max_idle: usize,
+    idle_timeout: Duration,
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    sender: Sender,
+    since: Instant,
+}
+
+/// Why a request got no response head.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// No connection: nothing was sent, another target may take the request.
+    #[error("connect to {authority}: {reason}")]
+    Connect {
+        authority: Authority,
+        reason: String,
+    },
+    /// The request went out and the exchange failed.
+    #[error("{0}")]
+    Request(#[source] hyper::Error),
+}
+
+impl EnginePool {
+    /// A pool for `authority` (`host:port`, port 80 when absent). Must be made
+    /// inside the runtime: it starts the task that closes idle connections.
+    pub fn new(
+        authority: Authority,
+        connect_timeout: Duration,
+        max_idle: usize,
+        idle_timeout: Duration,
+    ) -> Self {
+        let host = HeaderValue::from_str(authority.as_str())
+            .unwrap_or_else(|_| HeaderValue::from_static("localhost"));
+        let inner = Arc::new(Inner {
+            authority,
+            host,
+            connect_timeout,
+            max_idle,
+            idle_timeout,
+            idle: Mutex::new(Vec::new()),
+        });
+        tokio::spawn(reap(Arc::downgrade(&inner)));
+        Self { inner }
+    }
+
+    /// Sends `req` (an absolute URI towards this engine, as the general client
+    /// takes it) on a pooled connection or a new one.
+    pub async fn send(
+        &self,
+        req: Request<UpstreamBody>,
+    ) -> Result<Response<ReplyBody>, EngineError> {
+        let mut req = self.inner.origin_form(req);
+        for _ in 0..=UNSENT_RETRIES {
+            let mut sender = match self.inner.take() {
+                Some(s) => s,
+                None => self.inner.connect().await?,
+            };
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    let lease = Lease {
+                        sender: Some(sender),
+                        pool: Arc::downgrade(&self.inner),
+                    };
+                    return Ok(resp.map(|b| ReplyBody::leased(b, lease)));
+                }
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) => req = unsent,
+                    None => return Err(EngineError::Request(e.into_error())),
+                },
+            }
+        }
+        Err(EngineError::Connect {
+            authority: self.inner.authority.clone(),
+            reason: format!(
+                "the connection closed before the request was written, {} times",
+                UNSENT_RETRIES + 1
+            ),
+        })
+    }
+
+    /// Idle connections now (tests and debugging).
+    pub fn idle(&self) -> usize {
+        self.inner.lock().len()
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        // A panic while holding the lock cannot leave the list inconsistent.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// HTTP/1 wants the origin form (`/path?query`) and a Host header.
+    fn origin_form(&self, mut req: Request<UpstreamBody>) -> Request<UpstreamBody> {
+        let path = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        *req.uri_mut() = Uri::from(path);
+        req.headers_mut()
+            .entry(header::HOST)
+            .or_insert_with(|| self.host.clone());
+        req
+    }
+
+    /// The newest idle connection that can take a request now. Closed ones
+    /// are dropped; one that is open but not ready yet (its previous exchange
+    /// is still being wound down) stays for later.
+    fn take(&self) -> Option<Sender> {
+        let mut idle = self.lock();
+        let mut i = idle.len();
+        while i > 0 {
+            i -= 1;
+            let c = &idle[i];
+            if c.sender.is_closed() || c.since.elapsed() >= self.idle_timeout {
+                idle.swap_remove(i);
+            } else if c.sender.is_ready() {
+                return Some(idle.swap_remove(i).sender);
+            }
+        }
+        None
+    }
+
+    fn put(&self, sender: Sender) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.lock();
+        if idle.len() < self.max_idle {
+            idle.push(Idle {
+                sender,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self) -> Result<Sender, EngineError> {
+        let fail = |reason: String| EngineError::Connect {
+            authority: self.authority.clone(),
+            reason,
+        };
+        let tcp = tokio::time::timeout(self.connect_timeout, self.dial())
+            .await
+            .map_err(|_| fail(format!("no connection within {:?}", self.connect_timeout)))?
+            .map_err(|e| fail(e.to_string()))?;
+        // Without it every small write waits for the peer's delayed ACK.
+        tcp.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
+        let (sender, conn) = http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "engine connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+
+    /// The first address of the engine's host that accepts.
+    async fn dial(&self) -> std::io::Result<TcpStream> {
+        let port = self.authority.port_u16().unwrap_or(80);
+        let host = self.authority.host();
+        // An IPv6 literal keeps its brackets in the authority.
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
+        let mut last = None;
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "the host has no address")
+        }))
+    }
+}
+
+/// Closes connections idle longer than the idle timeout, until the pool is gone.
+async fn reap(pool: Weak<Inner>) {
+    let every = match pool.upgrade() {
+        Some(p) => (p.idle_timeout / 2).max(Duration::from_millis(100)),
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(p) = pool.upgrade() else { return };
+        let timeout = p.idle_timeout;
+        p.lock()
+            .retain(|c| !c.sender.is_closed() && c.since.elapsed() < timeout);
+    }
+}
+
+/// A connection lent to one response: back to the pool when its body is dropped.
+#[derive(Debug)]
+struct Lease {
+    sender: Option<Sender>,
+    pool: Weak<Inner>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let (Some(sender), Some(pool)) = (self.sender.take(), self.pool.upgrade()) {
+            pool.put(sender);
+        }
+    }
+}
+
+/// A response body from an upstream. From the engine pool it holds its
+/// connection until it is dropped; hyper reuses the connection only once the
+/// body was read to its end, and closes it otherwise.
+#[derive(Debug)]
+pub struct ReplyBody {
+    inner: Incoming,
+    _lease: Option<Lease>,
+}
+
+impl ReplyBody {
+    /// A body from a client that manages its own connections.
+    pub fn plain(inner: Incoming) -> Self {
+        Self {
+            inner,
+            _lease: None,
+        }
+    }
+
+    fn leased(inner: Incoming, lease: Lease) -> Self {
+        Self {
+            inner,
+            _lease: Some(lease),
+        }
+    }
+}
+
+impl Body for ReplyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures_util::StreamExt;
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use hyper::service::service_fn;
+    use tokio::net::TcpListener;
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    type TestBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+    /// A fake engine on loopback that counts the connections it accepted and
+    /// saw end. `/hold` answers once `gate` gives a permit; `/stream` sends one
+    /// chunk and then nothing.
+    struct FakeEngine {
+        authority: Authority,
+        accepted: Arc<AtomicUsize>,
+        ended: Arc<AtomicUsize>,
+        gate: Arc<Semaphore>,
+    }
+
+    async fn fake_engine(keep_alive: bool) -> FakeEngine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Semaphore::new(0));
+        let (a, e, g) = (accepted.clone(), ended.clone(), gate.clone());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                let (e, g) = (e.clone(), g.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let g = g.clone();
+                        async move {
+                            let body: TestBody = match req.uri().path() {
+                                "/hold" => {
+                                    g.acquire().await.expect("gate").forget();
+                                    Full::new(Bytes::from_static(b"held")).boxed()
+                                }
+                                "/stream" => {
+                                    let chunks = futures_util::stream::iter([Ok::<_, Infallible>(
+                                        Frame::data(Bytes::from_static(b"first")),
+                                    )])
+                                    .chain(futures_util::stream::pending());
+                                    BodyExt::boxed(StreamBody::new(chunks))
+                                }
+                                _ => Full::new(Bytes::from_static(b"ok")).boxed(),
+                            };
+                            Ok::<_, Infallible>(Response::new(body))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(keep_alive)
+                        .serve_connection(TokioIo::new(tcp), svc)
+                        .await;
+                    e.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        FakeEngine {
+            authority: Authority::try_from(addr.to_string()).expect("authority"),
+            accepted,
+            ended,
+            gate,
+        }
+    }
+
+    fn pool(engine: &FakeEngine, max_idle: usize, idle_timeout: Duration) -> EnginePool {
+        EnginePool::new(
+            engine.authority.clone(),
+            Duration::from_secs(5),
+            max_idle,
+            idle_timeout,
+        )
+    }
+
+    fn get(engine: &FakeEngine, path: &str) -> Request<UpstreamBody> {
+        let uri = format!("http://{}{path}", engine.authority);
+        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+        *req.uri_mut() = uri.parse().expect("uri");
+        req
+    }
+
+    async fn text(resp: Response<ReplyBody>) -> String {
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        String::from_utf8(bytes.to_vec()).expect("utf-8")
+    }
+
+    /// Waits (bounded) until `cond` holds.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        for _ in 0..500 {
+            if cond() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting until {what}");
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_share_one_connection() {
+        let engine = fake_engine(true).await;
+        let pool = pool(&engine, 8, Duration::from_secs(60));
+        for _ in 0..5 {
+            let resp = pool.send(get(&engine, "/")).await.expect("response");
+            assert_eq!(text(resp).await, "ok");
+            // The body was read and dropped: the connection is back.
+            until("the connection is ready again", || {
+                pool.inner.lock().iter().any(|c| c.sender.is_ready())
+            })
+            .await;
+        }
+        assert_eq!(engine.accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(pool.idle(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_busy_connection_is_not_shared_and_idle_ones_are_capped() {
+        let engine = fake_engine(true).await;
+        let pool = Arc::new(pool(&engine, 1, Duration::from_secs(60)));
+        let sends: Vec<_> = (0..2)
+            .map(|_| {
+                let (pool, req) = (pool.clone(), get(&engine, "/hold"));
+                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
+            })
+            .collect();
+        until("both requests have their own connection", || {
+            engine.accepted.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        engine.gate.add_permits(2);
+        for s in sends {
+            assert_eq!(s.await.expect("task"), "held");
+        }
+        // max_idle = 1: the second connection back is closed, not kept.
+        assert_eq!(pool.idle(), 1);
+        until("the engine saw the extra connection close", || {
+            engine.ended.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn an_engine_closing_every_connection_costs_no_request() {
+        let engine = fake_engine(false).await;
+        let pool = pool(&engine, 8, Duration::from_secs(60));
+        for _ in 0..5 {
+            let resp = pool.send(get(&engine, "/")).await.expect("response");
+            assert_eq!(text(resp).await, "ok");
+        }
+        assert_eq!(engine.accepted.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_half_read_closes_its_connection() {
+        let engine = fake_engine(true).await;
+        let pool = pool(&engine, 8, Duration::from_secs(60));
+        let mut body = pool
+            .send(get(&engine, "/stream"))
+            .await
+            .expect("response")
+            .into_body();
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().ok(), Some(Bytes::from_static(b"first")));
+        drop(body);
+        until("the half-read connection is closed", || {
+            engine.ended.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        let resp = pool.send(get(&engine, "/")).await.expect("response");
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(engine.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_closed_after_the_idle_timeout() {
+        let engine = fake_engine(true).await;
+        let pool = pool(&engine, 8, Duration::from_millis(200));
+        let resp = pool.send(get(&engine, "/")).await.expect("response");
+        assert_eq!(text(resp).await, "ok");
+        assert_eq!(pool.idle(), 1);
+        until("the idle connection is closed", || {
+            engine.ended.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        assert_eq!(pool.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_and_sends_the_host() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let authority = Authority::try_from(listener.local_addr().expect("addr").to_string())
+            .expect("authority");
+        drop(listener);
+        let pool = EnginePool::new(
+            authority.clone(),
+            Duration::from_secs(5),
+            8,
+            Duration::from_secs(60),
+        );
+        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+        *req.uri_mut() = format!("http://{authority}/v1/models")
+            .parse()
+            .expect("uri");
+        let e = pool.send(req).await.expect_err("nothing listens");
+        assert!(matches!(e, EngineError::Connect { .. }), "{e}");
+
+        // The origin form and Host header an HTTP/1.1 engine expects.
+        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+        *req.uri_mut() = format!("http://{authority}/v1/models?x=1")
+            .parse()
+            .expect("uri");
+        let req = pool.inner.origin_form(req);
+        assert_eq!(req.uri().to_string(), "/v1/models?x=1");
+        assert_eq!(req.headers()[header::HOST], authority.as_str());
+    }
+}
