@@ -388,6 +388,10 @@ mod tests {
         req
     }
 
+    async fn fetch(pool: &EnginePool, engine: &FakeEngine, path: &str) -> String {
+        text(pool.send(get(engine, path)).await.expect("response")).await
+    }
+
     async fn text(resp: Response<ReplyBody>) -> String {
         let bytes = resp.into_body().collect().await.expect("body").to_bytes();
         String::from_utf8(bytes.to_vec()).expect("utf-8")
@@ -409,8 +413,7 @@ mod tests {
         let engine = fake_engine(true).await;
         let pool = pool(&engine, 8, Duration::from_secs(60));
         for _ in 0..5 {
-            let resp = pool.send(get(&engine, "/")).await.expect("response");
-            assert_eq!(text(resp).await, "ok");
+            assert_eq!(fetch(&pool, &engine, "/").await, "ok");
             // The body was read and dropped: the connection is back.
             until("the connection is ready again", || {
                 pool.inner.lock().iter().any(|c| c.sender.is_ready())
@@ -452,8 +455,7 @@ mod tests {
         let engine = fake_engine(false).await;
         let pool = pool(&engine, 8, Duration::from_secs(60));
         for _ in 0..5 {
-            let resp = pool.send(get(&engine, "/")).await.expect("response");
-            assert_eq!(text(resp).await, "ok");
+            assert_eq!(fetch(&pool, &engine, "/").await, "ok");
         }
         assert_eq!(engine.accepted.load(Ordering::SeqCst), 5);
     }
@@ -474,8 +476,7 @@ mod tests {
             engine.ended.load(Ordering::SeqCst) == 1
         })
         .await;
-        let resp = pool.send(get(&engine, "/")).await.expect("response");
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
         assert_eq!(engine.accepted.load(Ordering::SeqCst), 2);
     }
 
@@ -483,8 +484,7 @@ mod tests {
     async fn idle_connections_are_closed_after_the_idle_timeout() {
         let engine = fake_engine(true).await;
         let pool = pool(&engine, 8, Duration::from_millis(200));
-        let resp = pool.send(get(&engine, "/")).await.expect("response");
-        assert_eq!(text(resp).await, "ok");
+        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
         assert_eq!(pool.idle(), 1);
         until("the idle connection is closed", || {
             engine.ended.load(Ordering::SeqCst) == 1
