@@ -36,6 +36,14 @@ type Sender = http1::SendRequest<UpstreamBody>;
 /// Idle keep-alive connections to one engine.
 pub struct EnginePool {
     inner: Arc<Inner>,
+    /// The task closing connections past the idle timeout; stops with the pool.
+    reaper: tokio::task::AbortHandle,
+}
+
+impl Drop for EnginePool {
+    fn drop(&mut self) {
+        self.reaper.abort();
+    }
 }
 
 struct Inner {
@@ -85,8 +93,8 @@ impl EnginePool {
             idle_timeout,
             idle: Mutex::new(Vec::new()),
         });
-        tokio::spawn(reap(Arc::downgrade(&inner)));
-        Self { inner }
+        let reaper = tokio::spawn(reap(Arc::downgrade(&inner))).abort_handle();
+        Self { inner, reaper }
     }
 
     /// Sends `req` (an absolute URI towards this engine, as the general client
@@ -223,7 +231,8 @@ impl Inner {
     }
 }
 
-/// Closes connections idle longer than the idle timeout, until the pool is gone.
+/// Closes connections idle longer than the idle timeout, until the pool is
+/// gone (dropping the pool aborts it; the weak reference is the backstop).
 async fn reap(pool: Weak<Inner>) {
     let every = match pool.upgrade() {
         Some(p) => (p.idle_timeout / 2).max(Duration::from_millis(100)),
@@ -491,6 +500,25 @@ mod tests {
         })
         .await;
         assert_eq!(pool.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_pool_closes_its_connections_and_stops_its_reaper() {
+        let engine = fake_engine(true).await;
+        let metrics = tokio::runtime::Handle::current().metrics();
+        // The fake engine's accept loop.
+        let before = metrics.num_alive_tasks();
+        let pool = pool(&engine, 8, Duration::from_secs(60));
+        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
+        drop(pool);
+        until("the engine saw the idle connection close", || {
+            engine.ended.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        until("no task of the pool is left", || {
+            metrics.num_alive_tasks() == before
+        })
+        .await;
     }
 
     #[tokio::test]
