@@ -22,13 +22,12 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Full, Limited};
 use hyper::body::Incoming;
-
-use crate::upstream::ReplyBody;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{InFlight, Metrics, Route};
 use crate::respond::sse_error_tail;
+use crate::upstream::ReplyBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -216,9 +216,6 @@ async fn request(
         reason,
     };
     match (upstream, app.mesh.tls_client(), &app.engine) {
-        // Boxed, like the mesh and P/D calls: the engine's path stays the
-        // common one, and the request's future stays small (it is moved on
-        // every request).
         (Upstream::Engine, _, Some(pool)) => pool.send(out).await.map_err(|e| match e {
             EngineError::Connect { .. } => connect(e.to_string()),
             EngineError::Request(e) => failed(error_chain(&e)),
@@ -229,6 +226,9 @@ async fn request(
                 .routes()
                 .get(*peer)
                 .ok_or_else(|| connect("no mesh port known for this peer".to_owned()))?;
+            // Boxed, like the P/D calls: the mesh client's future is large
+            // and rarely needed, and inlined it would grow every request's
+            // future (which is moved on every request).
             let resp = Box::pin(mesh.send(port, out)).await.map_err(|e| match e {
                 MeshSendError::Connect { tls, .. } => {
                     if tls {

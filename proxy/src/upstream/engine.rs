@@ -8,7 +8,6 @@
 //! dropped. Other upstreams (peers, llm-d's prefiller, h2c) go through the
 //! general client in `mod.rs`.
 
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
@@ -58,6 +57,13 @@ struct Inner {
 struct Idle {
     sender: Sender,
     since: Instant,
+}
+
+impl Idle {
+    /// Closed by the engine, or idle for `timeout`: never to be used again.
+    fn stale(&self, timeout: Duration) -> bool {
+        self.sender.is_closed() || self.since.elapsed() >= timeout
+    }
 }
 
 /// Why a request got no response head.
@@ -167,7 +173,7 @@ impl Inner {
         while i > 0 {
             i -= 1;
             let c = &idle[i];
-            if c.sender.is_closed() || c.since.elapsed() >= self.idle_timeout {
+            if c.stale(self.idle_timeout) {
                 idle.swap_remove(i);
             } else if c.sender.is_ready() {
                 return Some(idle.swap_remove(i).sender);
@@ -211,23 +217,14 @@ impl Inner {
         Ok(sender)
     }
 
-    /// The first address of the engine's host that accepts.
+    /// The first address of the engine's host that accepts (tokio resolves
+    /// the name and tries each address in turn).
     async fn dial(&self) -> std::io::Result<TcpStream> {
         let port = self.authority.port_u16().unwrap_or(80);
-        let host = self.authority.host();
         // An IPv6 literal keeps its brackets in the authority.
+        let host = self.authority.host();
         let host = host.trim_start_matches('[').trim_end_matches(']');
-        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
-        let mut last = None;
-        for addr in addrs {
-            match TcpStream::connect(addr).await {
-                Ok(s) => return Ok(s),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.unwrap_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::NotFound, "the host has no address")
-        }))
+        TcpStream::connect((host, port)).await
     }
 }
 
@@ -241,9 +238,7 @@ async fn reap(pool: Weak<Inner>) {
     loop {
         tokio::time::sleep(every).await;
         let Some(p) = pool.upgrade() else { return };
-        let timeout = p.idle_timeout;
-        p.lock()
-            .retain(|c| !c.sender.is_closed() && c.since.elapsed() < timeout);
+        p.lock().retain(|c| !c.stale(p.idle_timeout));
     }
 }
 
