@@ -128,6 +128,15 @@ impl MeshTls {
             server_name,
         })
     }
+
+    /// The client side of the handshake with a peer's mesh port over `tcp`:
+    /// this sidecar's certificate, the peer's checked against `server_name`.
+    pub async fn connect(
+        &self,
+        tcp: tokio::net::TcpStream,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        self.connector.connect(self.server_name.clone(), tcp).await
+    }
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {

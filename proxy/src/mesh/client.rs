@@ -143,8 +143,7 @@ impl MeshClient {
             let _ = tcp.set_nodelay(true);
             let tls = self
                 .tls
-                .connector
-                .connect(self.tls.server_name.clone(), tcp)
+                .connect(tcp)
                 .await
                 .map_err(|e| (format!("TLS handshake: {e}"), true))?;
             let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());

@@ -216,14 +216,10 @@ async fn follow(
         match tls {
             None => handshake(tcp).await,
             Some(tls) => {
-                let stream = tls
-                    .connector
-                    .connect(tls.server_name.clone(), tcp)
-                    .await
-                    .map_err(|e| {
-                        app.metrics.mesh.tls_failure("connect");
-                        format!("TLS handshake: {e}")
-                    })?;
+                let stream = tls.connect(tcp).await.map_err(|e| {
+                    app.metrics.mesh.tls_failure("connect");
+                    format!("TLS handshake: {e}")
+                })?;
                 handshake(stream).await
             }
         }
