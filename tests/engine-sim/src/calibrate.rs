@@ -222,7 +222,8 @@ mod tests {
         };
         let p = base.with_ttft_fit(&fit);
         assert_eq!(p.name, "vllm-cpu-tiny+calibrated");
-        let ttft = p.api_overhead_ms + p.step_seconds(200, 0, 0) * 1000.0;
+        let ttft =
+            p.api_overhead_ms + p.step_seconds(&crate::profile::StepLoad::prefill(200)) * 1000.0;
         assert!((ttft - (30.0 + 0.08 * 200.0)).abs() < 1e-9, "{ttft}");
         assert_eq!(p.api_overhead_std_ms, 2.5);
         assert_eq!(p.decode_ms_per_seq, base.decode_ms_per_seq);

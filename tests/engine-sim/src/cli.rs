@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
 use crate::profile::LatencyProfile;
@@ -30,19 +30,24 @@ enum FormatArg {
 /// A simulated vLLM (or SGLang) engine.
 #[derive(Debug, Parser)]
 #[command(name = "kvmesh-engine-sim", version)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Address to serve HTTP on, e.g. 127.0.0.1:8000.
-    #[arg(long)]
-    listen: String,
+    #[arg(long, required = true)]
+    listen: Option<String>,
     /// Served model name.
-    #[arg(long)]
-    model: String,
+    #[arg(long, required = true)]
+    model: Option<String>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    #[arg(long, default_value_t = 4096)]
-    num_blocks: usize,
-    #[arg(long, default_value_t = 256)]
-    max_num_seqs: usize,
+    /// KV blocks (default: the profile's KV capacity, else 4096).
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// Running-request limit (default: the profile's vLLM default, else 256).
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
     #[arg(long, default_value_t = 8192)]
     max_model_len: usize,
     /// KV-event PUB endpoint (vLLM rule: bind if it has `*` or `::`, else connect).
@@ -56,7 +61,7 @@ pub struct Args {
     /// KV-event topic (frame 0); default `kv@<listen>@<model>`.
     #[arg(long)]
     kv_events_topic: Option<String>,
-    /// Latency profile: small-gpu, large-gpu, vllm-cpu-tiny, or a YAML file.
+    /// Latency profile: small-gpu, large-gpu, vllm-cpu-tiny, gpu:MODEL@GPU[xTP][/LINK], or a YAML file.
     #[arg(long, default_value = "small-gpu")]
     profile: String,
     /// Simulated seconds per real second.
@@ -77,15 +82,43 @@ pub struct Args {
     engine_id: Option<String>,
 }
 
+/// What the binary does besides serving.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print a latency profile's costs (and, for `gpu:` profiles, how they were derived).
+    Profile {
+        /// A profile name, `gpu:MODEL@GPU[xTP][/LINK]`, or a YAML file.
+        #[arg(long)]
+        profile: String,
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 impl Args {
     /// The engine configuration these arguments describe.
     pub fn to_config(&self) -> Result<SimConfig, SimError> {
-        let mut cfg = SimConfig::new(self.model.clone())
+        let missing = |what: &str| SimError::Config(format!("--{what} is required"));
+        let model = self.model.clone().ok_or_else(|| missing("model"))?;
+        let listen = self.listen.as_deref().ok_or_else(|| missing("listen"))?;
+        let profile = LatencyProfile::load(&self.profile)?;
+        let block_size = self.block_size.max(1);
+        let num_blocks = self
+            .num_blocks
+            .unwrap_or_else(|| match profile.kv_cache_tokens {
+                Some(tokens) => (tokens / block_size).max(1),
+                None => 4096,
+            });
+        let max_num_seqs = self
+            .max_num_seqs
+            .unwrap_or_else(|| profile.max_num_seqs.unwrap_or(256));
+        let mut cfg = SimConfig::new(model.clone())
             .with_block_size(self.block_size)
-            .with_num_blocks(self.num_blocks)
-            .with_max_num_seqs(self.max_num_seqs)
+            .with_num_blocks(num_blocks)
+            .with_max_num_seqs(max_num_seqs)
             .with_max_model_len(self.max_model_len)
-            .with_profile(LatencyProfile::load(&self.profile)?)
+            .with_profile(profile)
             .with_time_scale(self.time_scale)
             .with_seed(self.seed)
             .with_flavor(match self.flavor {
@@ -109,24 +142,30 @@ impl Args {
             k.topic = self
                 .kv_events_topic
                 .clone()
-                .unwrap_or_else(|| format!("kv@{}@{}", self.listen, self.model));
+                .unwrap_or_else(|| format!("kv@{listen}@{model}"));
             k.format = match self.kv_events_format {
                 FormatArg::Map => KvEventsFormat::Map,
                 FormatArg::Array => KvEventsFormat::Array,
             };
             cfg = cfg.with_kv_events(k);
         }
-        if let Some((_, port)) = self.listen.rsplit_once(':') {
+        if let Some((_, port)) = listen.rsplit_once(':') {
             cfg.side_channel_port = port.parse().unwrap_or(cfg.side_channel_port);
         }
         Ok(cfg)
     }
 }
 
-/// Runs the binary: serve until Ctrl-C.
+/// Runs the binary: print a profile, or serve until Ctrl-C.
 pub async fn run(args: Args) -> Result<(), SimError> {
+    if let Some(Command::Profile { profile, json }) = &args.command {
+        let text = crate::profile::report::render(profile, *json)?;
+        println!("{text}");
+        return Ok(());
+    }
     let cfg = args.to_config()?;
-    let listener = tokio::net::TcpListener::bind(&args.listen)
+    let listen = args.listen.as_deref().unwrap_or_default();
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(SimError::Io)?;
     let engine = Engine::start(cfg, listener).await?;

@@ -5,6 +5,7 @@
 use super::{Core, CoreEvent, FinishReason, Held, KvMode, Outcome, Seq};
 use crate::kv::cache::BlockRun;
 use crate::kv::hash;
+use crate::profile::StepLoad;
 
 #[derive(Debug, Clone, Copy)]
 enum Work {
@@ -49,7 +50,7 @@ impl Core {
         self.preempt_if_needed();
         let mut budget = self.cfg.profile.max_num_batched_tokens;
         let mut items = Vec::new();
-        let (mut prefill_tokens, mut decode_seqs, mut decode_ctx) = (0, 0, 0);
+        let mut load = StepLoad::default();
         for i in 0..self.running.len() {
             if let Some(done) = self.running[i].transfer_done_v {
                 if done > self.vnow {
@@ -64,7 +65,7 @@ impl Core {
                 let chunk = (plen - s.computed).min(budget);
                 if chunk > 0 {
                     budget -= chunk;
-                    prefill_tokens += chunk;
+                    load = load.with_chunk(s.computed, chunk);
                     items.push((i, Work::Prefill(chunk)));
                 }
             } else if budget > 0 {
@@ -75,8 +76,8 @@ impl Core {
                     }
                 }
                 budget -= 1;
-                decode_seqs += 1;
-                decode_ctx += s.computed;
+                load.decode_seqs += 1;
+                load.decode_ctx_tokens += s.computed;
                 items.push((i, Work::Decode));
             }
         }
@@ -130,22 +131,19 @@ impl Core {
             }
             let chunk = (plen - s.computed).min(budget);
             budget -= chunk;
-            prefill_tokens += chunk;
+            load = load.with_chunk(s.computed, chunk);
             items.push((self.running.len(), Work::Prefill(chunk)));
             self.running.push(s);
         }
         if items.is_empty() {
             return None;
         }
-        let modelled = self
-            .cfg
-            .profile
-            .step_seconds(prefill_tokens, decode_seqs, decode_ctx);
+        let modelled = self.cfg.profile.step_seconds(&load);
         let cost = self.jitter.step_seconds(modelled);
         Some(Plan {
             cost,
             items,
-            prefill_tokens,
+            prefill_tokens: load.prefill_tokens,
         })
     }
 
