@@ -5,6 +5,7 @@
 //! methods change one field each so tests read as a sentence.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::profile::LatencyProfile;
 
@@ -110,10 +111,22 @@ pub struct SimConfig {
     pub tokenizer: TokenizerChoice,
     /// NixlConnector engine id (`remote_engine_id`); a fresh UUID when `None`.
     pub engine_id: Option<String>,
-    /// `remote_host` a prefill engine reports.
+    /// `remote_host` a prefill engine reports: where decode engines reach its
+    /// side channel. Empty (the default): the HTTP listener's IP, or
+    /// `127.0.0.1` when that is unspecified (`0.0.0.0`).
     pub side_channel_host: String,
-    /// `remote_port` a prefill engine reports (vLLM default 5600).
+    /// `remote_port` a prefill engine reports. The simulator serves its side
+    /// channel on the HTTP port (`crate::pd::nixl`), so 0 (the default) means
+    /// that port; vLLM's own default is 5600.
     pub side_channel_port: u16,
+    /// Real time a decode engine allows one side-channel call (the fetch of a
+    /// prefill engine's blocks) before it recomputes. Real, not simulated: it
+    /// bounds a network wait.
+    pub side_channel_timeout: Duration,
+    /// Take P/D handoffs straight from the process-global registry when the
+    /// prefill engine runs in this process (the demo), instead of calling its
+    /// side channel. Tests turn it off to exercise the cross-process path.
+    pub pd_in_process: bool,
     /// Simulated seconds a prefill engine holds blocks for a decode engine
     /// (vLLM `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s).
     pub pd_hold_timeout_s: f64,
@@ -151,8 +164,10 @@ impl SimConfig {
             kv_events: None,
             tokenizer: TokenizerChoice::Builtin,
             engine_id: None,
-            side_channel_host: "127.0.0.1".to_string(),
-            side_channel_port: 5600,
+            side_channel_host: String::new(),
+            side_channel_port: 0,
+            side_channel_timeout: Duration::from_secs(5),
+            pd_in_process: true,
             pd_hold_timeout_s: 480.0,
             bootstrap_timeout_s: 300.0,
             bootstrap_port: 8998,
@@ -213,6 +228,12 @@ impl SimConfig {
 
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
+        self
+    }
+
+    /// See [`SimConfig::pd_in_process`].
+    pub fn with_pd_in_process(mut self, on: bool) -> Self {
+        self.pd_in_process = on;
         self
     }
 

@@ -47,13 +47,17 @@ impl Engine {
     /// Starts an engine serving on `listener` (bind it to port 0 in tests).
     /// Ready to serve when this returns: the KV sockets are bound and the
     /// listener is accepting.
-    pub async fn start(config: SimConfig, listener: TcpListener) -> Result<SimHandle, SimError> {
+    pub async fn start(
+        mut config: SimConfig,
+        listener: TcpListener,
+    ) -> Result<SimHandle, SimError> {
         config.validate()?;
         let tokenizer: Arc<dyn Tokenizer> = match &config.tokenizer {
             TokenizerChoice::Builtin => Arc::new(Builtin),
             TokenizerChoice::HfDir(dir) => Arc::new(load_hf(dir)?),
         };
         let addr = listener.local_addr().map_err(SimError::Io)?;
+        resolve_side_channel(&mut config, addr);
         let cancel = CancellationToken::new();
         let engine_id = config
             .engine_id
@@ -117,6 +121,21 @@ impl Engine {
             .await
             .map_err(SimError::Io)?;
         Self::start(config, listener).await
+    }
+}
+
+/// The side channel is served on the HTTP listener (`crate::pd::nixl`): an
+/// unset host or port in the config means the listener's.
+fn resolve_side_channel(config: &mut SimConfig, addr: SocketAddr) {
+    if config.side_channel_port == 0 {
+        config.side_channel_port = addr.port();
+    }
+    if config.side_channel_host.is_empty() {
+        config.side_channel_host = if addr.ip().is_unspecified() {
+            "127.0.0.1".to_string()
+        } else {
+            addr.ip().to_string()
+        };
     }
 }
 
@@ -191,6 +210,7 @@ impl SimHandle {
             prompt_tokens: m.prompt_tokens,
             generation_tokens: m.generation_tokens,
             external_kv_tokens: m.by_source_external,
+            failed_kv_transfers: m.nixl_failed_transfers,
             preemptions: m.preemptions,
             kv_batches_published: m.kv_batches_published,
             kv_batches_dropped: m.kv_batches_dropped,

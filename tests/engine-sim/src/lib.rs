@@ -31,6 +31,7 @@ mod http;
 pub mod kv;
 pub mod metrics;
 mod pd;
+pub mod process;
 pub mod profile;
 pub mod stats;
 
@@ -40,6 +41,7 @@ pub use engine::{Engine, SimHandle};
 pub use faults::{FaultScript, Faults};
 pub use kv::client::{replay, DecodedBatch, DecodedEvent, KvMessage, KvSubscriber};
 pub use kv::publisher::KvEndpoints;
+pub use process::SimProcess;
 pub use profile::LatencyProfile;
 pub use stats::{CompletedRequest, ReceivedRequest, SimStats};
 
@@ -56,4 +58,6 @@ pub enum SimError {
     Io(#[source] std::io::Error),
     #[error("the engine has stopped")]
     Stopped,
+    #[error("simulator process: {0}")]
+    Process(String),
 }

@@ -73,6 +73,9 @@ pub struct EngineMetrics {
     pub by_source_cache: u64,
     pub by_source_external: u64,
     pub preemptions: u64,
+    /// Decode side of P/D: fetches of a prefill engine's blocks that failed
+    /// (unknown, expired or unreachable), each recomputed instead.
+    pub nixl_failed_transfers: u64,
     pub success: [u64; 5],
     pub kv_batches_published: u64,
     pub kv_batches_dropped: u64,
@@ -113,6 +116,7 @@ impl EngineMetrics {
             by_source_cache: 0,
             by_source_external: 0,
             preemptions: 0,
+            nixl_failed_transfers: 0,
             success: [0; 5],
             kv_batches_published: 0,
             kv_batches_dropped: 0,
@@ -218,6 +222,15 @@ impl EngineMetrics {
             "Number of cached prompt tokens (local + external).",
             &[(&l, self.by_source_cache + self.by_source_external)],
         );
+        if cfg.role != Role::Both {
+            // vLLM exports NixlConnector stats only with the connector set up.
+            counter(
+                &mut o,
+                "vllm:nixl_num_failed_transfers",
+                "Number of failed NIXL KV Cache transfers.",
+                &[(&l, self.nixl_failed_transfers)],
+            );
+        }
         counter(
             &mut o,
             "vllm:generation_tokens",

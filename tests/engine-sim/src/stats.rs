@@ -95,6 +95,8 @@ pub struct SimStats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub external_kv_tokens: u64,
+    /// P/D fetches that failed on this (decode) engine and were recomputed.
+    pub failed_kv_transfers: u64,
     pub preemptions: u64,
     pub kv_batches_published: u64,
     pub kv_batches_dropped: u64,

@@ -1,5 +1,6 @@
 //! The engine's HTTP/1.1 server (uvicorn speaks HTTP/1.1 only): routes,
-//! fault application, request recording, and the admin routes `/sim/*`.
+//! fault application, request recording, the admin routes `/sim/*`, and the
+//! P/D side channels `/kvmesh-sim/*` other engines call (`crate::pd`).
 
 mod openai;
 pub(crate) mod shapes;
@@ -25,6 +26,7 @@ use crate::config::SimConfig;
 use crate::core::{Clock, Cmd};
 use crate::faults::{FaultScript, Faults, Verdict};
 use crate::metrics::EngineMetrics;
+use crate::pd::{bootstrap, nixl};
 use crate::stats::{ReceivedRequest, Recorder};
 
 /// Largest request body accepted.
@@ -238,12 +240,16 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
             json_response(200, &json!({ "refusing": shared.faults.refusing() }), &none)
         }
         (Method::POST, "/sim/faults") => admin_faults(&shared, &body).await,
+        (Method::POST, nixl::FETCH_PATH) => nixl::serve_fetch(&shared, &body),
+        (Method::POST, bootstrap::BOOTSTRAP_PATH) => bootstrap::serve(&shared, &body).await,
         (Method::GET, "/sim/stats") => {
             let m = shared.metrics.lock().clone();
             let v = json!({
                 "running": m.running, "waiting": m.waiting, "kv_cache_usage": m.kv_usage,
                 "prefix_cache_queries": m.prefix_queries, "prefix_cache_hits": m.prefix_hits,
                 "kv_batches_published": m.kv_batches_published, "engine_id": shared.engine_id,
+                "held_transfers": m.held_transfers, "external_kv_tokens": m.by_source_external,
+                "failed_kv_transfers": m.nixl_failed_transfers,
             });
             json_response(200, &v, &none)
         }
@@ -255,7 +261,9 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
             | "/metrics"
             | "/reset_prefix_cache"
             | "/sim/faults"
-            | "/sim/stats",
+            | "/sim/stats"
+            | nixl::FETCH_PATH
+            | bootstrap::BOOTSTRAP_PATH,
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     }

@@ -16,7 +16,8 @@ use crate::config::{Flavor, Role};
 use crate::core::{Cmd, CoreEvent, CoreRequest, FinishReason, KvMode, Outcome};
 use crate::faults::Verdict;
 use crate::kv::hash::{self, BlockExtras};
-use crate::pd::{self, Half};
+use crate::pd::bootstrap::{self, Bootstrap};
+use crate::pd::{self, nixl, Half};
 use crate::stats::CompletedRequest;
 
 /// A request that failed before reaching the core.
@@ -137,8 +138,16 @@ struct Prepared {
     req: CoreRequest,
     rx: mpsc::UnboundedReceiver<CoreEvent>,
     include_usage: bool,
-    room: Option<(u64, Half)>,
+    sglang: Option<SglangHalf>,
     internal_id: String,
+}
+
+/// This engine's half of an SGLang P/D request.
+enum SglangHalf {
+    /// Finish the prompt, then wait in the room for the decode half.
+    Prefill(u64),
+    /// Wait at the prefill engine's bootstrap endpoint, then receive the KV.
+    Decode(Bootstrap),
 }
 
 async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, ApiError> {
@@ -210,7 +219,7 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         format!("{id}-0-{}", &hex16()[..8])
     };
     let mut kv = KvMode::Local;
-    let mut room = None;
+    let mut sglang = None;
     let params = body.get("kv_transfer_params");
     let flag = |k: &str| {
         params
@@ -223,26 +232,21 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
             remote_request_id: internal_id.clone(),
         };
     } else if cfg.flavor == Flavor::Vllm && flag("do_remote_prefill") {
-        kv = remote_prefill(params);
+        kv = nixl::pull(shared, params).await;
     }
     if cfg.flavor == Flavor::Sglang && cfg.role != Role::Both {
-        let r = body.get("bootstrap_room").and_then(Value::as_u64);
-        match (cfg.role, r) {
-            (Role::Decode, None) => {
-                return Err(bad(
+        if cfg.role == Role::Decode {
+            let b = Bootstrap::from_body(&body, cfg.bootstrap_port).ok_or_else(|| {
+                bad(
                     "decode server needs bootstrap_host, bootstrap_port and bootstrap_room",
                     Some("bootstrap_room"),
-                ))
-            }
-            (Role::Decode, Some(r)) => {
-                room = Some((r, Half::Decode));
-                kv = KvMode::ReceiveKv;
-            }
-            (_, Some(r)) => {
-                room = Some((r, Half::Prefill));
-                max_tokens = 1;
-            }
-            _ => {}
+                )
+            })?;
+            sglang = Some(SglangHalf::Decode(b));
+            kv = KvMode::ReceiveKv;
+        } else if let Some(r) = body.get("bootstrap_room").and_then(Value::as_u64) {
+            sglang = Some(SglangHalf::Prefill(r));
+            max_tokens = 1;
         }
     }
     let (tx, rx) = mpsc::unbounded_channel();
@@ -269,33 +273,9 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         req,
         rx,
         include_usage,
-        room,
+        sglang,
         internal_id,
     })
-}
-
-/// Decode side of NixlConnector: valid params that name a held transfer skip
-/// the prefill; anything else recomputes (vLLM: "Got invalid KVTransferParams").
-fn remote_prefill(params: Option<&Value>) -> KvMode {
-    let Some(p) = params else {
-        return KvMode::Local;
-    };
-    let has = |k: &str| p.get(k).is_some_and(|v| !v.is_null());
-    let valid = [
-        "remote_block_ids",
-        "remote_engine_id",
-        "remote_request_id",
-        "remote_host",
-        "remote_port",
-    ]
-    .iter()
-    .all(|k| has(k));
-    let engine = p.get("remote_engine_id").and_then(Value::as_str);
-    let req = p.get("remote_request_id").and_then(Value::as_str);
-    match (valid, engine, req) {
-        (true, Some(e), Some(r)) if pd::fetch(e, r).is_some() => KvMode::ReceiveKv,
-        _ => KvMode::Local,
-    }
 }
 
 fn unix_now() -> u64 {
@@ -305,17 +285,10 @@ fn unix_now() -> u64 {
 }
 
 async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
-    let timeout = shared.clock.real_duration(shared.cfg.bootstrap_timeout_s);
-    let lone = |room: u64| {
-        let msg = format!(
-            "KVTransferError(bootstrap_room={room}): Request {room} timed out after {:.1}s in KVPoll.Bootstrapping",
-            shared.cfg.bootstrap_timeout_s
-        );
-        json_response(500, &shapes::error(500, &msg, None), &verdict)
-    };
-    if let Some((room, Half::Decode)) = p.room {
-        if !pd::rendezvous(room, Half::Decode, timeout).await {
-            return lone(room);
+    let failed = |msg: &str| json_response(500, &shapes::error(500, msg, None), &verdict);
+    if let Some(SglangHalf::Decode(b)) = &p.sglang {
+        if let Err(msg) = bootstrap::join(&shared, b).await {
+            return failed(&msg);
         }
     }
     let stream = p.req.stream;
@@ -327,7 +300,7 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         let e = shapes::error(503, "the engine's waiting queue is full", None);
         return json_response(503, &e, &verdict);
     }
-    if stream && p.room.is_none() {
+    if stream && p.sglang.is_none() {
         return sse_response(
             stream_body(shared, p.meta, p.rx, p.include_usage, p.internal_id),
             &verdict,
@@ -345,9 +318,10 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
             }
         }
     };
-    if let Some((room, Half::Prefill)) = p.room {
+    if let Some(SglangHalf::Prefill(room)) = p.sglang {
+        let timeout = shared.clock.real_duration(shared.cfg.bootstrap_timeout_s);
         if !pd::rendezvous(room, Half::Prefill, timeout).await {
-            return lone(room);
+            return failed(&bootstrap::timed_out(&shared, room));
         }
     }
     record(&shared, &p.meta.id, &outcome);

@@ -1,18 +1,29 @@
-//! Prefill/decode handoff between simulated engines in one process.
+//! Prefill/decode handoff between simulated engines, in one process or across
+//! processes.
 //!
-//! vLLM NixlConnector: a prefill engine that finishes a
+//! vLLM NixlConnector ([`nixl`]): a prefill engine that finishes a
 //! `do_remote_decode` request holds its blocks and registers them here under
-//! `(remote_engine_id, remote_request_id)`; a decode engine given those
-//! `kv_transfer_params` takes the entry (the "fetch"), tells the prefill
-//! engine to free the blocks, and skips the prefill. Unknown or expired
-//! parameters fall back to recomputing, as vLLM does.
+//! `(engine_id, request_id)`. A decode engine given those `kv_transfer_params`
+//! takes the entry (the "fetch"): straight from this registry when the prefill
+//! engine lives in the same process (the shortcut, `SimConfig::pd_in_process`),
+//! otherwise over the side channel the prefill engine serves at
+//! `remote_host:remote_port`. The fetch tells the prefill engine to free the
+//! blocks. Unknown, expired or unreachable parameters fall back to
+//! recomputing, as vLLM does.
 //!
-//! SGLang bootstrap: both halves of a request carry the same
-//! `bootstrap_room`; each half waits for the other here, and a lone half
-//! fails after the bootstrap timeout like SGLang's `KVTransferError`.
+//! SGLang bootstrap ([`bootstrap`]): both halves of a request carry the same
+//! `bootstrap_room`. The prefill engine keeps its rooms here; the decode half
+//! reaches them through the bootstrap endpoint the prefill engine serves at
+//! `bootstrap_host:bootstrap_port`, and each half waits for the other. A lone
+//! half fails after the bootstrap timeout like SGLang's `KVTransferError`.
 //!
-//! Both maps are process-global and bounded (`CAP` entries); a full map
-//! refuses new entries (the request then recomputes, or fails as a lone half).
+//! Both maps are process-global and bounded (`CAP` entries). A full map first
+//! drops its expired entries, then refuses new ones (the request then
+//! recomputes, or fails as a lone half).
+
+pub(crate) mod bootstrap;
+pub(crate) mod client;
+pub(crate) mod nixl;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -72,11 +83,14 @@ pub(crate) fn fetch(engine_id: &str, request_id: &str) -> Option<usize> {
     Some(entry.prompt_tokens)
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Room {
     prefill_done: bool,
     decode_arrived: bool,
     notify: Arc<Notify>,
+    /// The latest deadline of a half waiting here: past it, the room is
+    /// stale and a full map may drop it.
+    expires: Instant,
 }
 
 fn rooms() -> &'static Mutex<HashMap<u64, Room>> {
@@ -91,16 +105,42 @@ pub(crate) enum Half {
     Decode,
 }
 
+/// Removes the room when its half gives up or is cancelled, so the other half
+/// does not find a partner that is gone.
+struct Leave {
+    room: u64,
+    armed: bool,
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        if self.armed {
+            rooms().lock().remove(&self.room);
+        }
+    }
+}
+
 /// Marks `half` of `room` as arrived (decode) or finished (prefill) and waits
-/// up to `timeout` for the other half. Returns false on timeout.
+/// up to `timeout` for the other half. Returns false on timeout or when the
+/// map is full.
 pub(crate) async fn rendezvous(room: u64, half: Half, timeout: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = Instant::now() + timeout;
     let notify = {
         let mut map = rooms().lock();
         if !map.contains_key(&room) && map.len() >= CAP {
-            return false;
+            let now = Instant::now();
+            map.retain(|_, r| r.expires > now);
+            if map.len() >= CAP {
+                return false;
+            }
         }
-        let r = map.entry(room).or_default();
+        let r = map.entry(room).or_insert_with(|| Room {
+            prefill_done: false,
+            decode_arrived: false,
+            notify: Arc::new(Notify::new()),
+            expires: deadline,
+        });
+        r.expires = r.expires.max(deadline);
         match half {
             Half::Prefill => r.prefill_done = true,
             Half::Decode => r.decode_arrived = true,
@@ -108,6 +148,7 @@ pub(crate) async fn rendezvous(room: u64, half: Half, timeout: Duration) -> bool
         r.notify.notify_waiters();
         r.notify.clone()
     };
+    let mut leave = Leave { room, armed: true };
     loop {
         let waiting = notify.notified();
         tokio::pin!(waiting);
@@ -120,14 +161,13 @@ pub(crate) async fn rendezvous(room: u64, half: Half, timeout: Duration) -> bool
             })
         };
         if ready {
-            // The decode half is the last to need the room.
-            if half == Half::Decode {
-                rooms().lock().remove(&room);
-            }
+            // The decode half is the last to need the room: it removes it
+            // (through `leave`); the prefill half leaves it for the decode.
+            leave.armed = half == Half::Decode;
             return true;
         }
-        if tokio::time::timeout_at(deadline, waiting).await.is_err() {
-            rooms().lock().remove(&room);
+        let wait = tokio::time::timeout_at(deadline.into(), waiting);
+        if wait.await.is_err() {
             return false;
         }
     }
