@@ -1,13 +1,13 @@
 //! The virtual batch scheduler behaves like an engine under load: TTFT grows
-//! with the queue, a long prefill slows the decodes sharing its steps, and the
-//! `vllm-cpu-tiny` profile reproduces the real vLLM CPU probe.
+//! with the queue and the `vllm-cpu-tiny` profile reproduces the real vLLM CPU
+//! probe. A long prefill slowing the decodes that share its steps, by exactly
+//! the modelled cost, is `mixed_batches.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use common::*;
 use kvmesh_engine_sim::{Engine, LatencyProfile, SimConfig};
-use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttft_grows_with_queue_depth() {
@@ -35,12 +35,12 @@ async fn ttft_grows_with_queue_depth() {
     done.sort_by(|a, b| a.ttft_s.total_cmp(&b.ttft_s));
     let (first, last) = (&done[0], &done[7]);
     // Two run at a time: with all eight arriving together the last waits for
-    // three pairs (~30 steps of ~9 ms each, ~0.8 s), the first for none.
+    // three pairs (~30 steps of ~7.5 ms each, ~0.7 s), the first for none.
     // Arrivals are stamped in real time, so on a loaded machine they spread
     // and the wait shrinks; the property is that the last waited at least
-    // one pair's whole service time (~0.3 s) more than the first.
+    // one pair's whole service time (~0.24 s) more than the first.
     assert!(
-        last.ttft_s - first.ttft_s > 0.25,
+        last.ttft_s - first.ttft_s > 0.2,
         "first {first:?} last {last:?}"
     );
     assert!(
@@ -52,56 +52,6 @@ async fn ttft_grows_with_queue_depth() {
         text.contains("vllm:request_queue_time_seconds_count{engine=\"0\",model_name=\"sim\"} 8.0")
     );
     e.shutdown().await;
-}
-
-/// Mean time per output token of one streamed request, with `interfere`
-/// sending a long prompt once the first token arrived.
-async fn decode_tpot(interfere: bool) -> f64 {
-    let mut profile = LatencyProfile::small_gpu();
-    profile.max_num_batched_tokens = 1024;
-    let cfg = SimConfig::new("sim")
-        .with_time_scale(10.0)
-        .with_profile(profile);
-    let e = Engine::start_local(cfg).await.unwrap();
-    let addr = e.addr();
-    let body =
-        json!({"model": "sim", "prompt": "decode me please", "max_tokens": 400, "stream": true});
-    let streamer =
-        tokio::spawn(async move { request(addr, "POST", "/v1/completions", Some(&body)).await });
-    if interfere {
-        // Readiness: wait until the decode is running before sending the prefill.
-        for _ in 0..200 {
-            if e.stats().generation_tokens > 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
-        let (s, _) = post(
-            addr,
-            "/v1/completions",
-            &completion(&words("long", 6000), 1),
-        )
-        .await;
-        assert_eq!(s, 200);
-    }
-    assert_eq!(streamer.await.unwrap().0, 200);
-    let done = e.completed_requests();
-    let r = done
-        .iter()
-        .find(|r| r.completion_tokens == 400)
-        .unwrap()
-        .clone();
-    e.shutdown().await;
-    (r.e2e_s - r.ttft_s) / 399.0
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_long_prefill_slows_concurrent_decodes() {
-    let alone = decode_tpot(false).await;
-    let shared = decode_tpot(true).await;
-    // 6000 prompt tokens at 0.1 ms each, spread over 399 gaps: +1.5 ms per token.
-    assert!((0.008..0.012).contains(&alone), "alone {alone}");
-    assert!(shared > alone + 0.001, "alone {alone} shared {shared}");
 }
 
 #[tokio::test]
