@@ -1,7 +1,8 @@
 //! The shared end-to-end harness of kvmesh: in-process fake upstreams built
 //! with builders ([`fake_upstream`]), a fake engine in vLLM's shapes
 //! ([`vllm`]), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
-//! certificate ([`certs`]) and sidecar start-up helpers ([`sidecar`]).
+//! certificate ([`certs`]), sidecar start-up helpers ([`sidecar`]) and
+//! simulated engines as separate processes ([`simproc`]).
 //!
 //! Everything listens on `127.0.0.1:0` and waits on readiness, never on sleeps.
 //! This is test support: a failed set-up step panics with its reason, which is
@@ -15,4 +16,5 @@ pub mod mesh;
 pub mod prefix;
 pub mod route;
 pub mod sidecar;
+pub mod simproc;
 pub mod vllm;

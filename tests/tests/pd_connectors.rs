@@ -3,7 +3,8 @@
 //! on what the engines received), streaming works through the split, and
 //! every failure rule holds (retry, fallback to aggregated, recompute, error,
 //! cancellation), for vLLM's NixlConnector protocol, SGLang's, and llm-d's
-//! `x-prefiller-host-port` entry point.
+//! `x-prefiller-host-port` entry point; and P/D between simulator processes,
+//! each behind its own sidecar.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -13,10 +14,11 @@ use kvmesh_filters::sched::Role;
 use kvmesh_proxy::config::{Config, Duration as CfgDuration, OnPrefillFailure, PdConnector};
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_proxy::SidecarHandle;
-use kvmesh_tests::client::{fetch, http1, next_chunk, request, send};
+use kvmesh_tests::client::{admin_get, fetch, http1, next_chunk, request, send};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
 use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
-use kvmesh_tests::sidecar::start;
+use kvmesh_tests::sidecar::{start, test_config, wait_ready};
+use kvmesh_tests::simproc::{engine_sim_bin, sim_process};
 use serde_json::{json, Value};
 
 const PREFILLER: &str = "x-prefiller-host-port";
@@ -511,4 +513,88 @@ async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
         .await,
         Some(1.0)
     );
+}
+
+/// The value of one series in an engine's `/metrics` text.
+fn engine_series(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_between_simulator_processes_each_behind_a_sidecar() {
+    // Issue 17's scenario, with one engine per process as in a deployment: the
+    // KV handoff goes over the prefill engine's side channel, not a shared map.
+    let bin = engine_sim_bin();
+    let (prefill, decode) = tokio::join!(
+        sim_process(&bin, &["--role", "prefill"]),
+        sim_process(&bin, &["--role", "decode"])
+    );
+    let mut pc = test_config(prefill.addr());
+    pc.pod.models = vec![MODEL.to_owned()];
+    pc.pod.role = Role::Prefill;
+    let prefill_sidecar = start(pc).await;
+    // `--role decode --pd-connector nixl --pd-min-uncached-tokens 256`.
+    let mut dc = test_config(decode.addr());
+    dc.pod.models = vec![MODEL.to_owned()];
+    dc.pod.role = Role::Decode;
+    dc.pd.connector = PdConnector::Nixl;
+    dc.pd.min_uncached_tokens = Some(256);
+    let sidecar = start(dc).await;
+    add_peer(
+        &sidecar,
+        prefill_sidecar.addr(),
+        Role::Prefill,
+        EngineLoad::default(),
+    );
+
+    wait_ready(&prefill_sidecar).await;
+    wait_ready(&sidecar).await;
+    // Over the built-in P/D config's 1024-token prompt minimum (`promptTokens`).
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(150);
+    let resp = completion(
+        &sidecar,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
+        &[],
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let prompt_tokens = resp.json()["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert!(prompt_tokens > 1024.0, "{prompt_tokens}");
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_pd_requests_total{connector="nixl",outcome="disaggregated"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+
+    // The decode engine received the whole prompt's KV and computed none of it.
+    let text = admin_get(decode.addr(), "/metrics").await.text();
+    let by_source = |source: &str| {
+        engine_series(
+            &text,
+            &format!(
+                r#"vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="{source}"}}"#
+            ),
+        )
+    };
+    assert_eq!(
+        by_source("external_kv_transfer"),
+        Some(prompt_tokens),
+        "{text}"
+    );
+    assert_eq!(by_source("local_compute"), Some(0.0));
+    // The prefill engine holds nothing once its decode has fetched.
+    eventually("the prefill engine freed the fetched blocks", || {
+        let addr = prefill.addr();
+        async move {
+            let stats = admin_get(addr, "/sim/stats").await.json();
+            (stats["held_transfers"] == 0 && stats["kv_cache_usage"] == 0.0).then_some(())
+        }
+    })
+    .await;
 }

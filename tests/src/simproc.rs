@@ -1,0 +1,71 @@
+//! Simulated engines as separate processes, one per engine as in a real
+//! deployment: the `kvmesh-engine-sim` binary run through
+//! [`kvmesh_engine_sim::SimProcess`] (a port from the OS, ready when it
+//! answers with its own engine id, killed when dropped).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kvmesh_engine_sim::SimProcess;
+
+use crate::route::MODEL;
+
+/// How long building the binary may take before the test gives up.
+const BUILD_WITHIN: Duration = Duration::from_secs(900);
+
+/// The `kvmesh-engine-sim` binary beside this test's own (`target/debug`).
+/// Cargo builds a dependency's library for these tests, not its binaries, so
+/// it is brought up to date here (a no-op when it is).
+pub fn engine_sim_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary sits in target/<profile>/deps");
+    let bin = dir.join("kvmesh-engine-sim");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut build = Command::new(cargo);
+    build
+        .args([
+            "build",
+            "-q",
+            "-p",
+            "kvmesh-engine-sim",
+            "--bin",
+            "kvmesh-engine-sim",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    if dir.file_name().is_some_and(|n| n == "release") {
+        build.arg("--release");
+    }
+    let mut child = build.spawn().expect("cargo runs");
+    let deadline = Instant::now() + BUILD_WITHIN;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("cargo build status") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "building kvmesh-engine-sim took over {BUILD_WITHIN:?}; \
+                 build it first (cargo build -p kvmesh-engine-sim) and rerun"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "cargo build -p kvmesh-engine-sim failed");
+    assert!(bin.is_file(), "{} missing after the build", bin.display());
+    bin
+}
+
+/// A `kvmesh-engine-sim` process serving [`MODEL`] ten times faster than real
+/// time, with `args` added (`--role prefill`, `--flavor sglang`, ...).
+pub async fn sim_process(bin: &Path, args: &[&str]) -> SimProcess {
+    let mut all = vec!["--model", MODEL, "--time-scale", "10"];
+    all.extend_from_slice(args);
+    SimProcess::spawn(bin, &all, Duration::from_secs(30))
+        .await
+        .expect("simulator process starts")
+}
