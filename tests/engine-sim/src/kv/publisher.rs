@@ -321,10 +321,8 @@ impl Link {
                 }
                 self.gone_early.clear();
             }
-            (SocketEvent::Disconnected(peer), LinkState::Up(Some(current))) => {
-                if *current == peer {
-                    self.lost(&peer);
-                }
+            (SocketEvent::Disconnected(peer), LinkState::Up(Some(current))) if *current == peer => {
+                self.lost(&peer);
             }
             // Either this connection's peer, gone before its `Connected` was
             // read, or a late second report about an older one.
