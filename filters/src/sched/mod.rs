@@ -29,4 +29,7 @@ pub use decision::{
 pub use error::{ConfigError, ConfigErrorKind, ParamError, ScheduleError};
 pub use registry::{register_builtin_plugins, PluginKind, PluginRegistry};
 pub use scheduler::{Scheduler, TraceLevel};
-pub use view::{EndpointView, LoadSnapshot, PathKind, PrefixMatch, RequestView, Role};
+pub use view::{
+    prefix_anchor, EndpointView, LoadSnapshot, PathKind, PrefixMatch, RequestView, Role,
+    ANCHOR_BLOCKS,
+};

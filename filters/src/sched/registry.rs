@@ -18,7 +18,7 @@ use crate::sched::plugin::{Filter, PdDecider, Picker, ProfileHandler, Scorer};
 use crate::sched::producer::{self, ProducerSpec};
 use crate::sched::profile::{self, DisaggParams, DisaggProfileHandler, SingleProfileHandler};
 use crate::sched::scorers::{
-    active, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
+    active, affinity, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
 };
 use crate::sched::view::Role;
 
@@ -202,6 +202,13 @@ pub fn register_builtin_plugins(r: &mut PluginRegistry) {
         Ok(Plugin::Scorer(Arc::new(no_hit_lru::NoHitLruScorer::new(
             params,
         ))))
+    });
+    r.register(affinity::TYPE, K::Scorer, |p, _| {
+        let params: affinity::AffinityParams = parse(p)?;
+        params.validate()?;
+        Ok(Plugin::Scorer(Arc::new(affinity::AffinityScorer {
+            params,
+        })))
     });
     r.register(session::TYPE, K::Scorer, |p, _| {
         parse::<NoParams>(p)?;

@@ -46,6 +46,22 @@ pub struct RequestView {
     pub prompt_tokens_exact: bool,
     /// Number of full prompt blocks (the denominator of the prefix score).
     pub prompt_blocks: u32,
+    /// The prompt's prefix anchor: the block key [`ANCHOR_BLOCKS`] blocks in
+    /// (or the last full block's of a shorter prompt). Requests that share
+    /// their first blocks (a system prompt) share it, whatever follows;
+    /// `prefix-affinity-scorer` gives each anchor a home pod.
+    pub prefix_anchor: Option<u64>,
+}
+
+/// How many blocks into the prompt the prefix anchor is taken: 4 blocks of
+/// 16 tokens name a system prompt or a conversation's opening, and are short
+/// enough that almost every prompt has them.
+pub const ANCHOR_BLOCKS: usize = 4;
+
+/// The anchor of a prompt whose chained block keys are `keys`.
+pub fn prefix_anchor(keys: &[u64]) -> Option<u64> {
+    keys.get(ANCHOR_BLOCKS.min(keys.len()).checked_sub(1)?)
+        .copied()
 }
 
 impl RequestView {

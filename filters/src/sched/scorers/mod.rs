@@ -3,6 +3,7 @@
 //! example.
 
 pub mod active;
+pub mod affinity;
 pub mod kv_util;
 pub mod load_aware;
 pub mod lora;
