@@ -10,6 +10,7 @@
 
 mod font;
 pub mod plot;
+pub mod sweep_plot;
 mod table;
 
 use std::path::Path;

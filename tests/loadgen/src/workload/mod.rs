@@ -11,6 +11,7 @@
 mod long_body;
 mod multi_turn;
 mod pd;
+mod pressure;
 mod shared_prefix;
 pub mod text;
 
@@ -25,6 +26,7 @@ use serde_json::{json, Value};
 pub use long_body::LongBodyParams;
 pub use multi_turn::MultiTurnParams;
 pub use pd::PdParams;
+pub use pressure::PressureParams;
 pub use shared_prefix::SharedPrefixParams;
 
 use crate::error::LoadgenError;
