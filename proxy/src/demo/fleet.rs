@@ -24,7 +24,7 @@ use http_body_util::Empty;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 use kvmesh_engine_sim::{Engine, KvEventsConfig, LatencyProfile, SimConfig, SimHandle};
-use kvmesh_filters::sched::Role;
+use kvmesh_filters::sched::{FilterConfig, Role};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -63,6 +63,8 @@ pub struct FleetSpec {
     pub max_num_seqs: usize,
     /// Publish KV events (bound on `127.0.0.1`, port from the OS).
     pub kv_events: bool,
+    /// Prefill pods of a disaggregated fleet (the first ones); `None` is half.
+    pub prefill_pods: Option<usize>,
 }
 
 impl FleetSpec {
@@ -79,22 +81,24 @@ impl FleetSpec {
             num_blocks: 256,
             max_num_seqs: 64,
             kv_events: true,
+            prefill_pods: None,
         }
     }
 
     /// The role of engine `i` under `policy`: P/D splits the fleet, the
-    /// first half prefill, the rest decode.
+    /// first `prefill_pods` (default half) prefill, the rest decode.
     pub fn role(&self, policy: Policy, i: usize) -> Role {
         if !policy.disaggregated() {
             Role::Both
-        } else if i < self.engines / 2 {
+        } else if i < self.prefill_pods.unwrap_or(self.engines / 2) {
             Role::Prefill
         } else {
             Role::Decode
         }
     }
 
-    fn sim_config(&self, role: Role) -> SimConfig {
+    /// The engine configuration of a pod in `role`.
+    pub fn sim_config(&self, role: Role) -> SimConfig {
         let capacity = self.block_size * self.num_blocks;
         let mut c = SimConfig::new(self.model.clone())
             .with_time_scale(self.time_scale)
@@ -169,18 +173,33 @@ pub enum Discovery {
 /// the sidecars to each other and returns once every sidecar is ready and
 /// knows every peer's load.
 pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoError> {
+    let filters = policy
+        .filter_config()
+        .map_err(|e| DemoError::Config(e.to_string()))?;
+    start_with(spec, policy, &filters).await
+}
+
+/// [`start`] with the sidecars running `filters` instead of the policy's own
+/// filter config (the policy still says where prefix matches come from and
+/// whether the fleet is split).
+pub async fn start_with(
+    spec: &FleetSpec,
+    policy: Policy,
+    filters: &FilterConfig,
+) -> Result<DemoFleet, DemoError> {
     if spec.engines == 0 || spec.engines > 64 {
         return Err(DemoError::Config(format!(
             "engines must be in 1..=64, not {}",
             spec.engines
         )));
     }
-    if policy.disaggregated() && spec.engines < 2 {
-        return Err(DemoError::Config("P/D needs at least 2 engines".to_owned()));
+    let prefill = spec.prefill_pods.unwrap_or(spec.engines / 2);
+    if policy.disaggregated() && (prefill == 0 || prefill >= spec.engines) {
+        return Err(DemoError::Config(format!(
+            "P/D needs at least one prefill and one decode pod, not {prefill} of {}",
+            spec.engines
+        )));
     }
-    let filters = policy
-        .filter_config()
-        .map_err(|e| DemoError::Config(e.to_string()))?;
     let mut fleet = DemoFleet {
         pods: Vec::with_capacity(spec.engines),
         policy,
@@ -199,7 +218,7 @@ pub async fn start(spec: &FleetSpec, policy: Policy) -> Result<DemoFleet, DemoEr
             let sidecar = start_sidecar(spec, policy, &engine, role, &peers_file).await?;
             sidecar
                 .routing()
-                .install(&filters)
+                .install(filters)
                 .map_err(|e| DemoError::Config(e.to_string()))?;
             fleet.pods.push(DemoPod {
                 engine,

@@ -14,6 +14,7 @@
 //! scaled too, which only overstates it).
 
 pub mod fleet;
+pub mod peers;
 pub mod policy;
 pub mod report;
 

@@ -20,6 +20,9 @@ pub enum Policy {
     /// kvmesh's default: the built-in filter config, precise prefix matches
     /// from the engines' KV events, weighed against load.
     Kvmesh,
+    /// llm-d's default precise prefix-cache scheduling (its scorers and
+    /// weights), run on kvmesh sidecars with the engines' KV events.
+    LlmD,
     /// Prefill/decode disaggregation: long prompts are prefilled on a prefill
     /// pod and decoded on a decode pod.
     Pd,
@@ -27,11 +30,12 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, in table order.
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
         Policy::RoundRobin,
         Policy::LeastQueue,
         Policy::ApproxPrefix,
         Policy::Kvmesh,
+        Policy::LlmD,
         Policy::Pd,
     ];
 
@@ -42,6 +46,7 @@ impl Policy {
             Policy::LeastQueue => "least-queue",
             Policy::ApproxPrefix => "approx-prefix",
             Policy::Kvmesh => "kvmesh",
+            Policy::LlmD => "llm-d",
             Policy::Pd => "pd",
         }
     }
@@ -59,6 +64,7 @@ impl Policy {
             Policy::LeastQueue => "deploy/examples/filters-least-queue.yaml",
             Policy::ApproxPrefix => "deploy/examples/filters-approx-prefix.yaml",
             Policy::Kvmesh => "<builtin default>",
+            Policy::LlmD => "deploy/examples/filters-llm-d.yaml",
             Policy::Pd => "deploy/examples/filters-pd-disaggregated.yaml",
         }
     }
@@ -72,6 +78,7 @@ impl Policy {
                 include_str!("../../../deploy/examples/filters-approx-prefix.yaml")
             }
             Policy::Kvmesh => return Ok(FilterConfig::builtin_default()),
+            Policy::LlmD => include_str!("../../../deploy/examples/filters-llm-d.yaml"),
             Policy::Pd => {
                 include_str!("../../../deploy/examples/filters-pd-disaggregated.yaml")
             }
@@ -84,7 +91,7 @@ impl Policy {
         match self {
             Policy::RoundRobin | Policy::LeastQueue => PrefixSource::Unused,
             Policy::ApproxPrefix => PrefixSource::Approximate,
-            Policy::Kvmesh | Policy::Pd => PrefixSource::KvEvents,
+            Policy::Kvmesh | Policy::LlmD | Policy::Pd => PrefixSource::KvEvents,
         }
     }
 

@@ -33,6 +33,46 @@ enum Cmd {
     Overhead(OverheadArgs),
     /// Serve the fast fake engine until interrupted.
     FakeEngine(FakeArgs),
+    /// kvmesh against the routers users would pick instead (round-robin,
+    /// SMG, llm-d's config), each on its own simulated fleet, swept over rates.
+    Peers(PeersArgs),
+}
+
+#[derive(clap::Args)]
+struct PeersArgs {
+    /// The CI size: fewer rates and requests, under 10 minutes on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// Seeds; every point runs once per seed.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    seeds: Vec<u64>,
+    /// Engines per fleet.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// Shared-prefix routers to run (default: all).
+    #[arg(long, value_delimiter = ',')]
+    routers: Vec<String>,
+    /// Skip the P/D workload.
+    #[arg(long)]
+    no_pd: bool,
+    /// Skip the shared-prefix workload.
+    #[arg(long)]
+    no_shared_prefix: bool,
+    /// Shared-prefix rates to sweep (simulated req/s), instead of the defaults.
+    #[arg(long, value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Requests per run, instead of the default.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// A filters.yaml to run as `kvmesh` instead of the built-in default.
+    #[arg(long)]
+    kvmesh_filters: Option<PathBuf>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the TTFT p90 and ITL p99 plots (PNG) into this directory.
+    #[arg(long)]
+    png_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -125,6 +165,7 @@ async fn main() -> Result<()> {
         Cmd::Run(a) => run_cmd(a).await,
         Cmd::Overhead(a) => overhead_cmd(a).await,
         Cmd::FakeEngine(a) => fake_cmd(a).await,
+        Cmd::Peers(a) => peers_cmd(a).await,
     }
 }
 
@@ -241,5 +282,51 @@ async fn fake_cmd(a: FakeArgs) -> Result<()> {
     println!("fake engine on {}", engine.url());
     tokio::signal::ctrl_c().await?;
     engine.shutdown().await;
+    Ok(())
+}
+
+async fn peers_cmd(a: PeersArgs) -> Result<()> {
+    use kvmesh_proxy::demo::peers::{self, PeersOpts, Router};
+    let mut opts = PeersOpts::new(a.quick);
+    opts.seeds = a.seeds;
+    opts.engines = a.engines;
+    opts.pd = !a.no_pd;
+    opts.progress = true;
+    opts.rates = (!a.rates.is_empty()).then_some(a.rates);
+    opts.requests = a.requests;
+    if a.no_shared_prefix {
+        opts.routers.clear();
+    }
+    if !a.routers.is_empty() {
+        opts.routers = a
+            .routers
+            .iter()
+            .map(|n| {
+                Router::SHARED_PREFIX
+                    .into_iter()
+                    .find(|r| r.name() == *n)
+                    .with_context(|| format!("unknown router {n:?}"))
+            })
+            .collect::<Result<_>>()?;
+    }
+    if let Some(p) = &a.kvmesh_filters {
+        let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
+        opts.kvmesh_filters = Some(kvmesh_filters::sched::FilterConfig::from_yaml(
+            &text,
+            &p.display().to_string(),
+        )?);
+    }
+    let report = peers::run(&opts).await?;
+    print!("{}", peers::table(&report));
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    if let Some(dir) = &a.png_dir {
+        std::fs::create_dir_all(dir)?;
+        for path in peers::write_plots(&report, dir)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
     Ok(())
 }

@@ -1,0 +1,663 @@
+//! The peers benchmark: kvmesh beside the routers users would pick instead,
+//! each in front of its own fresh fleet of simulated engines, in one run.
+//!
+//! * `round-robin`: what a Kubernetes Service does (the client spreads over
+//!   the engines directly).
+//! * `smg-cache-aware`, `smg-round-robin`: SMG 1.13, one central process
+//!   ([`smg`]); unavailable, with the reason, when it is not installed.
+//! * `kvmesh-approx`, `kvmesh`: one sidecar per engine, meshed, clients spread
+//!   over the sidecars as behind a Service; approximate (no tokenizer, no KV
+//!   events) and precise (KV events) prefix knowledge.
+//! * `llm-d`: llm-d's default precise-prefix scheduling (its scorers and
+//!   published weights) written as a kvmesh filter config, run on kvmesh.
+//!
+//! For P/D, the same pods run aggregated (`aggregated`: kvmesh's default) and
+//! split (`kvmesh-pd-P:D`) at several prefill:decode ratios.
+//!
+//! Every (router, rate) point runs once per seed on a fresh fleet; figures are
+//! medians over seeds with their min-max range ([`sweep`]), in simulated time.
+
+pub mod smg;
+pub mod sweep;
+mod table;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kvmesh_engine_sim::{Engine, LatencyProfile, SimHandle, SimStats};
+use kvmesh_filters::sched::{FilterConfig, Role};
+use kvmesh_loadgen::workload::{PdParams, PressureParams};
+use kvmesh_loadgen::{runner, ClientConfig, Load, RunConfig, Spread, Workload};
+use serde::Serialize;
+
+use super::fleet::{self, DemoFleet, FleetSpec};
+use super::policy::Policy;
+use super::{report, DemoError};
+use sweep::{Point, Run, Slo};
+pub use table::{table, write_plots};
+
+/// One router (or serving set-up) of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Router {
+    RoundRobin,
+    SmgCacheAware,
+    SmgRoundRobin,
+    KvmeshApprox,
+    Kvmesh,
+    LlmD,
+    /// kvmesh's default on aggregated pods (the P/D baseline).
+    Aggregated,
+    /// kvmesh P/D with this many prefill pods (the rest decode).
+    KvmeshPd(usize),
+}
+
+impl Router {
+    /// The shared-prefix routers, in table order.
+    pub const SHARED_PREFIX: [Router; 6] = [
+        Router::RoundRobin,
+        Router::SmgRoundRobin,
+        Router::SmgCacheAware,
+        Router::KvmeshApprox,
+        Router::LlmD,
+        Router::Kvmesh,
+    ];
+
+    /// Its name in tables and JSON.
+    pub fn name(self) -> String {
+        match self {
+            Router::RoundRobin => "round-robin".into(),
+            Router::SmgCacheAware => "smg-cache-aware".into(),
+            Router::SmgRoundRobin => "smg-round-robin".into(),
+            Router::KvmeshApprox => "kvmesh-approx".into(),
+            Router::Kvmesh => "kvmesh".into(),
+            Router::LlmD => "llm-d".into(),
+            Router::Aggregated => "aggregated".into(),
+            Router::KvmeshPd(p) => format!("kvmesh-pd-{p}p"),
+        }
+    }
+
+    /// The SMG policy it runs, if it is SMG.
+    fn smg_policy(self) -> Option<&'static str> {
+        match self {
+            Router::SmgCacheAware => Some("cache_aware"),
+            Router::SmgRoundRobin => Some("round_robin"),
+            _ => None,
+        }
+    }
+
+    /// The kvmesh policy (prefix source and fleet split) and filter config it
+    /// runs, if it runs on kvmesh sidecars.
+    fn kvmesh(self) -> Option<Result<(Policy, FilterConfig), DemoError>> {
+        let policy = match self {
+            Router::KvmeshApprox => Policy::ApproxPrefix,
+            Router::Kvmesh | Router::Aggregated => Policy::Kvmesh,
+            Router::LlmD => Policy::LlmD,
+            Router::KvmeshPd(_) => Policy::Pd,
+            _ => return None,
+        };
+        Some(
+            policy
+                .filter_config()
+                .map(|f| (policy, f))
+                .map_err(|e| DemoError::Config(e.to_string())),
+        )
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct PeersOpts {
+    /// The CI size: fewer rates and requests (under 10 minutes on 2 cores).
+    pub quick: bool,
+    /// One run per seed at every point.
+    pub seeds: Vec<u64>,
+    /// Engines per fleet.
+    pub engines: usize,
+    /// Routers on the shared-prefix workload.
+    pub routers: Vec<Router>,
+    /// Run the P/D workload too.
+    pub pd: bool,
+    /// Replaces kvmesh's filter config (to try a change against the peers).
+    pub kvmesh_filters: Option<FilterConfig>,
+    /// Replaces the shared-prefix workload's rates (simulated req/s).
+    pub rates: Option<Vec<f64>>,
+    /// Replaces the requests per run.
+    pub requests: Option<usize>,
+    /// A progress line per run on stderr.
+    pub progress: bool,
+}
+
+impl PeersOpts {
+    /// Every router, 3 seeds, 4 engines, P/D included.
+    pub fn new(quick: bool) -> Self {
+        PeersOpts {
+            quick,
+            seeds: vec![1, 2, 3],
+            engines: 4,
+            routers: Router::SHARED_PREFIX.to_vec(),
+            pd: true,
+            kvmesh_filters: None,
+            rates: None,
+            requests: None,
+            progress: false,
+        }
+    }
+}
+
+/// The whole benchmark, as `--json` writes it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeersReport {
+    pub workloads: Vec<WorkloadResult>,
+    /// The latency profile the engines imitate.
+    pub profile: String,
+    /// Simulated seconds per wall second.
+    pub time_scale: f64,
+    pub engines: usize,
+    pub seeds: Vec<u64>,
+    /// `/proc/loadavg` (1, 5, 15 minutes) before and after.
+    pub load_before: Option<[f64; 3]>,
+    pub load_after: Option<[f64; 3]>,
+    pub wall_s: f64,
+}
+
+/// One workload: its set-up, every router's points and capacity at SLO.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkloadResult {
+    pub name: String,
+    pub description: String,
+    /// Where its parameters come from.
+    pub source: String,
+    pub slo: Slo,
+    /// Working set over the fleet's KV capacity, where it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pressure: Option<f64>,
+    /// Offered loads, simulated requests per second.
+    pub rates: Vec<f64>,
+    pub routers: Vec<RouterStatus>,
+    /// Highest rate meeting the SLO, per router (`null`: not even the lowest).
+    pub capacity_at_slo: BTreeMap<String, Option<f64>>,
+    /// P/D only: kvmesh P/D's best ITL p99 over aggregated's, at the highest
+    /// rate where aggregated meets its TTFT SLO.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub itl_p99_ratio_at_aggregated_capacity: Option<f64>,
+    pub points: Vec<Point>,
+    /// Every run, for per-pod figures.
+    pub runs: Vec<Run>,
+}
+
+/// Whether a router ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouterStatus {
+    pub name: String,
+    pub available: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A workload as the benchmark runs it.
+struct Bench {
+    name: &'static str,
+    description: String,
+    source: &'static str,
+    slo: Slo,
+    pressure: Option<f64>,
+    spec: FleetSpec,
+    rates: Vec<f64>,
+    routers: Vec<Router>,
+    build: Box<dyn Fn(u64) -> Workload + Send + Sync>,
+    /// Prompt tokens an ideal placement computes for a built workload.
+    ideal: Option<Box<dyn Fn(&Workload) -> u64 + Send + Sync>>,
+}
+
+/// Requests per run.
+fn requests(opts: &PeersOpts) -> usize {
+    opts.requests.unwrap_or(if opts.quick { 200 } else { 500 })
+}
+
+/// The engines of every fleet: Qwen3-32B on two H100s (tensor parallel 2),
+/// llm-d's precise-routing benchmark hardware (field.md P1), two times
+/// faster than real time.
+fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
+    let mut spec = FleetSpec::demo(engines);
+    spec.profile = LatencyProfile::load(PROFILE)?;
+    spec.time_scale = TIME_SCALE;
+    spec.max_num_seqs = 128;
+    Ok(spec)
+}
+
+/// The GPU profile the fleets imitate.
+pub const PROFILE: &str = "gpu:qwen3-32b@h100x2";
+/// Simulated seconds per wall second: low, so that the routers' own CPU time
+/// (which the scale multiplies) stays small beside the engines' work.
+pub const TIME_SCALE: f64 = 2.0;
+
+fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
+    let mut spec = peers_spec(opts.engines)?;
+    // The workload's distinct prompt tokens need about 1.5x the fleet's KV.
+    spec.num_blocks = 512;
+    let p = PressureParams {
+        groups: 8 * opts.engines,
+        requests: requests(opts),
+        zipf_s: 0.8,
+        system_tokens: 768,
+        question_tokens: 128,
+        output_tokens: 64,
+    };
+    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
+    let rates = opts.rates.clone().unwrap_or_else(|| {
+        if opts.quick {
+            vec![20.0, 40.0, 80.0]
+        } else {
+            vec![10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0]
+        }
+    });
+    Ok(Bench {
+        name: "shared-prefix-pressure",
+        description: format!(
+            "{} groups (Zipf s={}) of a {}-token system prompt, {}-token questions, {}-token answers; \
+             {} engines of {} blocks of {} tokens ({}, x{} time); {} requests per run",
+            p.groups,
+            p.zipf_s,
+            p.system_tokens,
+            p.question_tokens,
+            p.output_tokens,
+            spec.engines,
+            spec.num_blocks,
+            spec.block_size,
+            spec.profile.name,
+            spec.time_scale,
+            p.requests,
+        ),
+        source: "field.md P1 (llm-d precise prefix-cache benchmark: 150 groups x 5 users, \
+                 6000-token prefix + 1200-token question, 1000-token answers, cache demand above one pod), \
+                 scaled to 4 simulated engines; Zipf popularity as in web-cache traces (Breslau et al. 1999, s 0.64-0.83)",
+        slo: Slo {
+            ttft_p90_ms: 1000.0,
+            itl_p99_ms: 100.0,
+        },
+        pressure: Some(pressure),
+        spec,
+        rates,
+        routers: opts.routers.clone(),
+        build: Box::new({
+            let p = p.clone();
+            move |seed| p.build(seed)
+        }),
+        ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
+    })
+}
+
+fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
+    let mut spec = peers_spec(opts.engines)?;
+    spec.num_blocks = 4096;
+    let n = requests(opts);
+    let p = PdParams {
+        long_requests: n / 4,
+        long_input: 3000,
+        long_output: 150,
+        short_per_long: 3,
+        short_input: 100,
+        short_output: 150,
+    };
+    let rates = if opts.quick {
+        vec![2.0, 4.0]
+    } else {
+        vec![1.0, 2.0, 3.0, 4.0, 6.0]
+    };
+    let mut routers = vec![Router::Aggregated];
+    routers.extend((1..opts.engines).map(Router::KvmeshPd));
+    Ok(Bench {
+        name: "pd-long-prompt",
+        description: format!(
+            "a quarter of the requests long ({} tokens in, {} out) among short ones ({} in, {} out); \
+             {} engines ({}, x{} time), aggregated or split P:D; {} requests per run",
+            p.long_input,
+            p.long_output,
+            p.short_input,
+            p.short_output,
+            spec.engines,
+            spec.profile.name,
+            spec.time_scale,
+            n,
+        ),
+        source: "field.md P5 (llm-d P/D guide: ISL 5000 / OSL 250, prefill and decode pools at equal GPU count), \
+                 scaled to 4 simulated engines with short chat requests decoding beside the long prompts",
+        slo: Slo {
+            ttft_p90_ms: 3000.0,
+            itl_p99_ms: 100.0,
+        },
+        pressure: None,
+        spec,
+        rates,
+        routers,
+        build: Box::new(move |seed| p.build(seed)),
+        ideal: None,
+    })
+}
+
+/// Runs every workload under every router at every rate and seed.
+pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
+    let started = Instant::now();
+    let load_before = loadavg();
+    let mut benches = Vec::new();
+    if !opts.routers.is_empty() {
+        benches.push(shared_prefix_pressure(opts)?);
+    }
+    if opts.pd {
+        benches.push(pd_long_prompt(opts)?);
+    }
+    let smg_bin = smg::find();
+    let mut workloads = Vec::new();
+    for b in &benches {
+        let mut runs = Vec::new();
+        let mut status: Vec<RouterStatus> = Vec::new();
+        for &router in &b.routers {
+            let mut reason = match (router.smg_policy(), &smg_bin) {
+                (Some(_), Err(why)) => Some(why.clone()),
+                _ => None,
+            };
+            'rates: for &rate in &b.rates {
+                for &seed in &opts.seeds {
+                    if reason.is_some() {
+                        break 'rates;
+                    }
+                    match run_one(opts, b, router, rate, seed, smg_bin.as_ref().ok()).await? {
+                        Ok(r) => {
+                            say(opts, &progress_line(b.name, &r));
+                            runs.push(r);
+                        }
+                        Err(why) => {
+                            say(
+                                opts,
+                                &format!("[{}] {}: unavailable: {why}", b.name, router.name()),
+                            );
+                            reason = Some(why);
+                        }
+                    }
+                }
+            }
+            status.push(RouterStatus {
+                name: router.name(),
+                available: reason.is_none(),
+                reason,
+            });
+        }
+        let points = sweep::points(&runs);
+        let capacity_at_slo = status
+            .iter()
+            .map(|s| (s.name.clone(), sweep::capacity(&points, &s.name, &b.slo)))
+            .collect();
+        let itl_ratio = (b.name == "pd-long-prompt")
+            .then(|| pd_itl_ratio(&points, &b.slo))
+            .flatten();
+        workloads.push(WorkloadResult {
+            name: b.name.to_owned(),
+            description: b.description.clone(),
+            source: b.source.to_owned(),
+            slo: b.slo,
+            pressure: b.pressure,
+            rates: b.rates.clone(),
+            routers: status,
+            capacity_at_slo,
+            itl_p99_ratio_at_aggregated_capacity: itl_ratio,
+            points,
+            runs,
+        });
+    }
+    Ok(PeersReport {
+        workloads,
+        profile: PROFILE.to_owned(),
+        time_scale: TIME_SCALE,
+        engines: opts.engines,
+        seeds: opts.seeds.clone(),
+        load_before,
+        load_after: loadavg(),
+        wall_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The best kvmesh P/D split's ITL p99 over aggregated's, at the highest
+/// rate where aggregated keeps its TTFT p90 within the SLO.
+fn pd_itl_ratio(points: &[Point], slo: &Slo) -> Option<f64> {
+    let rate = points
+        .iter()
+        .filter(|p| p.router == "aggregated")
+        .filter(|p| p.errors == 0 && p.ttft_p90_ms.is_some_and(|t| t <= slo.ttft_p90_ms))
+        .map(|p| p.rate)
+        .reduce(f64::max)?;
+    let at = |p: &&Point| p.rate == rate;
+    let agg = points
+        .iter()
+        .filter(at)
+        .find(|p| p.router == "aggregated")?
+        .itl_p99_ms?;
+    let best = points
+        .iter()
+        .filter(at)
+        .filter(|p| p.router.starts_with("kvmesh-pd") && p.errors == 0)
+        .filter_map(|p| p.itl_p99_ms)
+        .reduce(f64::min)?;
+    (agg > 0.0).then(|| best / agg)
+}
+
+/// The engines (and what fronts them) of one run.
+enum Stand {
+    Kvmesh(DemoFleet),
+    Bare {
+        engines: Vec<SimHandle>,
+        smg: Option<smg::Smg>,
+    },
+}
+
+impl Stand {
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Stand::Kvmesh(f) => f.urls(),
+            Stand::Bare { smg: Some(s), .. } => vec![s.url.clone()],
+            Stand::Bare { engines, .. } => engines.iter().map(SimHandle::base_url).collect(),
+        }
+    }
+
+    fn stats(&self) -> Vec<SimStats> {
+        match self {
+            Stand::Kvmesh(f) => f.pods.iter().map(|p| p.engine.stats()).collect(),
+            Stand::Bare { engines, .. } => engines.iter().map(SimHandle::stats).collect(),
+        }
+    }
+
+    /// Requests each engine completed.
+    fn served(&self) -> Vec<u64> {
+        let count = |e: &SimHandle| e.completed_requests().len() as u64;
+        match self {
+            Stand::Kvmesh(f) => f.pods.iter().map(|p| count(&p.engine)).collect(),
+            Stand::Bare { engines, .. } => engines.iter().map(count).collect(),
+        }
+    }
+
+    async fn shutdown(self) {
+        match self {
+            Stand::Kvmesh(f) => f.shutdown().await,
+            Stand::Bare { engines, smg } => {
+                if let Some(s) = smg {
+                    s.stop().await;
+                }
+                for e in engines {
+                    e.shutdown().await;
+                }
+            }
+        }
+    }
+}
+
+/// Starts what `router` needs on a fresh fleet. The inner error says the
+/// router cannot run here.
+async fn stand_up(
+    opts: &PeersOpts,
+    b: &Bench,
+    router: Router,
+    smg_bin: Option<&std::path::PathBuf>,
+) -> Result<Result<Stand, String>, DemoError> {
+    if let Some(kv) = router.kvmesh() {
+        let (policy, mut filters) = kv?;
+        if let (Router::Kvmesh | Router::Aggregated, Some(f)) = (router, &opts.kvmesh_filters) {
+            filters = f.clone();
+        }
+        let mut spec = b.spec.clone();
+        if let Router::KvmeshPd(p) = router {
+            spec.prefill_pods = Some(p);
+        }
+        return Ok(Ok(Stand::Kvmesh(
+            fleet::start_with(&spec, policy, &filters).await?,
+        )));
+    }
+    let mut engines = Vec::with_capacity(b.spec.engines);
+    for _ in 0..b.spec.engines {
+        engines.push(Engine::start_local(b.spec.sim_config(Role::Both)).await?);
+    }
+    let smg = match (router.smg_policy(), smg_bin) {
+        (Some(policy), Some(bin)) => {
+            let urls: Vec<String> = engines.iter().map(SimHandle::base_url).collect();
+            match smg::Smg::start(bin, policy, &urls, &b.spec.model).await {
+                Ok(s) => Some(s),
+                Err(why) => {
+                    for e in engines {
+                        e.shutdown().await;
+                    }
+                    return Ok(Err(why));
+                }
+            }
+        }
+        (Some(_), None) => return Ok(Err("smg is not installed".to_owned())),
+        (None, _) => None,
+    };
+    Ok(Ok(Stand::Bare { engines, smg }))
+}
+
+/// One router, one rate, one seed, on a fresh fleet.
+async fn run_one(
+    opts: &PeersOpts,
+    b: &Bench,
+    router: Router,
+    rate: f64,
+    seed: u64,
+    smg_bin: Option<&std::path::PathBuf>,
+) -> Result<Result<Run, String>, DemoError> {
+    let stand = match stand_up(opts, b, router, smg_bin).await? {
+        Ok(s) => s,
+        Err(why) => return Ok(Err(why)),
+    };
+    let workload = (b.build)(seed);
+    let outcome = drive(&stand, b, &workload, rate, seed).await;
+    let stats = stand.stats();
+    let served = stand.served();
+    stand.shutdown().await;
+    let result = outcome?;
+    let scale = b.spec.time_scale;
+    let summary = report::to_simulated(&result.summary(), scale);
+    let goodput = goodput(&result.records, &b.slo, scale);
+    let computed: Vec<u64> = stats
+        .iter()
+        .map(|s| {
+            s.prefix_queries
+                .saturating_sub(s.prefix_hits)
+                .saturating_sub(s.external_kv_tokens)
+        })
+        .collect();
+    let (queries, hits) = stats.iter().fold((0, 0), |(q, h), s| {
+        (q + s.prefix_queries, h + s.prefix_hits)
+    });
+    Ok(Ok(Run {
+        router: router.name(),
+        rate,
+        seed,
+        requests: summary.requests,
+        errors: summary.errors,
+        ttft_p50_ms: summary.ttft_p50_ms,
+        ttft_p90_ms: summary.ttft_p90_ms,
+        ttft_p99_ms: summary.ttft_p99_ms,
+        itl_p50_ms: summary.itl_p50_ms,
+        itl_p99_ms: summary.itl_p99_ms,
+        e2e_p50_ms: summary.e2e_p50_ms,
+        hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+        computed_tokens: computed.iter().sum(),
+        ideal_computed_tokens: b.ideal.as_ref().map(|f| f(&workload)),
+        computed_per_engine: computed,
+        requests_per_engine: served,
+        goodput,
+    }))
+}
+
+/// Sends the workload as a Poisson process at `rate` simulated requests per
+/// second, spread over the stand's URLs in turn.
+async fn drive(
+    stand: &Stand,
+    b: &Bench,
+    workload: &Workload,
+    rate: f64,
+    seed: u64,
+) -> Result<runner::RunResult, DemoError> {
+    let mut cfg = RunConfig::new(&stand.urls(), &b.spec.model)?;
+    cfg.spread = Spread::RoundRobin;
+    cfg.seed = seed;
+    cfg.client = ClientConfig {
+        request_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(30),
+        ..ClientConfig::default()
+    };
+    let load = Load::poisson(rate * b.spec.time_scale, workload.len());
+    Ok(runner::run(&cfg, workload, &load).await?)
+}
+
+/// The share of requests that completed within the SLO: TTFT within the
+/// TTFT target and mean inter-token gap within the ITL target.
+fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> f64 {
+    if records.is_empty() {
+        return 0.0;
+    }
+    let good = records
+        .iter()
+        .filter(|r| r.is_ok())
+        .filter(|r| {
+            let ttft = r.ttft.map(|d| d.as_secs_f64() * 1000.0 * scale);
+            let itl = if r.itl.is_empty() {
+                0.0
+            } else {
+                r.itl.iter().map(Duration::as_secs_f64).sum::<f64>() * 1000.0 * scale
+                    / r.itl.len() as f64
+            };
+            ttft.is_some_and(|t| t <= slo.ttft_p90_ms) && itl <= slo.itl_p99_ms
+        })
+        .count();
+    good as f64 / records.len() as f64
+}
+
+fn progress_line(workload: &str, r: &Run) -> String {
+    let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
+    format!(
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, errors {}",
+        r.router,
+        r.rate,
+        r.seed,
+        f(r.ttft_p90_ms),
+        f(r.itl_p99_ms),
+        r.hit_rate.unwrap_or(0.0),
+        r.computed_tokens,
+        r.computed_per_engine,
+        r.ideal_computed_tokens.map_or("-".to_owned(), |t| t.to_string()),
+        r.requests_per_engine,
+        r.errors,
+    )
+}
+
+fn say(opts: &PeersOpts, line: &str) {
+    if opts.progress {
+        eprintln!("{line}");
+    }
+}
+
+/// `/proc/loadavg`'s three averages, where there is one.
+pub fn loadavg() -> Option<[f64; 3]> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let mut it = text.split_whitespace().map(|v| v.parse::<f64>().ok());
+    Some([it.next()??, it.next()??, it.next()??])
+}
