@@ -18,7 +18,7 @@
 //! itself: the socket's monitor names the peer that went away, and the task
 //! dials every [`REDIAL_PAUSE`] until one succeeds. This is a workaround here
 //! rather than a patched crate: the crate's public monitor gives all it needs,
-//! and a `[patch]` would vendor some 13k lines for what these few do.
+//! and a `[patch]` would vendor some 8k lines of source for what these few do.
 //!
 //! A dial runs to its end while batches and replay requests keep being served
 //! (a dial dropped half-way closes a connection the subscriber already
