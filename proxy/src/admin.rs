@@ -1,7 +1,8 @@
 //! The admin port: `/health` (the sidecar is up), `/ready` (the local engine
 //! answers its health check), `/metrics` (Prometheus text), `/config` (the
 //! effective config as JSON: paths of TLS files, never key material) and
-//! `/autoscale` (how many pods each pool should run, [`crate::autoscale`]).
+//! `/autoscale` (how many pods each pool should run, [`crate::autoscale`]);
+//! `/debug/stat` (the fleet for `kvmesh-proxy stat`, [`crate::stat`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -70,7 +71,7 @@ impl Admin {
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /autoscale /debug/fleet /debug/route (POST)\n"),
+                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /autoscale /debug/fleet /debug/stat /debug/route (POST)\n"),
             ),
         }
     }
@@ -86,6 +87,9 @@ impl Admin {
 
 impl Handler for Admin {
     async fn handle(self, req: Request<Incoming>) -> Response<ResponseBody> {
+        if req.uri().path() == crate::stat::PATH {
+            return crate::stat::serve(&self.app);
+        }
         if crate::routing::debug::handles(req.uri().path()) {
             return crate::routing::debug::serve(self.app.clone(), req).await;
         }

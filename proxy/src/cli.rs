@@ -1,6 +1,6 @@
-//! The command line: `run` (the default), `check-config` and `demo`. `main.rs`
-//! only calls [`main`]; this module turns arguments into a config and a
-//! running sidecar, and errors into exit codes.
+//! The command line: `run` (the default), `check-config`, `demo`, `prefix`
+//! and `stat`. `main.rs` only calls [`main`]; this module turns arguments into
+//! a config and a running sidecar, and errors into exit codes.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -52,6 +52,9 @@ pub enum Command {
     },
     /// Print the token ids and block hashes of a request body read on stdin.
     Prefix(crate::prefix::command::PrefixArgs),
+    /// One table of the fleet (load, hit rate, requests/s, P/D, mesh state)
+    /// from any sidecar's admin port.
+    Stat(crate::stat::command::StatArgs),
 }
 
 /// Flags override the file; flags alone are enough to run beside an engine.
@@ -133,6 +136,7 @@ pub fn main() -> ExitCode {
         }
         Some(Command::Demo { quick, json }) => demo(quick, json),
         Some(Command::Prefix(args)) => crate::prefix::command::main(&args),
+        Some(Command::Stat(args)) => crate::stat::command::main(&args),
     }
 }
 

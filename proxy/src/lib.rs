@@ -35,6 +35,7 @@ pub mod routing;
 mod server;
 mod shutdown;
 mod sidecar;
+pub mod stat;
 pub mod tls;
 pub mod upstream;
 

@@ -60,6 +60,8 @@ struct PodState {
     healthy: bool,
     /// Requests this sidecar has outstanding to the pod (guards count them).
     in_flight: Arc<AtomicU32>,
+    /// The pod's cumulative counters, for `kvmesh-proxy stat`.
+    stats: crate::stat::PodStats,
 }
 
 /// Every pod this sidecar can route to.
@@ -151,6 +153,22 @@ impl Fleet {
         if let Some(state) = self.pods.write().get_mut(id) {
             state.healthy = healthy;
         }
+    }
+
+    /// Changes a pod's cumulative counters (scraped locally, published by peers).
+    pub fn update_stats(&self, id: &str, f: impl FnOnce(&mut crate::stat::PodStats)) {
+        if let Some(state) = self.pods.write().get_mut(id) {
+            f(&mut state.stats);
+        }
+    }
+
+    /// Every pod's cumulative counters, by pod id.
+    pub fn stats(&self) -> BTreeMap<String, crate::stat::PodStats> {
+        self.pods
+            .read()
+            .iter()
+            .map(|(id, s)| (id.clone(), s.stats))
+            .collect()
     }
 
     /// Replaces what `reporter` last published about its in-flight requests.
@@ -325,6 +343,7 @@ impl PodState {
             load_at: None,
             healthy: true,
             in_flight: Arc::new(AtomicU32::new(0)),
+            stats: crate::stat::PodStats::default(),
         }
     }
 

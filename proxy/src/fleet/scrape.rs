@@ -131,6 +131,12 @@ async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
             Err(_) => return Outcome::Unreachable,
         };
         let text = String::from_utf8_lossy(&body);
+        if let Some((queries, hits)) = crate::stat::prefix_counters(app.config.engine.kind, &text) {
+            app.fleet.update_stats(app.fleet.local_id(), |s| {
+                s.prefix_queries = queries;
+                s.prefix_hits = hits;
+            });
+        }
         match parse_engine_metrics(app.config.engine.kind, &text) {
             Some(load) => Outcome::Load(load),
             None => Outcome::NoLoad("parse"),

@@ -101,8 +101,10 @@ pub async fn run(app: Arc<App>, shutdown: Shutdown) {
 fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     let now = Instant::now();
     let (mut known, mut fresh, mut other_models, mut lag) = (0, 0, 0, 0u64);
-    for f in follows.values() {
+    let mut entries = Vec::with_capacity(follows.len());
+    for (addr, f) in follows {
         let s = f.status.borrow();
+        entries.extend(crate::stat::PeerEntry::of(*addr, &s, now, stale));
         if s.is_self {
             continue;
         }
@@ -121,6 +123,8 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     }
     app.metrics.mesh.peers(known, fresh, other_models);
     app.metrics.mesh.lag_ms(lag);
+    entries.sort_by(|a, b| a.mesh_addr.cmp(&b.mesh_addr));
+    app.mesh.set_peers(entries);
 }
 
 async fn refresh(cfg: &MeshConfig, s: &mut Sources) {

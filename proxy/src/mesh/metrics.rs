@@ -3,7 +3,7 @@
 //! handshakes. Label values are `&'static str` from closed sets, except
 //! `target`, a pod id (bounded by the fleet's size limit).
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -48,6 +48,8 @@ pub struct MeshMetrics {
     requests: Family<WhereLabels, Counter>,
     forwarded: Family<TargetLabels, Counter>,
     tls_failures: Family<SideLabels, Counter>,
+    /// Requests the local engine served (`local` + `received`), for `stat`.
+    served: AtomicU64,
 }
 
 impl MeshMetrics {
@@ -64,6 +66,7 @@ impl MeshMetrics {
             requests: Family::default(),
             forwarded: Family::default(),
             tls_failures: Family::default(),
+            served: AtomicU64::new(0),
         };
         r.register(
             "mesh_peers",
@@ -164,7 +167,16 @@ impl MeshMetrics {
 
     /// `served`: `local`, `forwarded` or `received`.
     pub fn request(&self, served: &'static str) {
+        if served != "forwarded" {
+            self.served.fetch_add(1, Ordering::Relaxed);
+        }
         self.requests.get_or_create(&WhereLabels { served }).inc();
+    }
+
+    /// Inference requests the local engine served so far (routed here by this
+    /// sidecar or by a peer).
+    pub fn served_total(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
     }
 
     pub fn forwarded(&self, target: &str) {

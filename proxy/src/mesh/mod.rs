@@ -63,6 +63,8 @@ pub struct Mesh {
     client: Option<client::MeshClient>,
     /// Each followed peer's mesh port.
     routes: client::MeshRoutes,
+    /// Every followed address's stream state, refreshed by discovery.
+    peers: Mutex<Vec<crate::stat::PeerEntry>>,
 }
 
 struct Hub {
@@ -137,6 +139,7 @@ impl Mesh {
                 .map(|t| client::MeshClient::new(t, config.timeouts.connect.get())),
             tls,
             routes: client::MeshRoutes::default(),
+            peers: Mutex::new(Vec::new()),
         }
     }
 
@@ -163,6 +166,16 @@ impl Mesh {
     /// The bound mesh port (`None`: the mesh is off).
     pub fn mesh_addr(&self) -> Option<SocketAddr> {
         self.announce.mesh_addr.parse().ok()
+    }
+
+    /// Every followed address's stream state, as discovery last saw it.
+    pub fn peers(&self) -> Vec<crate::stat::PeerEntry> {
+        self.peers.lock().clone()
+    }
+
+    /// Replaces the peers' stream states (the discovery loop's view).
+    pub fn set_peers(&self, peers: Vec<crate::stat::PeerEntry>) {
+        *self.peers.lock() = peers;
     }
 
     /// Subscribers served now.
@@ -299,6 +312,7 @@ impl Mesh {
         }
         hub.last_in_flight = in_flight.clone();
         hub.publish(app, &Msg::InFlight(in_flight));
+        hub.publish(app, &Msg::Stats(crate::stat::local_stats(app)));
     }
 }
 

@@ -369,6 +369,7 @@ impl Reader<'_> {
             Msg::Kv { model, batch } => {
                 app.prefix.apply(&peer, &model, &batch);
             }
+            Msg::Stats(stats) => app.fleet.update_stats(&peer, |s| *s = stats),
             Msg::Decision { pod, keys } => {
                 if app.prefix.mode() == crate::prefix::Mode::Approximate {
                     app.prefix.approx().record(&pod, &keys);

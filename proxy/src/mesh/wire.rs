@@ -64,6 +64,9 @@ pub enum Msg {
         pod: String,
         keys: Vec<u64>,
     },
+    /// The sender pod's cumulative counters (requests served, P/D, prefix
+    /// cache), for `kvmesh-proxy stat`; sent with each load tick.
+    Stats(crate::stat::PodStats),
 }
 
 /// A frame header.
@@ -96,6 +99,7 @@ mod kind {
     pub const IN_FLIGHT: u8 = 4;
     pub const KV: u8 = 5;
     pub const DECISION: u8 = 6;
+    pub const STATS: u8 = 7;
 }
 
 const EV_STORED: u8 = 1;
@@ -145,6 +149,17 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
             put_len(&mut b, batch.events.len());
             for ev in &batch.events {
                 put_event(&mut b, ev);
+            }
+        }
+        Msg::Stats(s) => {
+            for v in [
+                s.requests,
+                s.pd_splits,
+                s.pd_failures,
+                s.prefix_queries,
+                s.prefix_hits,
+            ] {
+                b.put_u64(v);
             }
         }
         Msg::Decision { pod, keys } => {
@@ -255,6 +270,13 @@ pub fn decode(kind: u8, payload: &[u8]) -> Result<Msg, WireError> {
             }
             Msg::Decision { pod, keys }
         }
+        kind::STATS => Msg::Stats(crate::stat::PodStats {
+            requests: r.u64()?,
+            pd_splits: r.u64()?,
+            pd_failures: r.u64()?,
+            prefix_queries: r.u64()?,
+            prefix_hits: r.u64()?,
+        }),
         k => return Err(WireError::Kind(k)),
     };
     if !r.0.is_empty() {
@@ -271,6 +293,7 @@ fn kind_of(msg: &Msg) -> u8 {
         Msg::InFlight(_) => kind::IN_FLIGHT,
         Msg::Kv { .. } => kind::KV,
         Msg::Decision { .. } => kind::DECISION,
+        Msg::Stats(_) => kind::STATS,
     }
 }
 
@@ -528,6 +551,13 @@ mod tests {
                 healthy: true,
             }),
             Msg::InFlight(vec![("p".into(), 3)]),
+            Msg::Stats(crate::stat::PodStats {
+                requests: 1,
+                pd_splits: 2,
+                pd_failures: 3,
+                prefix_queries: 4,
+                prefix_hits: u64::MAX,
+            }),
             Msg::Decision {
                 pod: "p".into(),
                 keys: vec![1, 2, u64::MAX],

@@ -2,6 +2,8 @@
 //! aggregated after a prefill failure is `outcome="fallback_aggregated"` over
 //! the total), prefill retries, and each leg's time to its response head.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -61,6 +63,10 @@ pub struct PdMetrics {
     requests: Family<RequestLabels, Counter>,
     prefill_retries: Counter,
     leg_latency: Family<LegLabels, Histogram, fn() -> Histogram>,
+    /// Split requests and, of them, those not served disaggregated or by
+    /// recompute (fallback, refused, failed), for `stat`.
+    splits: AtomicU64,
+    failures: AtomicU64,
 }
 
 /// 1 ms .. ~33 s, doubling: a prefill of a long prompt takes seconds.
@@ -75,6 +81,8 @@ impl PdMetrics {
             requests: Family::default(),
             prefill_retries: Counter::default(),
             leg_latency: Family::new_with_constructor(leg_histogram as fn() -> Histogram),
+            splits: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
         };
         r.register(
             "pd_requests",
@@ -96,12 +104,24 @@ impl PdMetrics {
     }
 
     pub fn outcome(&self, connector: &'static str, outcome: Outcome) {
+        self.splits.fetch_add(1, Ordering::Relaxed);
+        if !matches!(outcome, Outcome::Disaggregated | Outcome::Recompute) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
         self.requests
             .get_or_create(&RequestLabels {
                 connector,
                 outcome: outcome.label(),
             })
             .inc();
+    }
+
+    /// P/D outcomes counted so far, and of them the failures (see the fields).
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.splits.load(Ordering::Relaxed),
+            self.failures.load(Ordering::Relaxed),
+        )
     }
 
     pub fn prefill_retry(&self) {

@@ -1,0 +1,255 @@
+//! `kvmesh-proxy stat`: the fleet at a glance, from any sidecar's admin port.
+//!
+//! The sidecar side is `GET /debug/stat` ([`report`]): every pod it knows with
+//! its role, models, load and staleness, each pod's cumulative counters
+//! ([`PodStats`]: requests served, P/D splits and failures, prefix cache
+//! queries and hits) and the state of every followed mesh stream
+//! ([`PeerEntry`]). A pod's counters come from the pod's own sidecar: the
+//! local ones from this sidecar's metrics and engine scrape, the peers' over
+//! the mesh (`Msg::Stats`, sent with every load tick). Counters are
+//! cumulative, so rates need two samples: the client side ([`command`],
+//! [`fetch`], [`table`]) takes them and turns them into one row per pod.
+
+pub mod command;
+pub mod fetch;
+pub mod table;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use kvmesh_filters::sched::view::Role;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::app::App;
+use crate::body::ResponseBody;
+use crate::config::EngineKind;
+use crate::mesh::subscriber::PeerStatus;
+
+/// The admin path the client asks.
+pub const PATH: &str = "/debug/stat";
+
+/// The version of the `/debug/stat` document; its presence marks a kvmesh
+/// admin port.
+pub const FORMAT: u32 = 1;
+
+/// One pod's cumulative counters since its sidecar started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodStats {
+    /// Inference requests the pod's engine served through its sidecar.
+    pub requests: u64,
+    /// Requests the pod's sidecar split into prefill + decode.
+    pub pd_splits: u64,
+    /// Of those, the ones not served disaggregated or by recompute.
+    pub pd_failures: u64,
+    /// Prompt tokens the engine looked up in its prefix cache (vLLM).
+    pub prefix_queries: u64,
+    /// Of those, the tokens found cached.
+    pub prefix_hits: u64,
+}
+
+/// One followed mesh address and the state of its stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerEntry {
+    pub mesh_addr: String,
+    /// The pod id the peer announced, once it did.
+    pub id: Option<String>,
+    /// `connected` (in sync, heard within `stale_after`), `stale` (silent
+    /// longer), `connecting` (never in sync) or `other_models` (not followed
+    /// under `mesh.follow: same-models`).
+    pub state: String,
+    /// Milliseconds since the stream's last frame.
+    pub last_frame_ms: Option<u64>,
+}
+
+/// One pod in the `/debug/stat` document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PodEntry {
+    pub id: String,
+    pub local: bool,
+    pub role: String,
+    pub models: Vec<String>,
+    pub healthy: bool,
+    pub waiting: u32,
+    pub running: u32,
+    /// KV cache usage, 0..1.
+    pub kv_usage: f64,
+    /// Milliseconds since the pod's load was reported (`None`: never).
+    pub load_age_ms: Option<u64>,
+    /// Requests in flight towards the pod, across the mesh.
+    pub in_flight: u32,
+    /// `local`, or the state of the peer's stream ([`PeerEntry::state`]);
+    /// `unfollowed` for a pod no stream reports (added by hand).
+    pub mesh: String,
+    pub stats: PodStats,
+}
+
+/// The `/debug/stat` document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// [`FORMAT`].
+    pub kvmesh_stat: u32,
+    /// The answering sidecar's pod id.
+    pub local: String,
+    /// Whether the answering sidecar has the mesh on.
+    pub mesh: bool,
+    pub stale_after_ms: u64,
+    pub pods: Vec<PodEntry>,
+    /// Every followed address, including those that are not pods (yet).
+    pub peers: Vec<PeerEntry>,
+}
+
+impl PeerEntry {
+    /// The entry for a followed address (`None`: the address is this sidecar).
+    pub fn of(addr: SocketAddr, s: &PeerStatus, now: Instant, stale: Duration) -> Option<Self> {
+        if s.is_self {
+            return None;
+        }
+        let age = s.last_frame.map(|at| now.saturating_duration_since(at));
+        let state = if s.other_models {
+            "other_models"
+        } else if !s.synced {
+            "connecting"
+        } else if age.is_some_and(|a| a < stale) {
+            "connected"
+        } else {
+            "stale"
+        };
+        Some(Self {
+            mesh_addr: addr.to_string(),
+            id: s.id.clone(),
+            state: state.to_owned(),
+            last_frame_ms: age.map(millis),
+        })
+    }
+}
+
+/// This pod's counters now: requests and P/D from the sidecar's metrics, the
+/// prefix cache's from the last engine scrape.
+pub fn local_stats(app: &App) -> PodStats {
+    let scraped = app
+        .fleet
+        .stats()
+        .remove(app.fleet.local_id())
+        .unwrap_or_default();
+    let (pd_splits, pd_failures) = app.metrics.pd.totals();
+    PodStats {
+        requests: app.metrics.mesh.served_total(),
+        pd_splits,
+        pd_failures,
+        ..scraped
+    }
+}
+
+/// The `/debug/stat` document for the fleet as this sidecar sees it now.
+pub fn report(app: &App) -> Report {
+    let now = Instant::now();
+    let local = app.fleet.local_id().to_owned();
+    let peers = app.mesh.peers();
+    let mut stats = app.fleet.stats();
+    stats.insert(local.clone(), local_stats(app));
+    let pods = app
+        .fleet
+        .snapshot(now)
+        .into_iter()
+        .map(|p| {
+            let is_local = p.info.id == local;
+            let mesh = if is_local {
+                "local".to_owned()
+            } else {
+                peers
+                    .iter()
+                    .find(|e| e.id.as_deref() == Some(p.info.id.as_str()))
+                    .map_or_else(|| "unfollowed".to_owned(), |e| e.state.clone())
+            };
+            PodEntry {
+                stats: stats.get(&p.info.id).copied().unwrap_or_default(),
+                id: p.info.id,
+                local: is_local,
+                role: role_name(p.info.role).to_owned(),
+                models: p.info.models,
+                healthy: p.healthy,
+                waiting: p.load.waiting,
+                running: p.load.running,
+                kv_usage: p.load.kv_usage,
+                load_age_ms: p.load_age_ms,
+                in_flight: p.in_flight_local.saturating_add(p.in_flight_mesh),
+                mesh,
+            }
+        })
+        .collect();
+    Report {
+        kvmesh_stat: FORMAT,
+        local,
+        mesh: app.mesh.mesh_addr().is_some(),
+        stale_after_ms: millis(app.config.mesh.stale_after.get()),
+        pods,
+        peers,
+    }
+}
+
+/// Answers `GET /debug/stat`.
+pub fn serve(app: &App) -> Response<ResponseBody> {
+    let (status, body) = match serde_json::to_vec_pretty(&report(app)) {
+        Ok(b) => (StatusCode::OK, Bytes::from(b)),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Bytes::from(format!("{{\"error\":\"stat: {e}\"}}")),
+        ),
+    };
+    let mut r = Response::new(ResponseBody::full(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// The engine's prefix cache counters (queried tokens, hit tokens) from its
+/// metrics text, summed over label sets; `None` when it exports none (SGLang
+/// reports only a hit-rate gauge).
+pub fn prefix_counters(kind: EngineKind, text: &str) -> Option<(u64, u64)> {
+    if kind != EngineKind::Vllm {
+        return None;
+    }
+    let (mut queries, mut hits, mut seen) = (0.0f64, 0.0f64, false);
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let slot = match &line[..name_end] {
+            "vllm:prefix_cache_queries_total" | "vllm:prefix_cache_queries" => &mut queries,
+            "vllm:prefix_cache_hits_total" | "vllm:prefix_cache_hits" => &mut hits,
+            _ => continue,
+        };
+        let value = line
+            .rsplit_once('}')
+            .map_or(&line[name_end..], |(_, v)| v)
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            *slot += v;
+            seen = true;
+        }
+    }
+    // Float counters to whole tokens; saturating `as` is the intent.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    seen.then(|| (queries as u64, hits as u64))
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Both => "both",
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests;
