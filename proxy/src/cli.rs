@@ -55,6 +55,11 @@ pub enum Command {
     /// One table of the fleet (load, hit rate, requests/s, P/D, mesh state)
     /// from any sidecar's admin port.
     Stat(crate::stat::command::StatArgs),
+    /// Add the kvmesh sidecar to the pod templates of Kubernetes manifests
+    /// (file, directory or - for stdin); prints them on stdout.
+    Inject(crate::inject::command::InjectArgs),
+    /// Remove what `inject` added.
+    Uninject(crate::inject::command::UninjectArgs),
 }
 
 /// Flags override the file; flags alone are enough to run beside an engine.
@@ -137,6 +142,8 @@ pub fn main() -> ExitCode {
         Some(Command::Demo { quick, json }) => demo(quick, json),
         Some(Command::Prefix(args)) => crate::prefix::command::main(&args),
         Some(Command::Stat(args)) => crate::stat::command::main(&args),
+        Some(Command::Inject(args)) => crate::inject::command::inject_main(&args),
+        Some(Command::Uninject(args)) => crate::inject::command::uninject_main(&args),
     }
 }
 

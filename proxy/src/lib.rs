@@ -21,6 +21,7 @@ pub mod demo;
 pub mod error;
 pub mod fleet;
 pub mod headers;
+pub mod inject;
 pub mod kvevents;
 pub mod logging;
 pub mod malloc;

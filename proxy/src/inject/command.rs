@@ -1,0 +1,294 @@
+//! The `inject` and `uninject` subcommands: read manifests (a file, a
+//! directory's `*.yaml`/`*.yml` in name order, or stdin), run the pure
+//! transformation, print the result. Output is written only once everything
+//! succeeded, so a pipe into `kubectl apply -f -` never gets half a stream:
+//! any error goes to stderr with a non-zero exit and nothing on stdout.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+use serde_yaml_ng::Value;
+
+use super::{yaml, InjectOptions, Outcome, Ports};
+use crate::config::PdConnector;
+
+/// Largest input read (all files together, or stdin).
+const MAX_INPUT: u64 = 64 * 1024 * 1024;
+
+/// The proxy.yaml used without `--config`: the kustomize Component's.
+const DEFAULT_PROXY_YAML: &str = include_str!("../../../deploy/sidecar/proxy.yaml");
+
+/// Arguments of `kvmesh-proxy inject`.
+#[derive(Debug, Clone, Args)]
+pub struct InjectArgs {
+    /// A manifest file, a directory (its *.yaml and *.yml, in name order), or - for stdin.
+    #[arg(default_value = "-", value_name = "FILE|DIR|-")]
+    pub input: String,
+    /// The pods' role in P/D.
+    #[arg(long, value_enum, value_name = "ROLE")]
+    pub role: Option<RoleArg>,
+    /// The P/D connector.
+    #[arg(long, value_enum, value_name = "CONNECTOR")]
+    pub pd_connector: Option<ConnectorArg>,
+    /// The model the engines serve (vLLM's --served-model-name); required without --config.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// proxy.yaml for the sidecars (validated; default: deploy/sidecar/proxy.yaml).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// filters.yaml for the sidecars (validated).
+    #[arg(long, value_name = "FILE")]
+    pub filters: Option<PathBuf>,
+    /// The sidecar image.
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+}
+
+/// Arguments of `kvmesh-proxy uninject`.
+#[derive(Debug, Clone, Args)]
+pub struct UninjectArgs {
+    /// A manifest file, a directory (its *.yaml and *.yml, in name order), or - for stdin.
+    #[arg(default_value = "-", value_name = "FILE|DIR|-")]
+    pub input: String,
+}
+
+/// `--role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RoleArg {
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// `--pd-connector`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConnectorArg {
+    Nixl,
+    Sglang,
+    Kvagent,
+}
+
+/// Why the command failed (printed on stderr; exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("{0}: {1}")]
+    Read(String, std::io::Error),
+    #[error("{0}: more than {MAX_INPUT} bytes of input")]
+    TooLarge(String),
+    #[error("{0}: no *.yaml or *.yml files")]
+    EmptyDir(String),
+    #[error(transparent)]
+    Parse(#[from] yaml::ParseError),
+    #[error("invalid config: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("invalid filter config: {0}")]
+    Filters(String),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Inject(#[from] super::InjectError),
+    #[error("writing the output: {0}")]
+    Emit(#[from] yaml::EmitError),
+}
+
+/// `kvmesh-proxy inject`.
+pub fn inject_main(args: &InjectArgs) -> ExitCode {
+    finish(
+        "inject",
+        options(args).and_then(|(opts, notes)| {
+            let docs = read_input(&args.input)?;
+            let mut out = super::inject(docs, &opts)?;
+            out.notes.splice(0..0, notes);
+            Ok(out)
+        }),
+    )
+}
+
+/// `kvmesh-proxy uninject`.
+pub fn uninject_main(args: &UninjectArgs) -> ExitCode {
+    finish(
+        "uninject",
+        read_input(&args.input).and_then(|docs| Ok(super::uninject(docs)?)),
+    )
+}
+
+fn finish(name: &str, result: Result<Outcome, CommandError>) -> ExitCode {
+    let printed = result.and_then(|out| Ok((yaml::emit_stream(&out.docs)?, out.notes)));
+    match printed {
+        Ok((text, notes)) => {
+            for n in notes {
+                eprintln!("kvmesh-proxy {name}: {n}");
+            }
+            let mut stdout = std::io::stdout().lock();
+            match stdout
+                .write_all(text.as_bytes())
+                .and_then(|()| stdout.flush())
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kvmesh-proxy {name}: writing stdout: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("kvmesh-proxy {name}: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The sidecar settings from the flags, validated as the sidecar will load
+/// them (the file, then the flags its `run` gets), and notes for stderr.
+pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), CommandError> {
+    let mut notes = Vec::new();
+    let (proxy_yaml, origin) = match &args.config {
+        Some(p) => (read_file(p)?, p.display().to_string()),
+        None => {
+            if args.model.is_none() {
+                return Err(CommandError::Usage(
+                    "name the served model with --model (vLLM's --served-model-name), or give --config".to_owned(),
+                ));
+            }
+            (
+                DEFAULT_PROXY_YAML.to_owned(),
+                "deploy/sidecar/proxy.yaml (built in)".to_owned(),
+            )
+        }
+    };
+    let file = crate::config::load::from_yaml_str(&proxy_yaml, &origin)?;
+    if file.scheduling.filters.is_some() && args.filters.is_none() {
+        return Err(CommandError::Usage(format!(
+            "{origin} names scheduling.filters; pass that file with --filters so it goes into the ConfigMap"
+        )));
+    }
+    if file.mesh.tls.is_some() || file.listeners.tls.is_some() {
+        notes.push(format!(
+            "{origin} names TLS files: mount them into the {} container from a Secret (inject does not)",
+            super::CONTAINER
+        ));
+    }
+    let filters_yaml = match &args.filters {
+        Some(p) => {
+            crate::routing::load_filters(p).map_err(|e| CommandError::Filters(e.to_string()))?;
+            Some(read_file(p)?)
+        }
+        None => None,
+    };
+    // The sidecar runs with the file and these flags (which override it, as
+    // `run`'s flags do): check the combination now.
+    let mut effective = file;
+    let mut extra_args = Vec::new();
+    if let Some(m) = &args.model {
+        extra_args.push(format!("--model={m}"));
+        effective.pod.models = vec![m.clone()];
+    }
+    if let Some(r) = args.role {
+        use kvmesh_filters::sched::Role;
+        let (name, role) = match r {
+            RoleArg::Both => ("both", Role::Both),
+            RoleArg::Prefill => ("prefill", Role::Prefill),
+            RoleArg::Decode => ("decode", Role::Decode),
+        };
+        extra_args.push(format!("--role={name}"));
+        effective.pod.role = role;
+    }
+    if let Some(c) = args.pd_connector {
+        let (name, connector) = match c {
+            ConnectorArg::Nixl => ("nixl", PdConnector::Nixl),
+            ConnectorArg::Sglang => ("sglang", PdConnector::Sglang),
+            ConnectorArg::Kvagent => ("kvagent", PdConnector::Kvagent),
+        };
+        extra_args.push(format!("--pd-connector={name}"));
+        effective.pd.connector = connector;
+    }
+    crate::config::load::validate(&effective).map_err(|(field, message)| {
+        crate::config::ConfigError {
+            file: format!("{origin} with the flags"),
+            line: None,
+            column: None,
+            field,
+            message,
+        }
+    })?;
+    let version = env!("CARGO_PKG_VERSION").to_owned();
+    let opts = InjectOptions {
+        image: args
+            .image
+            .clone()
+            .unwrap_or_else(|| format!("ghcr.io/kvmesh/kvmesh-proxy:{version}")),
+        proxy_yaml,
+        filters_yaml,
+        ports: Ports {
+            client: effective.listeners.client.port(),
+            admin: effective.listeners.admin.port(),
+            mesh: effective.mesh.listen.map(|a| a.port()),
+        },
+        extra_args,
+        version,
+    };
+    Ok((opts, notes))
+}
+
+/// All documents of the input, in order.
+pub fn read_input(input: &str) -> Result<Vec<Value>, CommandError> {
+    if input == "-" {
+        let mut text = String::new();
+        std::io::stdin()
+            .lock()
+            .take(MAX_INPUT + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| CommandError::Read("<stdin>".to_owned(), e))?;
+        if text.len() as u64 > MAX_INPUT {
+            return Err(CommandError::TooLarge("<stdin>".to_owned()));
+        }
+        return Ok(yaml::parse_stream(&text, "<stdin>")?);
+    }
+    let path = Path::new(input);
+    let files = if path.is_dir() {
+        let mut files = Vec::new();
+        let entries =
+            std::fs::read_dir(path).map_err(|e| CommandError::Read(input.to_owned(), e))?;
+        for entry in entries {
+            let p = entry
+                .map_err(|e| CommandError::Read(input.to_owned(), e))?
+                .path();
+            let yaml_ext = p
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| e == "yaml" || e == "yml");
+            if yaml_ext && p.is_file() {
+                files.push(p);
+            }
+        }
+        if files.is_empty() {
+            return Err(CommandError::EmptyDir(input.to_owned()));
+        }
+        files.sort();
+        files
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut docs = Vec::new();
+    let mut total = 0u64;
+    for f in files {
+        let text = read_file(&f)?;
+        total += text.len() as u64;
+        if total > MAX_INPUT {
+            return Err(CommandError::TooLarge(input.to_owned()));
+        }
+        docs.extend(yaml::parse_stream(&text, &f.display().to_string())?);
+    }
+    Ok(docs)
+}
+
+fn read_file(path: &Path) -> Result<String, CommandError> {
+    let name = path.display().to_string();
+    let meta = std::fs::metadata(path).map_err(|e| CommandError::Read(name.clone(), e))?;
+    if meta.len() > MAX_INPUT {
+        return Err(CommandError::TooLarge(name));
+    }
+    std::fs::read_to_string(path).map_err(|e| CommandError::Read(name, e))
+}
