@@ -53,6 +53,8 @@ impl Admin {
             }
             "/metrics" => {
                 self.app.metrics.autoscale.set(&self.autoscale());
+                let ready = self.app.engine_ready.load(Ordering::Acquire);
+                self.app.metrics.engine_ready.set(i64::from(ready));
                 reply(
                     StatusCode::OK,
                     prometheus_client::encoding::prometheus_text::CONTENT_TYPE,

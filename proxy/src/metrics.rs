@@ -99,6 +99,10 @@ pub struct Metrics {
     itl: PerRoute<Histogram>,
     bytes_in: PerRoute<Counter<u64, AtomicU64>>,
     bytes_out: PerRoute<Counter<u64, AtomicU64>>,
+    /// Targets that refused a request before any byte was sent.
+    fallbacks: Counter,
+    /// 1 while the local engine answers its health check (set at each scrape).
+    pub engine_ready: Gauge,
     /// Scheduling decisions, filter reloads, engine scrapes.
     pub routing: crate::routing::metrics::RoutingMetrics,
     /// Tokenization, KV event ingestion and the prefix index.
@@ -174,6 +178,18 @@ impl Metrics {
             Unit::Seconds,
             itl.clone(),
         );
+        let fallbacks = Counter::default();
+        let engine_ready = Gauge::default();
+        registry.register(
+            "fallbacks",
+            "Targets that refused a request before any byte was sent (the plan's next fallback pod, if any, takes it)",
+            fallbacks.clone(),
+        );
+        registry.register(
+            "engine_ready",
+            "1 while the local engine answers its health check (what /ready says), else 0",
+            engine_ready.clone(),
+        );
         registry.register_with_unit(
             "request",
             "Request body bytes received from clients",
@@ -196,6 +212,8 @@ impl Metrics {
             itl: PerRoute::new(itl),
             bytes_in: PerRoute::new(bytes_in),
             bytes_out: PerRoute::new(bytes_out),
+            fallbacks,
+            engine_ready,
             routing,
             prefix,
             mesh,
@@ -249,6 +267,11 @@ impl Metrics {
 
     pub fn bytes_out(&self, route: Route, n: u64) {
         self.bytes_out.get(route).inc_by(n);
+    }
+
+    /// A target refused the request before any byte was sent.
+    pub fn fallback(&self) {
+        self.fallbacks.inc();
     }
 }
 

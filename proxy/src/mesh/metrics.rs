@@ -81,7 +81,7 @@ impl MeshMetrics {
         );
         r.register(
             "mesh_resyncs",
-            "Snapshots applied from a peer, by why the stream (re)started: connect, gap, stale, error",
+            "Snapshots applied from a peer, by why the stream (re)started: connect, gap, stale, reconnect (the peer ended it), error",
             m.resyncs.clone(),
         );
         r.register(
@@ -119,6 +119,15 @@ impl MeshMetrics {
             "Mutual-TLS handshakes that failed (mesh.tls): accept (a peer subscribing here) or connect (subscribing to a peer)",
             m.tls_failures.clone(),
         );
+        // Series of the closed label sets start at 0, so alerts and rates see
+        // them before the first event (and with the mesh off).
+        m.peers(0, 0, 0);
+        for reason in ["connect", "gap", "stale", "reconnect", "error"] {
+            m.resyncs.get_or_create(&ReasonLabels { reason });
+        }
+        for reason in ["slow", "over_limit", "other_models"] {
+            m.dropped.get_or_create(&ReasonLabels { reason });
+        }
         m
     }
 

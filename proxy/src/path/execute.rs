@@ -89,6 +89,7 @@ pub async fn execute(
                 return Ok(resp);
             }
             Err(e) if e.retry() == Retry::Safe => {
+                app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
             }

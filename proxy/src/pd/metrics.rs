@@ -100,6 +100,25 @@ impl PdMetrics {
             Unit::Seconds,
             m.leg_latency.clone(),
         );
+        // Every outcome and leg starts at 0, so the failure ratio and the
+        // alerts on it exist before the first split.
+        for connector in ["nixl", "sglang", "kvagent"] {
+            for outcome in [
+                Outcome::Disaggregated,
+                Outcome::Recompute,
+                Outcome::FallbackAggregated,
+                Outcome::DecodeRefused,
+                Outcome::Failed,
+            ] {
+                m.requests.get_or_create(&RequestLabels {
+                    connector,
+                    outcome: outcome.label(),
+                });
+            }
+        }
+        for leg in ["prefill", "decode"] {
+            m.leg_latency.get_or_create(&LegLabels { leg });
+        }
         m
     }
 
