@@ -40,6 +40,21 @@ async fn decode_sidecar(decode: &SimHandle, tune: impl FnOnce(&mut Config)) -> S
     start(c).await
 }
 
+/// A decode sidecar that accepts the engine at `prefill` (outside its
+/// fleet) as llm-d's prefiller: allow-listed, as such an engine must be.
+async fn llmd_sidecar(
+    decode: &SimHandle,
+    prefill: std::net::SocketAddr,
+    tune: impl FnOnce(&mut Config),
+) -> SidecarHandle {
+    let allowed = prefill.to_string();
+    decode_sidecar(decode, move |c| {
+        c.pd.allowed_prefillers = vec![allowed];
+        tune(c);
+    })
+    .await
+}
+
 /// The inference requests an engine received (health and metrics polls left out).
 fn inference(engine: &SimHandle) -> Vec<ReceivedRequest> {
     engine
@@ -126,7 +141,7 @@ fn external_tokens(engine: &SimHandle) -> u64 {
 async fn nixl_legs_carry_exactly_the_protocol_fields() {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |_| {}).await;
     let p = prefill.addr().to_string();
     let body = json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "min_tokens": 2, "temperature": 0});
     let resp = completion(
@@ -183,7 +198,7 @@ async fn nixl_legs_carry_exactly_the_protocol_fields() {
 async fn streaming_chat_through_pd_keeps_the_clients_stream() {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |_| {}).await;
     let p = prefill.addr().to_string();
     let body = json!({
         "model": MODEL, "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 6,
@@ -218,7 +233,7 @@ async fn a_failing_prefill_is_retried_then_served_aggregated() {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     prefill.faults().fail_all(Some(503));
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |c| c.pd.prefill_retries = 2).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |c| c.pd.prefill_retries = 2).await;
     let p = prefill.addr().to_string();
     let resp = completion(
         &sidecar,
@@ -253,7 +268,7 @@ async fn a_rejected_prefill_is_not_retried_and_fails_when_configured_to() {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     prefill.faults().fail_all(Some(400));
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |c| {
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |c| {
         c.pd.on_prefill_failure = OnPrefillFailure::Error
     })
     .await;
@@ -284,7 +299,7 @@ async fn a_prefill_without_transfer_params_lets_decode_recompute() {
         .start()
         .await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |_| {}).await;
     let p = prefill.addr().to_string();
     let resp = completion(
         &sidecar,
@@ -312,7 +327,7 @@ async fn a_prefill_without_transfer_params_lets_decode_recompute() {
 async fn a_client_that_disconnects_cancels_the_decode_leg() {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let sidecar = decode_sidecar(&decode, |_| {}).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |_| {}).await;
     let p = prefill.addr().to_string();
     let body = json!({"model": MODEL, "prompt": long_prompt(), "max_tokens": 4000, "stream": true, "ignore_eos": true});
     let req = request(
@@ -340,7 +355,7 @@ async fn a_client_that_disconnects_cancels_the_decode_leg() {
 async fn sglang_gets_one_body_with_bootstrap_fields_on_both_pods() {
     let prefill = engine(SimRole::Prefill, Flavor::Sglang).await;
     let decode = engine(SimRole::Decode, Flavor::Sglang).await;
-    let sidecar = decode_sidecar(&decode, |c| {
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |c| {
         c.pd.connector = PdConnector::Sglang;
         c.engine.kind = kvmesh_proxy::config::EngineKind::Sglang;
         c.pd.sglang_bootstrap_port = prefill.addr().port();
@@ -383,7 +398,10 @@ async fn sglang_prefill_failure_fails_the_request_at_once() {
     let prefill = engine(SimRole::Prefill, Flavor::Sglang).await;
     prefill.faults().fail_all(Some(500));
     let decode = engine(SimRole::Decode, Flavor::Sglang).await;
-    let sidecar = decode_sidecar(&decode, |c| c.pd.connector = PdConnector::Sglang).await;
+    let sidecar = llmd_sidecar(&decode, prefill.addr(), |c| {
+        c.pd.connector = PdConnector::Sglang
+    })
+    .await;
     let p = prefill.addr().to_string();
     let started = std::time::Instant::now();
     let resp = completion(

@@ -238,6 +238,18 @@ impl Fleet {
             .any(|s| s.info.sidecar_addr == Some(addr))
     }
 
+    /// The sidecar addresses of the peers at `ip` (at most two: enough to
+    /// tell one from several).
+    pub fn peer_addrs_at(&self, ip: std::net::IpAddr) -> Vec<SocketAddr> {
+        self.pods
+            .read()
+            .values()
+            .filter_map(|s| s.info.sidecar_addr)
+            .filter(|a| a.ip() == ip)
+            .take(2)
+            .collect()
+    }
+
     /// The identity of the peer whose sidecar listens on `addr`.
     pub fn peer_id(&self, addr: SocketAddr) -> Option<String> {
         self.pods

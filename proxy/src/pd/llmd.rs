@@ -3,20 +3,33 @@
 //! to decode and names the prefill engine. The sidecar runs the P/D protocol
 //! with that prefiller and its local engine, as llm-d's own P/D sidecar does;
 //! the header never reaches the engine (the execute stage strips it).
+//!
+//! No open relay: the header names a target, so it is followed only to a pod
+//! the fleet knows or to an entry of `pd.allowed_prefillers`; anything else
+//! is refused (403) before any connection is made. A known pod is matched by
+//! its sidecar's address, or by its IP when exactly one peer has that IP (the
+//! EPP names the engine's port, which the fleet does not track); its prefill
+//! leg then goes to that pod's sidecar, which runs it on its engine, over the
+//! mesh's mutual TLS when `mesh.tls` is set. An allow-listed `host:port` is
+//! called directly (an engine outside the mesh), over plain HTTP.
+
+use std::net::{IpAddr, SocketAddr};
 
 use http::uri::Authority;
 use http::{HeaderMap, HeaderName};
 
 use crate::app::App;
 use crate::error::ProxyError;
+use crate::path::execute::Upstream;
 
 /// Set by llm-d's `disagg-profile-handler`: `host:port` of the prefill engine
 /// (a comma list is allowed; the first entry is used).
 pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port");
 
-/// The prefiller the header names, when the sidecar accepts the header and
-/// the name is allowed (`pd.allowed_prefillers`).
-pub fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Authority>, ProxyError> {
+/// Where the prefill leg goes for the prefiller the header names, when the
+/// sidecar accepts the header; refused unless the fleet knows the pod or
+/// `pd.allowed_prefillers` lists it.
+pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Upstream>, ProxyError> {
     let pd = &app.config.pd;
     let Some(value) = headers.get(&PREFILLER) else {
         return Ok(None);
@@ -29,19 +42,39 @@ pub fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Authority>, Pr
         .ok()
         .and_then(|v| v.split(',').map(str::trim).find(|s| !s.is_empty()))
         .unwrap_or_default();
-    let bad = || ProxyError::BadPrefiller {
+    let refused = |reason| ProxyError::BadPrefiller {
         value: first.to_owned(),
-        reason: "not host:port",
+        reason,
     };
-    let authority: Authority = first.parse().map_err(|_| bad())?;
+    let authority: Authority = first.parse().map_err(|_| refused("not host:port"))?;
     if authority.port_u16().is_none() {
-        return Err(bad());
+        return Err(refused("not host:port"));
     }
-    if !pd.allowed_prefillers.is_empty() && !pd.allowed_prefillers.iter().any(|a| a == first) {
-        return Err(ProxyError::BadPrefiller {
-            value: first.to_owned(),
-            reason: "not in pd.allowed_prefillers",
-        });
+    if pd.allowed_prefillers.iter().any(|a| a == first) {
+        return Ok(Some(Upstream::Direct(authority)));
     }
-    Ok(Some(authority))
+    known_peer(app, &authority)
+        .map(|addr| Some(Upstream::Peer(addr)))
+        .ok_or(refused(
+            "not a pod the fleet knows, nor in pd.allowed_prefillers",
+        ))
+}
+
+/// The sidecar of the peer `authority` names: by sidecar address, else by an
+/// IP only one peer has.
+fn known_peer(app: &App, authority: &Authority) -> Option<SocketAddr> {
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let ip: IpAddr = host.parse().ok()?;
+    let exact = SocketAddr::new(ip, authority.port_u16()?);
+    if app.fleet.is_peer_addr(exact) {
+        return Some(exact);
+    }
+    let mut at_ip = app.fleet.peer_addrs_at(ip);
+    match (at_ip.pop(), at_ip.is_empty()) {
+        (Some(addr), true) => Some(addr),
+        _ => None,
+    }
 }

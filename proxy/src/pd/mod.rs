@@ -23,7 +23,6 @@ pub mod metrics;
 mod sglang;
 mod twoleg;
 
-use http::uri::Authority;
 use http::Response;
 use serde_json::{json, Map, Value};
 
@@ -55,10 +54,11 @@ impl PdPlan {
         }
     }
 
-    /// An llm-d EPP's split: its prefiller, and this pod's engine decoding.
-    pub fn llmd(prefiller: Authority) -> Self {
+    /// An llm-d EPP's split: its prefiller (a known peer's sidecar or an
+    /// allow-listed engine, [`llmd::prefiller`]), and this pod's engine decoding.
+    pub(crate) fn llmd(prefiller: Upstream) -> Self {
         Self {
-            prefill: vec![Upstream::Direct(prefiller)],
+            prefill: vec![prefiller],
             decode: Upstream::Engine,
         }
     }
