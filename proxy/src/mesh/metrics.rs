@@ -123,10 +123,10 @@ impl MeshMetrics {
         // them before the first event (and with the mesh off).
         m.peers(0, 0, 0);
         for reason in ["connect", "gap", "stale", "reconnect", "error"] {
-            m.resyncs.get_or_create(&ReasonLabels { reason });
+            let _ = m.resyncs.get_or_create(&ReasonLabels { reason });
         }
         for reason in ["slow", "over_limit", "other_models"] {
-            m.dropped.get_or_create(&ReasonLabels { reason });
+            let _ = m.dropped.get_or_create(&ReasonLabels { reason });
         }
         m
     }

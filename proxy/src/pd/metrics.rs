@@ -110,14 +110,14 @@ impl PdMetrics {
                 Outcome::DecodeRefused,
                 Outcome::Failed,
             ] {
-                m.requests.get_or_create(&RequestLabels {
+                let _ = m.requests.get_or_create(&RequestLabels {
                     connector,
                     outcome: outcome.label(),
                 });
             }
         }
         for leg in ["prefill", "decode"] {
-            m.leg_latency.get_or_create(&LegLabels { leg });
+            let _ = m.leg_latency.get_or_create(&LegLabels { leg });
         }
         m
     }
