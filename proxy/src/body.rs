@@ -24,6 +24,7 @@ use http_body_util::{Full, Limited};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
+use crate::access::{AccessLog, End};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{InFlight, Metrics, Route};
 use crate::respond::sse_error_tail;
@@ -36,6 +37,14 @@ pub struct ResponseBody {
     kind: Kind,
     /// Keeps the request counted as in flight until the body ends or is dropped.
     _in_flight: Option<InFlight>,
+    /// The request's access record (`logging.access_log`), written on drop.
+    access: Option<AccessGuard>,
+}
+
+/// Writes the access line when the body is dropped, with how it ended.
+struct AccessGuard {
+    log: Option<Box<AccessLog>>,
+    end: End,
 }
 
 enum Kind {
@@ -73,6 +82,8 @@ pub struct Relay {
     /// The last forwarded bytes did not end an SSE event.
     mid_event: bool,
     done: bool,
+    /// Ended by an upstream failure (an SSE error tail or a cut body).
+    failed: bool,
 }
 
 /// The request body sent upstream.
@@ -86,6 +97,7 @@ impl ResponseBody {
         Self {
             kind: Kind::Full(Some(b.into())),
             _in_flight: None,
+            access: None,
         }
     }
 
@@ -93,6 +105,7 @@ impl ResponseBody {
         Self {
             kind: Kind::Full(None),
             _in_flight: None,
+            access: None,
         }
     }
 
@@ -110,14 +123,60 @@ impl ResponseBody {
                 last_chunk: None,
                 mid_event: false,
                 done: false,
+                failed: false,
             })),
             _in_flight: None,
+            access: None,
         }
     }
 
     pub fn with_in_flight(mut self, guard: InFlight) -> Self {
         self._in_flight = Some(guard);
         self
+    }
+
+    /// Writes `log` as the request's access line when this body is dropped.
+    pub fn with_access(mut self, log: Box<AccessLog>) -> Self {
+        let end = if self.is_end_stream() {
+            End::Complete
+        } else {
+            End::Cancelled
+        };
+        self.access = Some(AccessGuard {
+            log: Some(log),
+            end,
+        });
+        self
+    }
+
+    /// After a poll: the first byte and whether the body has ended, for the access line.
+    fn note(&mut self, sent_bytes: bool) {
+        // hyper stops polling a body whose length it knows once that many
+        // bytes went out, so a relay has ended when its upstream body has.
+        let ended = match &self.kind {
+            Kind::Full(b) => b.is_none(),
+            Kind::Relay(r) => r.done || r.inner.is_end_stream(),
+        };
+        let failed = matches!(&self.kind, Kind::Relay(r) if r.failed);
+        let Some(a) = &mut self.access else {
+            return;
+        };
+        if let (true, Some(log)) = (sent_bytes, a.log.as_mut()) {
+            log.byte_sent();
+        }
+        if failed {
+            a.end = End::UpstreamError;
+        } else if ended {
+            a.end = End::Complete;
+        }
+    }
+}
+
+impl Drop for AccessGuard {
+    fn drop(&mut self) {
+        if let Some(log) = self.log.take() {
+            log.finish(self.end);
+        }
     }
 }
 
@@ -129,10 +188,15 @@ impl Body for ResponseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match &mut self.kind {
+        let polled = match &mut self.kind {
             Kind::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Kind::Relay(r) => r.poll_frame(cx),
+        };
+        if self.access.is_some() {
+            let sent = matches!(&polled, Poll::Ready(Some(Ok(f))) if f.data_ref().is_some_and(|d| !d.is_empty()));
+            self.note(sent);
         }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -230,6 +294,7 @@ impl Relay {
     /// end for streams, a cut connection otherwise.
     fn fail(&mut self, err: ProxyError) -> Result<Frame<Bytes>, BoxError> {
         self.done = true;
+        self.failed = true;
         tracing::warn!(request_id = %self.p.request_id, culprit = ?err.culprit(), error = %err, "response failed after it started");
         if self.p.sse {
             let tail = sse_error_tail(&err, self.mid_event);

@@ -9,8 +9,10 @@
 //! [`error`] and [`respond`] (what failed, and the one mapping to a client
 //! response), [`body`] (relaying bodies under deadlines), `server` (accept,
 //! TLS, graceful drain), `admin` (health, readiness, metrics, config),
-//! [`metrics`], [`headers`], [`upstream`] (the pooled client).
+//! [`metrics`], [`headers`], [`upstream`] (the pooled client), [`access`]
+//! (access logs).
 
+pub mod access;
 mod admin;
 mod app;
 pub mod autoscale;

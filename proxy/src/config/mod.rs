@@ -178,6 +178,8 @@ pub struct Logging {
     /// An `EnvFilter` directive: `info`, `kvmesh_proxy=debug,info`, ...
     pub level: String,
     pub format: LogFormat,
+    /// One JSON line per request on the `kvmesh::access` target (info).
+    pub access_log: bool,
 }
 
 /// How log lines are written.
@@ -261,6 +263,7 @@ impl Default for Logging {
         Self {
             level: "info".to_owned(),
             format: LogFormat::Text,
+            access_log: false,
         }
     }
 }

@@ -40,6 +40,9 @@ pub struct RequestCtx {
     /// Where the response finally came from.
     pub served_by: Option<Served>,
     pub attempts: u8,
+    // ---- observe ----
+    /// The access record, when `logging.access_log` is on.
+    pub access: Option<Box<crate::access::AccessLog>>,
 }
 
 /// The upstream that produced the response.
@@ -66,6 +69,7 @@ impl RequestCtx {
             decision: "",
             served_by: None,
             attempts: 0,
+            access: None,
         }
     }
 

@@ -31,13 +31,22 @@ pub async fn execute(
 ) -> Result<Response<ResponseBody>, ProxyError> {
     crate::mesh::forward::check_arrival(&req.head.headers)?;
     if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
-        return Box::pin(crate::pd::execute(
+        let mut access = ctx.access.take();
+        if let Some(a) = access.as_mut() {
+            a.legs(
+                upstream_pod(app, &prefiller),
+                app.fleet.local_id().to_owned(),
+            );
+        }
+        let pd = Box::pin(crate::pd::execute(
             app,
             ctx,
             crate::pd::PdPlan::llmd(prefiller),
             &req,
-        ))
-        .await;
+        ));
+        let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
+        ctx.access = access;
+        return r;
     }
     let mut prefill_fallbacks = plan.prefill_fallbacks;
     let targets = std::iter::once(plan.target)
@@ -59,8 +68,15 @@ pub async fn execute(
                 let decode_name = leg_upstream(&decode).name(app);
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
+                let mut access = ctx.access.take();
+                if let Some(a) = access.as_mut() {
+                    a.legs(leg_pod(app, &prefill), leg_pod(app, &decode));
+                }
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
-                match Box::pin(crate::pd::execute(app, ctx, pd, &req)).await {
+                let pd = Box::pin(crate::pd::execute(app, ctx, pd, &req));
+                let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
+                ctx.access = access;
+                match r {
                     Err(e) if refused_by(&e, &decode_name) => {
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod refused the connection; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
@@ -102,6 +118,20 @@ pub async fn execute(
 /// Whether `e` is `upstream` refusing the connection.
 fn refused_by(e: &ProxyError, upstream: &UpstreamName) -> bool {
     matches!(e, ProxyError::Connect { upstream: u, .. } if u == upstream)
+}
+
+/// The pod a P/D leg goes to, for the access line.
+fn leg_pod(app: &App, leg: &Leg) -> String {
+    upstream_pod(app, &leg_upstream(leg))
+}
+
+/// The pod id behind an upstream (an llm-d prefiller: its address).
+fn upstream_pod(app: &App, u: &Upstream) -> String {
+    match u {
+        Upstream::Engine => app.fleet.local_id().to_owned(),
+        Upstream::Peer(a) => app.fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
+        Upstream::Direct(a) => a.to_string(),
+    }
 }
 
 /// Where a disaggregated request's leg goes.

@@ -31,6 +31,13 @@ pub use view::{Prompt, RequestView};
 /// One request, top to bottom.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseBody> {
     let mut ctx = RequestCtx::new(&req, app.metrics.in_flight());
+    ctx.access = crate::access::start(
+        app.config.logging.access_log,
+        req.method(),
+        req.headers(),
+        ctx.id(),
+        ctx.route.as_str(),
+    );
     let result = async {
         let req = classify::classify(&app, &mut ctx, req).await?;
         prefix::prefix(&app, &mut ctx).await?;

@@ -40,6 +40,20 @@ pub fn observe(
         head_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
         "response head"
     );
+    let resp = match ctx.access.take() {
+        Some(mut log) => {
+            let pod = ctx.served_by.map(|s| match s {
+                super::Served::LocalEngine => app.fleet.local_id().to_owned(),
+                super::Served::Peer(addr) => {
+                    app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string())
+                }
+            });
+            let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
+            log.head(status, model, ctx.decision, pod, ctx.attempts);
+            resp.map(|b| b.with_access(log))
+        }
+        None => resp,
+    };
     match ctx.in_flight.take() {
         Some(guard) => resp.map(|b| b.with_in_flight(guard)),
         None => resp,

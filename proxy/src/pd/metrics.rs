@@ -123,6 +123,7 @@ impl PdMetrics {
     }
 
     pub fn outcome(&self, connector: &'static str, outcome: Outcome) {
+        crate::access::pd_outcome(outcome.label());
         self.splits.fetch_add(1, Ordering::Relaxed);
         if !matches!(outcome, Outcome::Disaggregated | Outcome::Recompute) {
             self.failures.fetch_add(1, Ordering::Relaxed);

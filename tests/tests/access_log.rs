@@ -1,0 +1,182 @@
+//! Access logs (`logging.access_log: true`): one JSON line per request on the
+//! `kvmesh::access` target, written when the response body ends (a stream's
+//! last chunk, not its head), with the request id, the trace id of an incoming
+//! `traceparent`, the route, the pod, TTFT, total time and status; none at all
+//! with the key off.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use kvmesh_proxy::logging::AccessLayer;
+use kvmesh_tests::client::{self, fetch, next_chunk, post_json, request, send};
+use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+use kvmesh_tests::sidecar::{start, test_config};
+use serde_json::Value;
+use tracing_subscriber::layer::SubscriberExt;
+
+/// Access lines captured in memory (the tests run on one thread, so the
+/// thread's default subscriber sees every event of the sidecar's tasks).
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Sink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let buf = self.0.clone();
+        let layer = AccessLayer::new(move || Sink(buf.clone()));
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(layer))
+    }
+
+    fn all(&self) -> Vec<Value> {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    }
+
+    /// Waits (bounded) until `n` lines were written.
+    async fn wait_for(&self, n: usize) -> Vec<Value> {
+        for _ in 0..250 {
+            let lines = self.all();
+            if lines.len() >= n {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{n} access lines not written within 5 s: {:?}", self.all());
+    }
+}
+
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+#[tokio::test]
+async fn a_request_writes_exactly_one_line_with_its_fields() {
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let engine = kvmesh_tests::vllm::start().await;
+    let mut config = test_config(engine.addr());
+    config.logging.access_log = true;
+    let proxy = start(config).await;
+    let id = proxy.fleet().local_id().to_owned();
+    let c = client::http1();
+
+    let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
+    let req = request(
+        "POST",
+        proxy.addr(),
+        "/v1/completions",
+        r#"{"model":"m","prompt":"hello","max_tokens":2}"#,
+        &[
+            ("content-type", "application/json"),
+            ("x-request-id", "req-1"),
+            ("traceparent", &traceparent),
+        ],
+    );
+    let r = fetch(&c, req).await;
+    assert_eq!(r.status, 200);
+    let got = lines.wait_for(1).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let l = &got[0];
+    assert_eq!(l["request_id"], "req-1");
+    assert_eq!(l["trace_id"], TRACE);
+    assert_eq!(l["method"], "POST");
+    assert_eq!(l["route"], "/v1/completions");
+    assert_eq!(l["model"], "m");
+    assert_eq!(l["status"], 200);
+    assert_eq!(l["pod"], id.as_str());
+    assert_eq!(l["reason"], "scheduled");
+    assert_eq!(l["attempts"], 1);
+    assert_eq!(l["end"], "complete");
+    assert_eq!(l["pd"], Value::Null);
+    assert!(l["ts"].as_str().unwrap().ends_with('Z'), "{l}");
+    let (ttft, total) = (
+        l["ttft_ms"].as_f64().unwrap(),
+        l["total_ms"].as_f64().unwrap(),
+    );
+    assert!(0.0 < ttft && ttft <= total, "{l}");
+
+    // An error answered by the sidecar itself: one line, its status, no pod.
+    let r = fetch(&c, post_json(proxy.addr(), "/v1/completions", "{not json")).await;
+    assert_eq!(r.status, 400);
+    let got = lines.wait_for(2).await;
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[1]["status"], 400);
+    assert_eq!(got[1]["pod"], Value::Null);
+    assert_eq!(got[1]["trace_id"], Value::Null);
+    assert_eq!(got[1]["end"], "complete");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_is_logged_when_its_body_ends_not_at_its_head() {
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let (tx, reply) = Reply::sse();
+    let slot = Mutex::new(Some(reply));
+    let engine = FakeUpstream::builder()
+        .route("/v1/completions", move |_| {
+            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
+        })
+        .start()
+        .await;
+    let mut config = test_config(engine.addr());
+    config.logging.access_log = true;
+    let proxy = start(config).await;
+    let c = client::http1();
+    let body = r#"{"model":"m","prompt":"hi","stream":true}"#;
+    let mut resp = send(&c, post_json(proxy.addr(), "/v1/completions", body)).await;
+    assert_eq!(resp.status(), 200);
+    assert!(tx.send("data: {\"choices\":[{\"text\":\"a\"}]}\n\n").await);
+    assert!(next_chunk(resp.body_mut()).await.is_some());
+    // Head and first token out, body not finished: nothing written yet.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(lines.all().is_empty(), "{:?}", lines.all());
+    assert!(tx.send("data: [DONE]\n\n").await);
+    tx.finish();
+    while let Some(f) = resp.body_mut().frame().await {
+        f.unwrap();
+    }
+    let got = lines.wait_for(1).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let l = &got[0];
+    assert_eq!(l["end"], "complete");
+    assert!(
+        l["ttft_ms"].as_f64().unwrap() + 40.0 < l["total_ms"].as_f64().unwrap(),
+        "{l}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn off_by_default_no_line() {
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let engine = kvmesh_tests::vllm::start().await;
+    let proxy = start(test_config(engine.addr())).await;
+    let r = fetch(
+        &client::http1(),
+        post_json(
+            proxy.addr(),
+            "/v1/completions",
+            r#"{"model":"m","prompt":"x"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    proxy.shutdown().await;
+    assert!(lines.all().is_empty(), "{:?}", lines.all());
+}
