@@ -213,3 +213,76 @@ async fn a_silent_port_times_out_naming_the_address() {
     assert!(err.to_string().contains(&addr), "{err}");
     drop(l);
 }
+
+/// Reads frames from one raw subscription to `s`'s mesh port until `n`
+/// deltas after the snapshot arrived: (kind, seq) of each.
+async fn raw_frames(s: &SidecarHandle, takes_stats: bool, n: usize) -> Vec<(u8, u64)> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use kvmesh_proxy::mesh::{server, wire};
+    let addr = s.mesh_addr().unwrap();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let driver = tokio::spawn(conn);
+    let mut req = http::Request::get(format!("http://{addr}{}", server::STREAM_PATH));
+    if takes_stats {
+        req = req.header(server::TAKES_STATS, "1");
+    }
+    let resp = send
+        .send_request(req.body(Empty::new()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut buf, mut frames, mut deltas) = (Vec::new(), Vec::new(), 0);
+    while deltas < n {
+        let f = tokio::time::timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("a frame within 5 s")
+            .unwrap()
+            .unwrap();
+        buf.extend_from_slice(&f.into_data().unwrap_or_default());
+        while let Some(h) = wire::header(&buf).unwrap() {
+            let end = wire::HEADER_LEN + h.len as usize;
+            if buf.len() < end {
+                break;
+            }
+            let snapshot_done = frames.iter().any(|(k, _)| *k == 2);
+            frames.push((h.kind, h.seq));
+            if snapshot_done {
+                deltas += 1;
+            }
+            buf.drain(..end);
+        }
+    }
+    driver.abort();
+    frames
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_frames_go_only_to_subscribers_that_take_them_and_take_no_sequence() {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let e = kv_sim().await;
+    let s = start_on(mesh_config(&e, peers.path()), None).await;
+    const STATS: u8 = 7;
+    // Side by side: a sidecar that predates Stats gets none, and its deltas'
+    // sequence has no gap, while one that takes them gets them.
+    let (old, new) = tokio::join!(raw_frames(&s, false, 12), raw_frames(&s, true, 12));
+    assert!(!old.iter().any(|(k, _)| *k == STATS), "{old:?}");
+    let end = old.iter().position(|(k, _)| *k == 2).unwrap();
+    let seqs: Vec<u64> = old[end + 1..].iter().map(|(_, q)| *q).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{old:?}");
+    // Stats after the ticks, carrying the last delta's number.
+    let at: Vec<usize> = (0..new.len()).filter(|i| new[*i].0 == STATS).collect();
+    assert!(!at.is_empty(), "{new:?}");
+    for i in at.into_iter().filter(|i| *i > 0) {
+        assert_eq!(new[i].1, new[i - 1].1, "{new:?}");
+    }
+    s.shutdown().await;
+    e.shutdown().await;
+}

@@ -70,13 +70,20 @@ pub struct Mesh {
 struct Hub {
     /// Sequence number of the last delta.
     seq: u64,
-    subs: Vec<mpsc::Sender<Bytes>>,
+    subs: Vec<Sub>,
     mirror: Mirror,
     decisions: VecDeque<(String, Vec<u64>)>,
     last_load: Option<LoadMsg>,
     last_in_flight: Vec<(String, u32)>,
     /// Shutting down: streams have ended and no new one starts.
     closed: bool,
+}
+
+/// One subscriber's queue, and whether it asked for `Stats` frames (a
+/// sidecar that predates them would end the stream on one).
+struct Sub {
+    tx: mpsc::Sender<Bytes>,
+    stats: bool,
 }
 
 /// A new subscriber's stream: the snapshot frames, then its queue.
@@ -211,13 +218,14 @@ impl Mesh {
     /// Registers a subscriber: the snapshot as of now and a queue of every
     /// later delta, consistent because both are taken under the hub lock.
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
-    /// when the sidecar is shutting down.
-    pub fn subscribe(&self, app: &App) -> Option<Subscription> {
+    /// when the sidecar is shutting down. `stats`: the subscriber also takes
+    /// `Stats` frames (out of sequence, see [`Hub::publish_stats`]).
+    pub fn subscribe(&self, app: &App, stats: bool) -> Option<Subscription> {
         let mut hub = self.hub.lock();
         if hub.closed {
             return None;
         }
-        hub.subs.retain(|s| !s.is_closed());
+        hub.subs.retain(|s| !s.tx.is_closed());
         if hub.subs.len() >= self.max_subscribers {
             app.metrics.mesh.dropped("over_limit");
             return None;
@@ -251,7 +259,7 @@ impl Mesh {
         }
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
-        hub.subs.push(tx);
+        hub.subs.push(Sub { tx, stats });
         app.metrics.mesh.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
@@ -312,7 +320,7 @@ impl Mesh {
         }
         hub.last_in_flight = in_flight.clone();
         hub.publish(app, &Msg::InFlight(in_flight));
-        hub.publish(app, &Msg::Stats(crate::stat::local_stats(app)));
+        hub.publish_stats(app, crate::stat::local_stats(app));
     }
 }
 
@@ -324,21 +332,46 @@ impl Hub {
             return;
         }
         let frame = wire::encode(self.seq, msg);
+        self.send(app, &frame, false);
+    }
+
+    /// Queues the local pod's counters to the subscribers that asked for
+    /// them. Outside the sequence: the frame carries the last delta's number
+    /// and takes none, so the other subscribers see no gap.
+    fn publish_stats(&mut self, app: &App, stats: crate::stat::PodStats) {
+        if self.subs.iter().any(|s| s.stats) {
+            let frame = wire::encode(self.seq, &Msg::Stats(stats));
+            self.send(app, &frame, true);
+        }
+    }
+
+    /// Queues `frame` to every subscriber (`stats_only`: to those that take
+    /// `Stats`); a full queue drops its subscriber.
+    fn send(&mut self, app: &App, frame: &Bytes, stats_only: bool) {
         let before = self.subs.len();
         let mut slow = 0;
-        self.subs.retain(|s| match s.try_send(frame.clone()) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                slow += 1;
-                false
+        let mut sent = 0u64;
+        self.subs.retain(|s| {
+            if stats_only && !s.stats {
+                return true;
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            match s.tx.try_send(frame.clone()) {
+                Ok(()) => {
+                    sent += 1;
+                    true
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    slow += 1;
+                    false
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+            }
         });
         let m = &app.metrics.mesh;
         for _ in 0..slow {
             m.dropped("slow");
         }
-        m.frames_out(self.subs.len() as u64);
+        m.frames_out(sent);
         if self.subs.len() != before {
             m.subscribers(self.subs.len());
         }

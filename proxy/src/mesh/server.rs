@@ -39,6 +39,9 @@ pub const CONTENT_TYPE: &str = "application/x-kvmesh-stream";
 /// array); a sidecar serving none of them answers `409` at once rather than
 /// build a snapshot the subscriber would drop at its hello.
 pub const FOLLOW_MODELS: &str = "x-kvmesh-follow-models";
+/// A subscriber that takes `Stats` frames (kind 7, out of sequence) sends
+/// this header; older sidecars do not, and get none.
+pub const TAKES_STATS: &str = "x-kvmesh-stats";
 /// Most mesh connections served at once (peers plus a margin).
 const MAX_CONNECTIONS: usize = 8192;
 
@@ -190,7 +193,8 @@ fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
             return status(StatusCode::CONFLICT);
         }
     }
-    match app.mesh.subscribe(app) {
+    let stats = req.headers().contains_key(TAKES_STATS);
+    match app.mesh.subscribe(app, stats) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

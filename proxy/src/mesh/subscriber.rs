@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::server::{FOLLOW_MODELS, STREAM_PATH};
+use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_STATS};
 use super::wire::{self, Announce, Msg, WireError};
 use crate::app::App;
 use crate::config::mesh::Follow;
@@ -231,7 +231,7 @@ async fn follow(
     };
     tokio::pin!(conn);
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}"));
+    let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}")).header(TAKES_STATS, "1");
     if cfg.follow == Follow::SameModels {
         // The peer checks them first and answers 409 instead of a snapshot.
         if let Ok(models) = serde_json::to_string(&app.config.pod.models) {
@@ -338,6 +338,11 @@ impl Reader<'_> {
         let Some(peer) = self.peer.clone() else {
             return Err(StreamEnd::NoHello);
         };
+        // Out of sequence: carries the last delta's number and takes none.
+        if let Msg::Stats(stats) = msg {
+            app.fleet.update_stats(&peer, |s| *s = stats);
+            return Ok(());
+        }
         match self.next_seq {
             // Snapshot frames all carry the snapshot's sequence.
             None => {}
@@ -369,7 +374,7 @@ impl Reader<'_> {
             Msg::Kv { model, batch } => {
                 app.prefix.apply(&peer, &model, &batch);
             }
-            Msg::Stats(stats) => app.fleet.update_stats(&peer, |s| *s = stats),
+            Msg::Stats(_) => {}
             Msg::Decision { pod, keys } => {
                 if app.prefix.mode() == crate::prefix::Mode::Approximate {
                     app.prefix.approx().record(&pod, &keys);
