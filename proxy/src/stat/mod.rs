@@ -234,9 +234,8 @@ pub fn prefix_counters(kind: EngineKind, text: &str) -> Option<(u64, u64)> {
             seen = true;
         }
     }
-    // Float counters to whole tokens; saturating `as` is the intent.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    seen.then(|| (queries as u64, hits as u64))
+    // Float counters to whole tokens (`as` saturates).
+    seen.then_some((queries as u64, hits as u64))
 }
 
 fn role_name(r: Role) -> &'static str {
