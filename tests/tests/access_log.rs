@@ -180,3 +180,50 @@ async fn off_by_default_no_line() {
     proxy.shutdown().await;
     assert!(lines.all().is_empty(), "{:?}", lines.all());
 }
+
+#[tokio::test]
+async fn a_pd_split_logs_both_legs_and_its_outcome() {
+    use kvmesh_engine_sim::{Flavor, Role as SimRole, SimConfig};
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let engine = |role| {
+        kvmesh_tests::route::sim_with(
+            SimConfig::new(kvmesh_tests::route::MODEL)
+                .with_time_scale(10.0)
+                .with_role(role)
+                .with_flavor(Flavor::Vllm),
+        )
+    };
+    let prefill = engine(SimRole::Prefill).await;
+    let decode = engine(SimRole::Decode).await;
+    let mut c = kvmesh_tests::route::config(&decode, &[], None);
+    c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
+    c.logging.access_log = true;
+    let sidecar = start(c).await;
+    let body = serde_json::json!({
+        "model": kvmesh_tests::route::MODEL,
+        "prompt": "the quick brown fox jumps over the lazy dog ".repeat(40),
+        "max_tokens": 4,
+    });
+    let p = prefill.addr().to_string();
+    let req = request(
+        "POST",
+        sidecar.addr(),
+        "/v1/completions",
+        body.to_string(),
+        &[
+            ("content-type", "application/json"),
+            ("x-prefiller-host-port", &p),
+        ],
+    );
+    let r = fetch(&client::http1(), req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got = lines.wait_for(1).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let l = &got[0];
+    assert_eq!(l["pd"], "disaggregated", "{l}");
+    assert_eq!(l["prefill"], p.as_str(), "{l}");
+    assert_eq!(l["decode"], sidecar.fleet().local_id(), "{l}");
+    assert_eq!(l["status"], 200);
+    sidecar.shutdown().await;
+}
