@@ -233,7 +233,7 @@ fn the_sidecar_component_renders_to_valid_objects_that_agree_with_inject() {
     let cm = rendered
         .docs
         .iter()
-        .find(|d| d["kind"] == Value::from("ConfigMap"))
+        .find(|d| d["kind"] == "ConfigMap")
         .unwrap();
     assert_eq!(volumes[0]["configMap"]["name"], cm["metadata"]["name"]);
 }
@@ -318,7 +318,7 @@ fn sidecar_of(template: &Value) -> &Value {
         .as_sequence()
         .unwrap()
         .iter()
-        .find(|c| c["name"] == Value::from(CONTAINER))
+        .find(|c| c["name"] == CONTAINER)
         .expect("the sidecar")
 }
 
@@ -419,8 +419,8 @@ fn apply_kustomization(dir: &Path, r: &mut Rendered) {
         let (lk, lv) = selector.split_once('=').unwrap();
         let mut hits = 0;
         for d in &mut r.docs {
-            let labelled = d["metadata"]["labels"][lk] == Value::from(lv);
-            if d["kind"] == Value::from(kind) && labelled {
+            let labelled = d["metadata"]["labels"][lk] == lv;
+            if d["kind"] == kind && labelled {
                 let name = d["metadata"]["name"].clone();
                 merge(d, &patch);
                 d["metadata"]["name"] = name;
@@ -438,7 +438,7 @@ fn apply_kustomization(dir: &Path, r: &mut Rendered) {
             .and_then(Value::as_sequence_mut);
         for v in volumes.into_iter().flatten() {
             for (from, to) in &renames {
-                if v["configMap"]["name"] == Value::from(from.as_str()) {
+                if v["configMap"]["name"] == from.as_str() {
                     v["configMap"]["name"] = Value::from(to.as_str());
                 }
             }

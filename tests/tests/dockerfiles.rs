@@ -241,7 +241,7 @@ fn the_manifests_run_the_images_the_dockerfiles_build() {
     assert_eq!(image_lines("deploy/kvagent/daemonset.yaml"), [kvagent]);
     assert_eq!(
         image_lines("deploy/sidecar/sidecar-patch.yaml"),
-        [proxy.clone()]
+        std::slice::from_ref(&proxy)
     );
     // inject's default image.
     let args = kvmesh_proxy::inject::command::InjectArgs {
