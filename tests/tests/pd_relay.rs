@@ -164,3 +164,68 @@ async fn an_allow_listed_engine_outside_the_fleet_is_called_directly() {
     assert_eq!(inference(&prefill), 1);
     assert_eq!(inference(&decode), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_mesh_tls_the_prefill_leg_to_a_known_pod_goes_over_it() {
+    use kvmesh_proxy::config::Duration as CfgDuration;
+    use kvmesh_tests::certs::{MeshPki, TestCert};
+    use kvmesh_tests::mesh::{start_on, write_peers};
+    use kvmesh_tests::route::eventually;
+
+    let pki = MeshPki::new();
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    // The prefill pod's client port speaks TLS for its clients: a plain-HTTP
+    // prefill leg to it would fail, so a served request proves the leg took
+    // the mesh port's mutual TLS.
+    let client_cert = TestCert::new();
+    let prefill = engine(SimRole::Prefill).await;
+    let decode = engine(SimRole::Decode).await;
+    let mut sidecars = Vec::new();
+    for (i, (e, role)) in [(&prefill, Role::Prefill), (&decode, Role::Decode)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut c = config(e, &[], None);
+        c.pod.role = role;
+        c.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
+        c.mesh.file = Some(peers.path().to_path_buf());
+        c.mesh.refresh_interval = CfgDuration::from_millis(100);
+        c.mesh.reconnect_max = CfgDuration::from_millis(200);
+        c.mesh.tls = Some(pki.files(&format!("pod{i}"), "kvmesh-mesh"));
+        if role == Role::Prefill {
+            c.listeners.tls = Some(kvmesh_proxy::config::Tls {
+                cert: client_cert.cert_path.clone(),
+                key: client_cert.key_path.clone(),
+            });
+        }
+        sidecars.push(start_on(c, None).await);
+    }
+    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    write_peers(peers.path(), &addrs);
+    let (p_side, d_side) = (&sidecars[0], &sidecars[1]);
+    let prefill_id = p_side.addr().to_string();
+    eventually(
+        "the decode pod knows the prefill pod over the TLS mesh",
+        || async { d_side.fleet().contains(&prefill_id).then_some(()) },
+    )
+    .await;
+    let resp = completion(d_side, &prefill.addr().to_string()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(
+        inference(&prefill),
+        1,
+        "the prefill leg reached the prefill engine"
+    );
+    assert_eq!(inference(&decode), 1);
+    let received =
+        kvmesh_tests::route::metric(p_side, r#"kvmesh_mesh_requests_total{served="received"}"#)
+            .await;
+    assert_eq!(
+        received,
+        Some(1.0),
+        "the prefill pod received the leg over the mesh"
+    );
+    for s in sidecars {
+        s.shutdown().await;
+    }
+}
