@@ -90,7 +90,7 @@ impl Admin {
 impl Handler for Admin {
     async fn handle(self, req: Request<Incoming>) -> Response<ResponseBody> {
         if req.uri().path() == crate::stat::PATH {
-            return crate::stat::serve(&self.app);
+            return crate::stat::serve(&self.app, req.method());
         }
         if crate::routing::debug::handles(req.uri().path()) {
             return crate::routing::debug::serve(self.app.clone(), req).await;

@@ -62,6 +62,12 @@ async fn one_row_per_pod_from_any_sidecar_with_counters_from_the_mesh() {
     })
     .await;
     assert_eq!(served.local, sidecars[0].fleet().local_id());
+    let post = http_fetch(
+        &http1(),
+        post_json(sidecars[0].admin_addr(), kvmesh_proxy::stat::PATH, "{}"),
+    )
+    .await;
+    assert_eq!(post.status, 405, "{}", post.text());
     assert_eq!(served.kvmesh_stat, kvmesh_proxy::stat::FORMAT);
 
     // The table a single run prints: one line per pod, every column.

@@ -190,8 +190,17 @@ pub fn report(app: &App) -> Report {
     }
 }
 
-/// Answers `GET /debug/stat`.
-pub fn serve(app: &App) -> Response<ResponseBody> {
+/// Answers `GET /debug/stat` (405 to any other method).
+pub fn serve(app: &App, method: &http::Method) -> Response<ResponseBody> {
+    if method != http::Method::GET {
+        let mut r = Response::new(ResponseBody::full(Bytes::from_static(
+            b"{\"error\":\"/debug/stat takes GET\"}",
+        )));
+        *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET"));
+        return r;
+    }
     let (status, body) = match serde_json::to_vec_pretty(&report(app)) {
         Ok(b) => (StatusCode::OK, Bytes::from(b)),
         Err(e) => (
