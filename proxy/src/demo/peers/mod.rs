@@ -211,12 +211,11 @@ struct Bench {
 
 /// Requests per run.
 fn requests(opts: &PeersOpts) -> usize {
-    opts.requests.unwrap_or(if opts.quick { 200 } else { 500 })
+    opts.requests.unwrap_or(if opts.quick { 400 } else { 800 })
 }
 
 /// The engines of every fleet: Qwen3-32B on two H100s (tensor parallel 2),
-/// llm-d's precise-routing benchmark hardware (field.md P1), two times
-/// faster than real time.
+/// llm-d's precise-routing benchmark hardware (field.md P1), in real time.
 fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
     let mut spec = FleetSpec::demo(engines);
     spec.profile = LatencyProfile::load(PROFILE)?;
@@ -227,21 +226,22 @@ fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
 
 /// The GPU profile the fleets imitate.
 pub const PROFILE: &str = "gpu:qwen3-32b@h100x2";
-/// Simulated seconds per wall second: low, so that the routers' own CPU time
-/// (which the scale multiplies) stays small beside the engines' work.
-pub const TIME_SCALE: f64 = 2.0;
+/// Simulated seconds per wall second: 1, so that the routers' own CPU time
+/// counts as it would beside a GPU (a scale multiplies it).
+pub const TIME_SCALE: f64 = 1.0;
 
 fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
     let mut spec = peers_spec(opts.engines)?;
-    // The workload's distinct prompt tokens need about 1.5x the fleet's KV.
+    // The groups' system prompts need 1.5x the fleet's KV: each pod keeps
+    // about 7 of them beside its running requests.
     spec.num_blocks = 512;
     let p = PressureParams {
-        groups: 8 * opts.engines,
+        groups: 16 * opts.engines,
         requests: requests(opts),
         zipf_s: 0.8,
         system_tokens: 768,
         question_tokens: 128,
-        output_tokens: 64,
+        output_tokens: 32,
     };
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
@@ -580,6 +580,7 @@ async fn run_one(
         e2e_p50_ms: summary.e2e_p50_ms,
         hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
         computed_tokens: computed.iter().sum(),
+        preemptions: stats.iter().map(|s| s.preemptions).sum(),
         ideal_computed_tokens: b.ideal.as_ref().map(|f| f(&workload)),
         computed_per_engine: computed,
         requests_per_engine: served,
@@ -634,7 +635,7 @@ fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> 
 fn progress_line(workload: &str, r: &Run) -> String {
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     format!(
-        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, errors {}",
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {}, errors {}",
         r.router,
         r.rate,
         r.seed,
@@ -645,6 +646,7 @@ fn progress_line(workload: &str, r: &Run) -> String {
         r.computed_per_engine,
         r.ideal_computed_tokens.map_or("-".to_owned(), |t| t.to_string()),
         r.requests_per_engine,
+        r.preemptions,
         r.errors,
     )
 }

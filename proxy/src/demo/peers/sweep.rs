@@ -24,6 +24,8 @@ pub struct Run {
     pub computed_tokens: u64,
     /// The same per engine, in pod order.
     pub computed_per_engine: Vec<u64>,
+    /// Requests the engines preempted (sent back to wait, KV recomputed).
+    pub preemptions: u64,
     /// What an ideal placement would compute (each shared prefix once), where
     /// the workload defines it.
     pub ideal_computed_tokens: Option<u64>,
@@ -178,6 +180,7 @@ mod tests {
             computed_tokens: 100 * seed,
             computed_per_engine: vec![],
             ideal_computed_tokens: None,
+            preemptions: 0,
             requests_per_engine: vec![],
             goodput: 1.0,
         }

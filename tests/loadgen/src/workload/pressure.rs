@@ -5,10 +5,11 @@
 //! capacity, a router decides which groups stay resident where, and a wrong
 //! placement shows as prompt tokens computed again.
 //!
-//! Its *pressure* is its cache demand over the fleet's KV capacity, as
-//! llm-d's benchmark states it (field.md P1, "cache demand ≈73% of cluster
-//! KV"): every distinct prompt token the workload sends (each group's system
-//! prompt once, every question) over the blocks the engines hold.
+//! Its *pressure* is its working set over the fleet's KV capacity: every
+//! group's system prompt once (what a router could keep cached and reuse),
+//! over the blocks the engines hold. llm-d's benchmark (field.md P1) states
+//! its "cache demand" with the questions counted too; they are never reused,
+//! so they are left out here.
 //!
 //! The shape follows the field's prefix-caching benchmarks (field.md W1 and
 //! the many-groups, skewed-popularity set-ups of llm-d's and SGLang's
@@ -51,12 +52,10 @@ impl PressureParams {
         }
     }
 
-    /// Cache demand over the fleet's KV: every group's system prompt once and
-    /// every question, in blocks, over `engines × blocks_per_engine`.
+    /// Working set over the fleet's KV: every group's system prompt once, in
+    /// blocks, over `engines × blocks_per_engine`.
     pub fn pressure(&self, engines: usize, blocks_per_engine: usize, block_size: usize) -> f64 {
-        let bs = block_size.max(1);
-        let demand = self.groups * self.system_tokens.div_ceil(bs)
-            + self.requests * self.question_tokens.div_ceil(bs);
+        let demand = self.groups * self.system_tokens.div_ceil(block_size.max(1));
         demand as f64 / (engines * blocks_per_engine).max(1) as f64
     }
 
@@ -154,10 +153,10 @@ mod tests {
     }
 
     #[test]
-    fn pressure_is_cache_demand_over_capacity() {
+    fn pressure_is_working_set_over_capacity() {
         let p = PressureParams::small(10);
-        // 32 groups × 32 blocks + 10 questions × 3 blocks = 1054 over 4 × 128.
-        assert!((p.pressure(4, 128, 16) - 1054.0 / 512.0).abs() < 1e-9);
+        // 32 groups × 32 blocks = 1024 blocks over 4 × 128.
+        assert!((p.pressure(4, 128, 16) - 2.0).abs() < 1e-9);
     }
 
     #[test]
