@@ -142,13 +142,12 @@ fn trace_has_every_score_and_the_totals() {
     eps[0].load.kv_usage = 0.5;
     let d = default_sched().schedule(&req(100), &eps, 0, 0).unwrap();
     let p = &d.trace.profiles[0];
-    assert_eq!(p.scorers.len(), 5);
+    assert_eq!(p.scorers.len(), 3);
     assert_eq!(p.score_of("prefix-cache-scorer", &eps[1].id), Some(0.5));
-    assert_eq!(
-        p.score_of("kv-cache-utilization-scorer", &eps[0].id),
-        Some(0.5)
-    );
-    assert_eq!(p.score_of("queue-scorer", &eps[2].id), Some(0.0));
+    // No anchor: the affinity scorer has no home to prefer.
+    assert_eq!(p.score_of("prefix-affinity-scorer", &eps[0].id), Some(0.5));
+    assert_eq!(p.score_of("active-request-scorer", &eps[2].id), Some(0.0));
+    assert_eq!(p.score_of("active-request-scorer", &eps[0].id), Some(1.0));
     for (pos, id) in p.candidates.iter().enumerate() {
         let sum: f64 = p.scorers.iter().map(|s| s.weight * s.scores[pos]).sum();
         assert!((p.total_of(id).unwrap() - sum).abs() < 1e-12);
@@ -157,7 +156,7 @@ fn trace_has_every_score_and_the_totals() {
     let json = serde_json::to_value(&d).unwrap();
     assert_eq!(json["route"]["kind"], "aggregated");
     assert_eq!(
-        json["trace"]["profiles"][0]["scorers"][2]["scorer"],
+        json["trace"]["profiles"][0]["scorers"][0]["scorer"],
         "prefix-cache-scorer"
     );
 }
@@ -181,7 +180,7 @@ fn summary_trace_decides_the_same_and_keeps_only_the_reason() {
         assert!(b.trace.profiles.is_empty() && b.trace.request_id.is_empty());
         assert_eq!(
             a.trace.profiles[0].scorers.len(),
-            5,
+            3,
             "full trace stays complete"
         );
         assert_eq!(a.trace.request_id, "req-1");
@@ -263,32 +262,45 @@ fn same_seed_same_decision_and_ties_spread() {
 }
 
 #[test]
-fn cold_requests_spread_over_endpoints() {
-    let sched = default_sched();
+fn cold_prefixes_spread_over_endpoints_and_each_has_one_home() {
     let eps = pool(4);
-    // A what-if does not count as a cold request.
-    let first = sched
-        .explain(&req(20), &eps, 9)
-        .0
-        .unwrap()
-        .primary()
-        .id
-        .clone();
-    let again = sched
-        .explain(&req(20), &eps, 9)
-        .0
-        .unwrap()
-        .primary()
-        .id
-        .clone();
-    assert_eq!(first, again);
-    let mut seen = std::collections::BTreeSet::new();
-    for i in 0..4u64 {
-        // The same seed every time: only the LRU history changes the choice.
-        let d = sched.schedule(&req(20), &eps, i, 9).unwrap();
-        seen.insert(d.route.primary().id.clone());
+    let cold = |anchor: u64| RequestView {
+        prefix_anchor: Some(anchor),
+        ..req(20)
+    };
+    // Two schedulers stand for two sidecars: they agree on every home,
+    // whatever their seeds, without sharing any state.
+    let (a, b) = (default_sched(), default_sched());
+    let mut homes = std::collections::BTreeMap::new();
+    for anchor in 0..256u64 {
+        let here = a.schedule(&cold(anchor), &eps, 0, anchor).unwrap();
+        let there = b.schedule(&cold(anchor), &eps, 0, anchor + 1000).unwrap();
+        assert_eq!(here.route.primary().id, there.route.primary().id);
+        *homes.entry(here.route.primary().id.clone()).or_insert(0) += 1;
     }
-    assert_eq!(seen.len(), 4, "four cold requests should land on four pods");
+    // 64 expected each; 40 is 3.5 standard deviations below.
+    assert_eq!(homes.len(), 4, "256 cold prefixes over 4 pods: {homes:?}");
+    assert!(homes.values().all(|&n| n >= 40), "{homes:?}");
+}
+
+#[test]
+fn a_home_with_far_more_requests_than_the_others_spills() {
+    let mut eps = pool(4);
+    let r = RequestView {
+        prefix_anchor: Some(5),
+        ..req(20)
+    };
+    let home = default_sched()
+        .schedule(&r, &eps, 0, 0)
+        .unwrap()
+        .route
+        .primary()
+        .id
+        .clone();
+    let i = eps.iter().position(|e| e.id == home).unwrap();
+    eps[i].load.in_flight = 12;
+    let d = default_sched().schedule(&r, &eps, 0, 0).unwrap();
+    assert_ne!(d.route.primary().id, home, "{:#?}", d.trace);
 }
 
 fn pd_sched() -> Scheduler {

@@ -143,11 +143,9 @@ async fn debug_route_explains_a_decision_with_every_plugins_score_and_sends_noth
     assert_eq!(v["fallbacks"], serde_json::json!([other]));
     // Every scorer of the default profile rated both pods, and the totals add up.
     let scorers = [
-        ("queue-scorer", 2.0),
-        ("kv-cache-utilization-scorer", 2.0),
         ("prefix-cache-scorer", 3.0),
-        ("load-aware-scorer", 1.0),
-        ("no-hit-lru-scorer", 1.0),
+        ("prefix-affinity-scorer", 2.0),
+        ("active-request-scorer", 1.0),
     ];
     for pod in [&local, &peer] {
         let row = &v["scores"]["default"][pod.as_str()];

@@ -122,6 +122,16 @@ pub struct LoadSnapshot {
     pub block_size: u32,
 }
 
+impl LoadSnapshot {
+    /// Requests at the endpoint: those this mesh has in flight there, or its
+    /// engine's running plus waiting count when that is larger (clients that
+    /// bypass the mesh, or a mesh count not yet caught up).
+    pub fn requests(&self) -> u32 {
+        self.in_flight
+            .max(self.running.saturating_add(self.waiting))
+    }
+}
+
 /// How much of the current request's prefix the endpoint holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct PrefixMatch {

@@ -182,9 +182,9 @@ impl FilterConfig {
     }
 
     /// The config used without a file: filters `healthy-fresh-filter`,
-    /// `model-filter`, `decode-filter`; scorers `queue-scorer` ×2,
-    /// `kv-cache-utilization-scorer` ×2, `prefix-cache-scorer` ×3,
-    /// `load-aware-scorer` ×1, `no-hit-lru-scorer` ×1; `max-score-picker`.
+    /// `model-filter`, `decode-filter`; scorers `prefix-cache-scorer` ×3,
+    /// `prefix-affinity-scorer` ×2, `active-request-scorer` ×1;
+    /// `max-score-picker`.
     /// Why these weights is in `docs/filters.md`.
     pub fn builtin_default() -> FilterConfig {
         let spec = |t: &str, kind| PluginSpec {
@@ -197,11 +197,9 @@ impl FilterConfig {
         use PluginKind::{Filter, Picker, ProfileHandler, Scorer};
         let filters = ["healthy-fresh-filter", "model-filter", "decode-filter"];
         let scorers = [
-            ("queue-scorer", 2.0),
-            ("kv-cache-utilization-scorer", 2.0),
             ("prefix-cache-scorer", 3.0),
-            ("load-aware-scorer", 1.0),
-            ("no-hit-lru-scorer", 1.0),
+            ("prefix-affinity-scorer", 2.0),
+            ("active-request-scorer", 1.0),
         ];
         let mut plugins: Vec<PluginSpec> = filters.iter().map(|f| spec(f, Filter)).collect();
         plugins.extend(scorers.iter().map(|(s, _)| spec(s, Scorer)));

@@ -1,7 +1,9 @@
-//! `active-request-scorer`: prefer endpoints with fewer requests in flight
-//! from this mesh (fresher than engine metrics, so a burst sent through many
-//! sidecars spreads before the engines report it): `(maxA − a) / maxA`, 1.0
-//! for all when nothing is in flight.
+//! `active-request-scorer`: prefer endpoints with fewer requests at them:
+//! `(maxA − a) / maxA`, 1.0 for all when none has any. `a` is what this mesh
+//! has in flight there (fresher than engine metrics, so a burst sent through
+//! many sidecars spreads before the engines report it), or the engine's
+//! running plus waiting count when that is larger (clients that bypass the
+//! mesh): [`LoadSnapshot::requests`](crate::sched::LoadSnapshot::requests).
 //!
 //! Parameters: none.
 //!
@@ -24,14 +26,14 @@ impl Scorer for ActiveRequestScorer {
     fn score(&self, _r: &RequestView, eps: &[EndpointView], cands: &[usize], out: &mut [f64]) {
         let max = cands
             .iter()
-            .map(|&i| eps[i].load.in_flight)
+            .map(|&i| eps[i].load.requests())
             .max()
             .unwrap_or(0);
         for (o, &i) in out.iter_mut().zip(cands) {
             *o = if max == 0 {
                 1.0
             } else {
-                f64::from(max - eps[i].load.in_flight) / f64::from(max)
+                f64::from(max - eps[i].load.requests()) / f64::from(max)
             };
         }
     }
@@ -59,5 +61,23 @@ mod tests {
         assert_eq!(out, [1.0, 0.5, 0.0]);
         ActiveRequestScorer.score(&RequestView::default(), &eps, &[0], &mut out[..1]);
         assert_eq!(out[0], 1.0);
+    }
+
+    #[test]
+    fn an_engine_queue_larger_than_the_mesh_count_counts() {
+        let eps: Vec<_> = [(0u32, 0u32), (1, 8)]
+            .iter()
+            .map(|&(in_flight, waiting)| EndpointView {
+                load: LoadSnapshot {
+                    in_flight,
+                    waiting,
+                    ..LoadSnapshot::default()
+                },
+                ..EndpointView::new("e")
+            })
+            .collect();
+        let mut out = [0.0; 2];
+        ActiveRequestScorer.score(&RequestView::default(), &eps, &[0, 1], &mut out);
+        assert_eq!(out, [1.0, 0.0]);
     }
 }

@@ -21,8 +21,9 @@
 //!   spills, and then always to the same second pod (bounded-load consistent
 //!   hashing, Mirrokni, Thorup and Zadimoghaddam, 2018).
 //!
-//! Load is what the mesh knows freshest: requests in flight to the endpoint,
-//! or its engine's running plus waiting count when that is larger.
+//! Load is [`LoadSnapshot::requests`](crate::sched::LoadSnapshot::requests):
+//! requests this mesh has in flight to the endpoint, or its engine's running
+//! plus waiting count when that is larger.
 //!
 //! | parameter | default | meaning |
 //! |---|---|---|
@@ -36,7 +37,7 @@
 //! ```
 
 use serde::Deserialize;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::sched::error::ParamError;
 use crate::sched::plugin::Scorer;
@@ -81,13 +82,17 @@ pub struct AffinityScorer {
 
 /// The load the bound is taken over.
 fn load(ep: &EndpointView) -> u64 {
-    let engine = u64::from(ep.load.running) + u64::from(ep.load.waiting);
-    u64::from(ep.load.in_flight).max(engine)
+    u64::from(ep.load.requests())
 }
 
-/// The rendezvous weight of `endpoint` for `anchor`.
+/// The rendezvous weight of `endpoint` for `anchor`: the endpoint id's hash
+/// combined with the anchor and mixed (splitmix64's finalizer), so that
+/// neighbouring anchors rank endpoints independently.
 pub fn weight(anchor: u64, endpoint: &str) -> u64 {
-    xxh3_64_with_seed(endpoint.as_bytes(), anchor)
+    let mut z = xxh3_64(endpoint.as_bytes()) ^ anchor;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl Scorer for AffinityScorer {

@@ -194,6 +194,11 @@ pub struct RouterStatus {
     pub reason: Option<String>,
 }
 
+/// Builds a workload from a seed.
+type BuildFn = Box<dyn Fn(u64) -> Workload + Send + Sync>;
+/// The prompt tokens an ideal placement computes for a built workload.
+type IdealFn = Box<dyn Fn(&Workload) -> u64 + Send + Sync>;
+
 /// A workload as the benchmark runs it.
 struct Bench {
     name: &'static str,
@@ -204,9 +209,9 @@ struct Bench {
     spec: FleetSpec,
     rates: Vec<f64>,
     routers: Vec<Router>,
-    build: Box<dyn Fn(u64) -> Workload + Send + Sync>,
+    build: BuildFn,
     /// Prompt tokens an ideal placement computes for a built workload.
-    ideal: Option<Box<dyn Fn(&Workload) -> u64 + Send + Sync>>,
+    ideal: Option<IdealFn>,
 }
 
 /// Requests per run.
