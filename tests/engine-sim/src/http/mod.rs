@@ -213,8 +213,15 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
                 "modelperm-{}",
                 &uuid::Uuid::new_v4().simple().to_string()[..16]
             );
+            // Routers tell the engine family by `owned_by` (SMG picks its
+            // P/D protocol from it): SGLang's model cards say "sglang".
+            let owner = match shared.cfg.flavor {
+                crate::config::Flavor::Vllm => "vllm",
+                crate::config::Flavor::Sglang => "sglang",
+            };
             let v = shapes::models(
                 &shared.cfg.model,
+                owner,
                 shared.created,
                 shared.cfg.max_model_len,
                 &perm,

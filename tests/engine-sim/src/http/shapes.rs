@@ -136,12 +136,18 @@ pub fn error(status: u16, message: &str, param: Option<&str>) -> Value {
     json!({"error": {"message": message, "type": kind, "param": param, "code": status}})
 }
 
-/// `GET /v1/models`.
-pub fn models(model: &str, created: u64, max_model_len: usize, perm_id: &str) -> Value {
+/// `GET /v1/models`; `owned_by` is the engine family (`vllm`, `sglang`).
+pub fn models(
+    model: &str,
+    owned_by: &str,
+    created: u64,
+    max_model_len: usize,
+    perm_id: &str,
+) -> Value {
     json!({
         "object": "list",
         "data": [{
-            "id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
+            "id": model, "object": "model", "created": created, "owned_by": owned_by, "root": model,
             "parent": null, "max_model_len": max_model_len,
             "permission": [{
                 "id": perm_id, "object": "model_permission", "created": created,
