@@ -44,8 +44,7 @@ fn cpu_time<R>(name: &str, n: u32, per_call: Option<(f64, &str)>, mut f: impl Fn
 }
 
 fn hf() -> HfTokenizer {
-    let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/tiny-llama");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-llama");
     let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
     let cfg = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
     let tpl = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();

@@ -3,7 +3,7 @@
 
 use kvmesh_filters::prefix::hash::{digest_to_u64, VllmCborHasher, VLLM_NONE_HASH_SEED};
 
-const VECTORS: &str = "../../shared/fixtures/vllm-cpu/hash_vectors.json";
+const VECTORS: &str = "../tests/fixtures/vllm-cpu/hash_vectors.json";
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()

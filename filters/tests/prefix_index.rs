@@ -9,7 +9,7 @@ use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, KvEvent};
 
 fn fixture(rel: &str) -> String {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
+        .join("../tests/fixtures")
         .join(rel);
     std::fs::read_to_string(p).unwrap()
 }

@@ -13,7 +13,7 @@ use proptest::prelude::*;
 
 fn fixture(rel: &str) -> String {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
+        .join("../tests/fixtures")
         .join(rel);
     std::fs::read_to_string(p).unwrap()
 }

@@ -11,7 +11,7 @@ use kvmesh_filters::prefix::tokenize::{
 use proptest::prelude::*;
 
 fn fixtures() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
 fn hf() -> &'static HfTokenizer {

@@ -1,6 +1,6 @@
 //! `kvmesh-proxy prefix` against what a real vLLM 0.32 published: the token
 //! ids of its `/tokenize` and the block hashes of its `BlockStored` events
-//! (`shared/fixtures/vllm-cpu/hash_vectors.json`, `sha256_cbor`, block size
+//! (`tests/fixtures/vllm-cpu/hash_vectors.json`, `sha256_cbor`, block size
 //! 32), with the repo's `tests/fixtures/tiny-llama` tokenizer.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -37,7 +37,7 @@ fn run(args: &[&str], body: &[u8]) -> (i32, serde_json::Value, String) {
 
 #[test]
 fn vllm_mode_reproduces_the_published_hashes() {
-    let vectors_path = repo().join("../shared/fixtures/vllm-cpu/hash_vectors.json");
+    let vectors_path = repo().join("tests/fixtures/vllm-cpu/hash_vectors.json");
     let text = std::fs::read_to_string(&vectors_path)
         .unwrap_or_else(|e| panic!("{}: {e}", vectors_path.display()));
     let doc: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -1,5 +1,5 @@
 //! A fake engine that answers in vLLM's shapes (as captured from vLLM 0.32 in
-//! `shared/fixtures/vllm-cpu/probe/`): completions and chat, streaming (one SSE
+//! `tests/fixtures/vllm-cpu/probe/`): completions and chat, streaming (one SSE
 //! event per token, a usage event, `data: [DONE]`) and not, `/v1/models` and
 //! `/health`. Output is a fixed word repeated `max_tokens` times; enough for
 //! clients such as the official OpenAI SDK to parse every field they read.

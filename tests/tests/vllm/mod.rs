@@ -63,7 +63,7 @@ pub fn model_dir() -> PathBuf {
     if in_repo.join("config.json").is_file() {
         return in_repo;
     }
-    repo_root().join("../shared/fixtures/tiny-llama")
+    repo_root().join("tests/fixtures/tiny-llama")
 }
 
 /// A loopback TCP port that was free a moment ago. vLLM takes a port number, not a socket, so there is

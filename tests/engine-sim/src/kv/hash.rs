@@ -56,7 +56,7 @@ mod tests {
         // fixtures/vllm-cpu/hash_vectors.json, first vector's first blocks.
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures/vllm-cpu/hash_vectors.json"
+            "/../fixtures/vllm-cpu/hash_vectors.json"
         );
         let text = std::fs::read_to_string(path).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();

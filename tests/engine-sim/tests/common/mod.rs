@@ -139,7 +139,7 @@ pub fn assert_same_shape(what: &str, ours: &Value, theirs: &Value) {
     );
 }
 
-pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures");
+pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures");
 
 /// The body of a raw HTTP capture (after the blank line).
 pub fn capture_body(file: &str) -> String {

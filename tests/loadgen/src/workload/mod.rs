@@ -1,5 +1,5 @@
 //! Workloads: deterministic lists of requests modelled on the field's standard
-//! routing benchmarks (`shared/docs/field.md` §4), each in a `small` size for
+//! routing benchmarks (docs/bench-tool.md, "Workloads", names each source), each in a `small` size for
 //! CI on a 2-core machine and a `full` size with the field's parameters.
 //!
 //! A workload is plain data ([`Workload`]): the same seed gives the same
