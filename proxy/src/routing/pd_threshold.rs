@@ -30,6 +30,12 @@ pub fn apply(cfg: FilterConfig, threshold: Option<u32>) -> Result<FilterConfig, 
         }
         if let Value::Mapping(m) = &mut p.parameters {
             m.insert(Value::from("nonCachedTokens"), Value::from(n));
+            // A prompt with `n` uncached tokens has at least `n` tokens: a
+            // prompt floor above the threshold would overrule the knob.
+            let floor = m.get("promptTokens").and_then(Value::as_u64);
+            if floor.is_some_and(|f| f > u64::from(n)) {
+                m.insert(Value::from("promptTokens"), Value::from(n));
+            }
         }
     }
     Ok(cfg)
@@ -45,6 +51,23 @@ mod tests {
     fn threshold_of(cfg: &FilterConfig) -> Option<u64> {
         let p = cfg.plugins.iter().find(|p| p.type_name == DECIDER)?;
         p.parameters.get("nonCachedTokens")?.as_u64()
+    }
+
+    fn floor_of(cfg: &FilterConfig) -> Option<u64> {
+        let p = cfg.plugins.iter().find(|p| p.type_name == DECIDER)?;
+        p.parameters.get("promptTokens")?.as_u64()
+    }
+
+    #[test]
+    fn a_threshold_below_the_prompt_floor_lowers_the_floor() {
+        // The built-in P/D config splits prompts of 1024 tokens and more.
+        let low = apply(FilterConfig::builtin_default(), Some(256)).unwrap();
+        assert_eq!((threshold_of(&low), floor_of(&low)), (Some(256), Some(256)));
+        let high = apply(FilterConfig::builtin_default(), Some(4096)).unwrap();
+        assert_eq!(
+            (threshold_of(&high), floor_of(&high)),
+            (Some(4096), Some(1024))
+        );
     }
 
     #[test]
