@@ -437,9 +437,14 @@ async fn through_sidecar(
         .rsplit_once(':')
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .context("agent port")?;
+    // The prefill engine is outside the sidecar's mesh: llm-d's header may name
+    // it only because it is allow-listed (no open relay).
     let sidecar = SidecarUnderTest::start(
         &decode.base_url,
-        &format!("pd:\n  connector: kvagent\n  kvagent_port: {port}\n"),
+        &format!(
+            "pd:\n  connector: kvagent\n  kvagent_port: {port}\n  allowed_prefillers: [\"127.0.0.1:{}\"]\n",
+            prefill.port
+        ),
     )
     .await?;
     let ext_before = counter(
