@@ -75,9 +75,18 @@ fn every_policy_has_finite_figures_in_json_and_table() {
             seen.push(policy.to_owned());
             assert!(table.contains(policy), "table lacks {policy}:\n{table}");
             if p["available"] == false {
-                // Only P/D may be missing (until its stage lands), and it says why.
-                assert_eq!(policy, "pd", "{policy} unavailable: {}", p["note"]);
-                assert!(p["note"].as_str().is_some_and(|n| !n.is_empty()));
+                // Only the SMG row may be missing (SMG is not installed), and
+                // it says how to add it; the demo installs nothing.
+                assert_eq!(
+                    policy, "smg-cache-aware",
+                    "{policy} unavailable: {}",
+                    p["note"]
+                );
+                assert!(
+                    p["note"].as_str().is_some_and(|n| n.contains("setup-smg")),
+                    "{}",
+                    p["note"]
+                );
                 assert!(table.contains("not available"));
                 continue;
             }
@@ -105,6 +114,7 @@ fn every_policy_has_finite_figures_in_json_and_table() {
             "no row for {p}: {seen:?}"
         );
     }
+    assert!(seen.iter().any(|s| s == "smg-cache-aware"), "{seen:?}");
     // Latencies are in simulated time, and say so.
     assert!(
         table.starts_with("Times in simulated milliseconds"),
@@ -122,9 +132,10 @@ fn kvmesh_hits_the_prefix_cache_more_than_round_robin() {
             .unwrap()
     };
     let (rr, kv) = (hit(Policy::RoundRobin), hit(Policy::Kvmesh));
-    // Every group of users shares a 600-token system prompt: routing a group
+    // Every group of users shares a 768-token system prompt: routing a group
     // to the engine that holds it must serve clearly more prompt tokens from
-    // cache than spreading the group over every engine.
+    // cache than spreading the group over every engine, even when the
+    // groups' prompts need more KV than the fleet has.
     assert!(
         kv > rr + 0.1,
         "kvmesh hit rate {kv:.2} is not clearly above round-robin's {rr:.2}"
@@ -144,7 +155,12 @@ fn the_demo_leaves_no_task_running() {
 fn the_autoscaling_hook_sizes_every_fleet_and_splits_prefill_from_decode_under_pd() {
     let report = &quick_run().report;
     for w in &report.workloads {
-        for p in w.policies.iter().filter(|p| p.available) {
+        // The SMG row runs bare engines behind SMG: no sidecar, no hook.
+        for p in w
+            .policies
+            .iter()
+            .filter(|p| p.available && p.policy != "smg-cache-aware")
+        {
             let peak = &p.autoscale_peak;
             let pods: u32 = peak.values().map(|k| k.pods).sum();
             assert_eq!(

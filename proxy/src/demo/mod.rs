@@ -21,7 +21,6 @@ pub mod report;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvmesh_loadgen::workload::{PdParams, SharedPrefixParams};
 use kvmesh_loadgen::{runner, Client, ClientConfig, Load, RunConfig, Spread, Workload};
 
 pub use fleet::{DemoFleet, FleetSpec};
@@ -58,6 +57,9 @@ pub struct DemoOpts {
     pub shared_prefix_policies: Vec<Policy>,
     /// Policies compared on the long-prompt workload (empty: skip it).
     pub long_prompt_policies: Vec<Policy>,
+    /// Add an SMG 1.13 `cache_aware` row to shared prefix where SMG is
+    /// installed (a row saying how to install it otherwise).
+    pub smg: bool,
     /// Print what starts and a progress line on stderr.
     pub progress: bool,
 }
@@ -74,9 +76,11 @@ impl DemoOpts {
                 Policy::RoundRobin,
                 Policy::LeastQueue,
                 Policy::ApproxPrefix,
+                Policy::LlmD,
                 Policy::Kvmesh,
             ],
             long_prompt_policies: vec![Policy::RoundRobin, Policy::Kvmesh, Policy::Pd],
+            smg: true,
             progress: false,
         }
     }
@@ -91,75 +95,60 @@ struct DemoWorkload {
     spec: FleetSpec,
 }
 
-/// Arrival rate in requests per wall second (× time scale per simulated second).
-const SHARED_PREFIX_RATE: f64 = 20.0;
+/// Where routing decides: past round-robin's capacity on the pressured
+/// fleet, within kvmesh's (`kvmesh-bench peers`, docs/benchmarks.md), in
+/// simulated requests per second.
+const SHARED_PREFIX_RATE: f64 = 40.0;
+/// Where P/D pays: long prefills stall aggregated decodes often enough to
+/// show in their ITL p99 (`kvmesh-bench peers`), simulated requests per second.
 const LONG_PROMPT_RATE: f64 = 16.0;
 
-fn shared_prefix(opts: &DemoOpts) -> DemoWorkload {
-    let p = SharedPrefixParams {
-        groups: if opts.quick { 8 } else { 16 },
-        users_per_group: if opts.quick { 6 } else { 8 },
-        system_tokens: 600,
-        question_tokens: 60,
-        output_tokens: 32,
-    };
-    let spec = FleetSpec::demo(opts.engines);
-    let n = p.groups * p.users_per_group;
-    DemoWorkload {
+fn shared_prefix(opts: &DemoOpts) -> Result<DemoWorkload, DemoError> {
+    let n = if opts.quick { 120 } else { 240 };
+    let (spec, p) = peers::pressure_setup(opts.engines, n)?;
+    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
+    Ok(DemoWorkload {
         name: "shared-prefix",
         description: format!(
-            "{n} requests: {} groups x {} users, {}-token shared system prompt, {}-token question, \
-             {}-token answer; Poisson {:.1} req/s; {} engines of {} KV blocks",
+            "{n} requests from {} groups (Zipf s={}) of a {}-token system prompt, {}-token question, \
+             {}-token answer; Poisson {SHARED_PREFIX_RATE} req/s; {} engines of {} KV blocks \
+             (the groups' prompts need {pressure:.1}x the fleet's KV)",
             p.groups,
-            p.users_per_group,
+            p.zipf_s,
             p.system_tokens,
             p.question_tokens,
             p.output_tokens,
-            SHARED_PREFIX_RATE / spec.time_scale,
             spec.engines,
             spec.num_blocks,
         ),
         workload: p.build(opts.seed),
-        load: Load::poisson(SHARED_PREFIX_RATE, n),
+        load: Load::poisson(SHARED_PREFIX_RATE * spec.time_scale, n),
         spec,
-    }
+    })
 }
 
-fn long_prompt(opts: &DemoOpts) -> DemoWorkload {
-    let p = PdParams {
-        long_requests: if opts.quick { 6 } else { 16 },
-        // Above the P/D example's 2048 uncached tokens, so P/D engages.
-        long_input: 2500,
-        long_output: 50,
-        short_per_long: 3,
-        short_input: 32,
-        short_output: 64,
-    };
-    let mut spec = FleetSpec::demo(opts.engines);
-    // Room for several long prompts at once: this workload is about prefill
-    // stalling decodes, not about cache placement.
-    spec.num_blocks = 1024;
-    let n = p.long_requests * (1 + p.short_per_long);
+fn long_prompt(opts: &DemoOpts) -> Result<DemoWorkload, DemoError> {
+    let n = if opts.quick { 80 } else { 160 };
+    let (spec, p) = peers::pd_setup(opts.engines, n)?;
     let mut workload = p.build(opts.seed);
     workload.name = "long-prompt".to_owned();
-    DemoWorkload {
+    Ok(DemoWorkload {
         name: "long-prompt",
         description: format!(
             "{n} requests: {} long ({} tokens in, {} out) among {} short ({} in, {} out); \
-             Poisson {:.1} req/s; P/D splits the {} engines into prefill and decode halves",
+             Poisson {LONG_PROMPT_RATE} req/s; P/D splits the {} engines into prefill and decode halves",
             p.long_requests,
             p.long_input,
             p.long_output,
             p.long_requests * p.short_per_long,
             p.short_input,
             p.short_output,
-            LONG_PROMPT_RATE / spec.time_scale,
             spec.engines,
         ),
         workload,
-        load: Load::poisson(LONG_PROMPT_RATE, n),
+        load: Load::poisson(LONG_PROMPT_RATE * spec.time_scale, n),
         spec,
-    }
+    })
 }
 
 fn say(opts: &DemoOpts, line: &str) {
@@ -172,11 +161,11 @@ fn say(opts: &DemoOpts, line: &str) {
 /// (fresh caches, same seed), and reports in simulated time.
 pub async fn run(opts: &DemoOpts) -> Result<DemoReport, DemoError> {
     let started = Instant::now();
-    let mut plan = vec![(shared_prefix(opts), opts.shared_prefix_policies.clone())];
+    let mut plan = vec![(shared_prefix(opts)?, opts.shared_prefix_policies.clone())];
     if !opts.long_prompt_policies.is_empty() {
-        plan.push((long_prompt(opts), opts.long_prompt_policies.clone()));
+        plan.push((long_prompt(opts)?, opts.long_prompt_policies.clone()));
     }
-    let spec = FleetSpec::demo(opts.engines);
+    let spec = peers::peers_spec(opts.engines)?;
     let mut workloads = Vec::new();
     for (wl, policies) in &plan {
         let mut report = WorkloadReport {
@@ -198,6 +187,9 @@ pub async fn run(opts: &DemoOpts) -> Result<DemoReport, DemoError> {
                 ),
             );
             report.policies.push(run_policy(opts, wl, policy).await?);
+        }
+        if wl.name == "shared-prefix" && opts.smg {
+            report.policies.push(run_smg(opts, wl).await?);
         }
         report.compute_ratios();
         workloads.push(report);
@@ -300,6 +292,76 @@ async fn sample_autoscale(
     }
 }
 
+/// The SMG row: SMG 1.13 `cache_aware` in front of a fresh fleet of bare
+/// engines, the same workload and load; unavailable, with the command that
+/// installs it, when SMG is not found. The demo installs nothing.
+async fn run_smg(opts: &DemoOpts, wl: &DemoWorkload) -> Result<PolicyReport, DemoError> {
+    const NAME: &str = "smg-cache-aware";
+    let bin = match peers::smg::find() {
+        Ok(bin) => bin,
+        Err(why) => return Ok(PolicyReport::unavailable(NAME, why)),
+    };
+    say(
+        opts,
+        &format!(
+            "[{}] {NAME}: SMG 1.13 in front of {} bare engines",
+            wl.name, wl.spec.engines
+        ),
+    );
+    let mut engines = Vec::with_capacity(wl.spec.engines);
+    for _ in 0..wl.spec.engines {
+        engines.push(
+            kvmesh_engine_sim::Engine::start_local(
+                wl.spec.sim_config(kvmesh_filters::sched::Role::Both),
+            )
+            .await?,
+        );
+    }
+    let urls: Vec<String> = engines
+        .iter()
+        .map(kvmesh_engine_sim::SimHandle::base_url)
+        .collect();
+    let outcome = match peers::smg::Smg::start(&bin, "cache_aware", &urls, &wl.spec.model).await {
+        Ok(smg) => {
+            let result = drive_urls(opts, wl, &[smg.url.clone()]).await;
+            smg.stop().await;
+            Some(result)
+        }
+        Err(why) => {
+            for e in engines {
+                e.shutdown().await;
+            }
+            return Ok(PolicyReport::unavailable(NAME, why));
+        }
+    };
+    for e in engines {
+        e.shutdown().await;
+    }
+    let Some(result) = outcome else {
+        return Ok(PolicyReport::unavailable(NAME, "did not run".to_owned()));
+    };
+    let summary = report::to_simulated(&result?.summary(), wl.spec.time_scale);
+    Ok(PolicyReport::ran(NAME, summary, None))
+}
+
+/// Runs the workload against `urls`, spread in turn.
+async fn drive_urls(
+    opts: &DemoOpts,
+    wl: &DemoWorkload,
+    urls: &[String],
+) -> Result<runner::RunResult, DemoError> {
+    let mut cfg = RunConfig::new(urls, &wl.spec.model)?;
+    cfg.spread = Spread::RoundRobin;
+    cfg.seed = opts.seed;
+    cfg.progress = opts.progress;
+    cfg.client = ClientConfig {
+        request_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(30),
+        ..ClientConfig::default()
+    };
+    Ok(runner::run(&cfg, &wl.workload, &wl.load).await?)
+}
+
 /// Probes (for P/D) and runs the workload. The inner error is a reason the
 /// policy is unavailable in this build; the outer one a failure of the demo.
 async fn drive(
@@ -309,16 +371,9 @@ async fn drive(
     fleet: &DemoFleet,
 ) -> Result<Result<runner::RunResult, String>, DemoError> {
     let urls = fleet.urls();
-    let mut cfg = RunConfig::new(&urls, &wl.spec.model)?;
-    cfg.spread = Spread::RoundRobin;
-    cfg.seed = opts.seed;
-    cfg.progress = opts.progress;
-    cfg.client = ClientConfig {
-        request_timeout: Duration::from_secs(120),
-        idle_timeout: Duration::from_secs(30),
-        ..ClientConfig::default()
-    };
     if policy.disaggregated() {
+        let mut cfg = RunConfig::new(&urls, &wl.spec.model)?;
+        cfg.client.request_timeout = Duration::from_secs(120);
         if let Err(why) = probe(&cfg, &wl.workload).await {
             say(
                 opts,
@@ -327,7 +382,7 @@ async fn drive(
             return Ok(Err(why));
         }
     }
-    Ok(Ok(runner::run(&cfg, &wl.workload, &wl.load).await?))
+    Ok(Ok(drive_urls(opts, wl, &urls).await?))
 }
 
 /// Sends the workload's longest request once; an error says the set-up does

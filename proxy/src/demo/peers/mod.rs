@@ -216,12 +216,12 @@ struct Bench {
 
 /// Requests per run.
 fn requests(opts: &PeersOpts) -> usize {
-    opts.requests.unwrap_or(if opts.quick { 400 } else { 800 })
+    opts.requests.unwrap_or(if opts.quick { 150 } else { 400 })
 }
 
 /// The engines of every fleet: Qwen3-32B on two H100s (tensor parallel 2),
 /// llm-d's precise-routing benchmark hardware (field.md P1), in real time.
-fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
+pub fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
     let mut spec = FleetSpec::demo(engines);
     spec.profile = LatencyProfile::load(PROFILE)?;
     spec.time_scale = TIME_SCALE;
@@ -235,25 +235,50 @@ pub const PROFILE: &str = "gpu:qwen3-32b@h100x2";
 /// counts as it would beside a GPU (a scale multiplies it).
 pub const TIME_SCALE: f64 = 1.0;
 
-fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
-    let mut spec = peers_spec(opts.engines)?;
-    // The groups' system prompts need 1.5x the fleet's KV: each pod keeps
-    // about 7 of them beside its running requests.
+/// The shared-prefix-under-pressure fleet and workload: 16 groups per pod
+/// of a 768-token system prompt, whose working set needs 1.5x the fleet's
+/// KV (each pod keeps about 7 of them beside its running requests).
+pub fn pressure_setup(
+    engines: usize,
+    requests: usize,
+) -> Result<(FleetSpec, PressureParams), DemoError> {
+    let mut spec = peers_spec(engines)?;
     spec.num_blocks = 512;
     let p = PressureParams {
-        groups: 16 * opts.engines,
-        requests: requests(opts),
+        groups: 16 * engines,
+        requests,
         zipf_s: 0.8,
         system_tokens: 768,
         question_tokens: 128,
         output_tokens: 32,
     };
+    Ok((spec, p))
+}
+
+/// The P/D fleet and workload: a quarter of the requests are 3000-token
+/// prompts among short chat turns, every answer 150 tokens.
+pub fn pd_setup(engines: usize, requests: usize) -> Result<(FleetSpec, PdParams), DemoError> {
+    let mut spec = peers_spec(engines)?;
+    spec.num_blocks = 4096;
+    let p = PdParams {
+        long_requests: requests / 4,
+        long_input: 3000,
+        long_output: 150,
+        short_per_long: 3,
+        short_input: 100,
+        short_output: 150,
+    };
+    Ok((spec, p))
+}
+
+fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
+    let (spec, p) = pressure_setup(opts.engines, requests(opts))?;
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
         if opts.quick {
-            vec![20.0, 40.0, 80.0]
+            vec![30.0, 45.0, 60.0]
         } else {
-            vec![10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0]
+            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0]
         }
     });
     Ok(Bench {
@@ -278,7 +303,7 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
                  scaled to 4 simulated engines; Zipf popularity as in web-cache traces (Breslau et al. 1999, s 0.64-0.83)",
         slo: Slo {
             ttft_p90_ms: 1000.0,
-            itl_p99_ms: 100.0,
+            itl_p99_ms: 200.0,
         },
         pressure: Some(pressure),
         spec,
@@ -293,24 +318,20 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
 }
 
 fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
-    let mut spec = peers_spec(opts.engines)?;
-    spec.num_blocks = 4096;
-    let n = requests(opts);
-    let p = PdParams {
-        long_requests: n / 4,
-        long_input: 3000,
-        long_output: 150,
-        short_per_long: 3,
-        short_input: 100,
-        short_output: 150,
-    };
+    let n = opts.requests.unwrap_or(if opts.quick { 100 } else { 200 });
+    let (spec, p) = pd_setup(opts.engines, n)?;
     let rates = if opts.quick {
-        vec![2.0, 4.0]
+        vec![8.0, 16.0]
     } else {
-        vec![1.0, 2.0, 3.0, 4.0, 6.0]
+        vec![4.0, 8.0, 12.0, 16.0, 20.0, 24.0]
     };
+    // Quick: the even split only; full: every prefill:decode split.
     let mut routers = vec![Router::Aggregated];
-    routers.extend((1..opts.engines).map(Router::KvmeshPd));
+    if opts.quick {
+        routers.push(Router::KvmeshPd(opts.engines / 2));
+    } else {
+        routers.extend((1..opts.engines).map(Router::KvmeshPd));
+    }
     Ok(Bench {
         name: "pd-long-prompt",
         description: format!(
@@ -328,7 +349,7 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
         source: "field.md P5 (llm-d P/D guide: ISL 5000 / OSL 250, prefill and decode pools at equal GPU count), \
                  scaled to 4 simulated engines with short chat requests decoding beside the long prompts",
         slo: Slo {
-            ttft_p90_ms: 3000.0,
+            ttft_p90_ms: 1000.0,
             itl_p99_ms: 100.0,
         },
         pressure: None,

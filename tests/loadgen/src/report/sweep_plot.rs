@@ -107,7 +107,9 @@ fn draw<DB: DrawingBackend>(
     x_label: &str,
     series: &[Series],
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
-    draw_text(root, (LEFT, 12), title, 2, &BLACK)?;
+    // Large type when the title fits the width, small otherwise.
+    let big = text_width(title, 2) <= W - LEFT - RIGHT;
+    draw_text(root, (LEFT, 12), title, if big { 2 } else { 1 }, &BLACK)?;
     let mut x = LEFT;
     for (i, s) in series.iter().enumerate() {
         let (r, g, b) = policy_color(i);
