@@ -321,24 +321,20 @@ async fn run_smg(opts: &DemoOpts, wl: &DemoWorkload) -> Result<PolicyReport, Dem
         .iter()
         .map(kvmesh_engine_sim::SimHandle::base_url)
         .collect();
-    let outcome = match peers::smg::Smg::start(&bin, "cache_aware", &urls, &wl.spec.model).await {
+    let result = match peers::smg::Smg::start(&bin, "cache_aware", &urls, &wl.spec.model).await {
         Ok(smg) => {
-            let result = drive_urls(opts, wl, &[smg.url.clone()]).await;
+            let result = drive_urls(opts, wl, std::slice::from_ref(&smg.url)).await;
             smg.stop().await;
-            Some(result)
+            Ok(result)
         }
-        Err(why) => {
-            for e in engines {
-                e.shutdown().await;
-            }
-            return Ok(PolicyReport::unavailable(NAME, why));
-        }
+        Err(why) => Err(why),
     };
     for e in engines {
         e.shutdown().await;
     }
-    let Some(result) = outcome else {
-        return Ok(PolicyReport::unavailable(NAME, "did not run".to_owned()));
+    let result = match result {
+        Ok(r) => r,
+        Err(why) => return Ok(PolicyReport::unavailable(NAME, why)),
     };
     let summary = report::to_simulated(&result?.summary(), wl.spec.time_scale);
     Ok(PolicyReport::ran(NAME, summary, None))
