@@ -101,6 +101,41 @@ impl TtftFit {
     }
 }
 
+/// The profile to try next after rounds `a` and then `b` (each the fit tried and what the
+/// simulator measured with it): per component, the straight line through the two rounds solved
+/// for `target` (a secant step), where the rounds tried different values and the simulator
+/// answered in the same direction; otherwise [`TtftFit::corrected`] from `b`. The simulator's own
+/// time is not a constant offset (a timer tick per sleep, work that grows with the prompt), so a
+/// unit-slope correction overshoots, and one clamped at zero can swing between rounds; the
+/// secant measures the slope instead of assuming it. Clamped at zero.
+pub fn secant(a: (&TtftFit, &TtftFit), b: (&TtftFit, &TtftFit), target: &TtftFit) -> TtftFit {
+    let fallback = b.0.corrected(target, b.1);
+    let solve = |tried: [f64; 2], got: [f64; 2], want: f64, otherwise: f64| {
+        let (dt, dg) = (tried[1] - tried[0], got[1] - got[0]);
+        if dt.abs() > 1e-9 && dg / dt > 0.0 {
+            (tried[1] + (want - got[1]) * dt / dg).max(0.0)
+        } else {
+            otherwise
+        }
+    };
+    TtftFit {
+        fixed_ms: solve(
+            [a.0.fixed_ms, b.0.fixed_ms],
+            [a.1.fixed_ms, b.1.fixed_ms],
+            target.fixed_ms,
+            fallback.fixed_ms,
+        ),
+        ms_per_token: solve(
+            [a.0.ms_per_token, b.0.ms_per_token],
+            [a.1.ms_per_token, b.1.ms_per_token],
+            target.ms_per_token,
+            fallback.ms_per_token,
+        ),
+        spread_ms: fallback.spread_ms,
+        samples: target.samples,
+    }
+}
+
 fn median(v: &mut [f64]) -> Option<f64> {
     if v.is_empty() {
         return None;
@@ -135,6 +170,34 @@ impl LatencyProfile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fit(fixed_ms: f64, ms_per_token: f64) -> TtftFit {
+        TtftFit {
+            fixed_ms,
+            ms_per_token,
+            spread_ms: 0.0,
+            samples: 10,
+        }
+    }
+
+    #[test]
+    fn the_secant_step_hits_a_target_through_a_sloped_simulator() {
+        // The simulator answers 2.9 ms + 1.6 x the fixed time it is given (one timer tick per
+        // sleep, and sleeps that add up): a unit-slope correction overshoots, the secant lands.
+        let sim = |f: &TtftFit| fit(2.9 + 1.6 * f.fixed_ms, 0.001 + f.ms_per_token);
+        let target = fit(4.2, 0.0112);
+        let a = target;
+        let b = fit(0.0, 0.0097);
+        let next = secant((&a, &sim(&a)), (&b, &sim(&b)), &target);
+        assert!(
+            (sim(&next).fixed_ms - target.fixed_ms).abs() < 1e-9,
+            "{next:?}"
+        );
+        assert!((sim(&next).ms_per_token - target.ms_per_token).abs() < 1e-9);
+        // Same value tried twice: no slope to measure, the plain correction.
+        let same = secant((&b, &sim(&b)), (&b, &sim(&b)), &target);
+        assert_eq!(same, b.corrected(&target, &sim(&b)));
+    }
 
     fn s(uncached_tokens: usize, ttft_ms: f64) -> TtftSample {
         TtftSample {

@@ -35,7 +35,7 @@ pub mod process;
 pub mod profile;
 pub mod stats;
 
-pub use calibrate::{fit_ttft, TtftFit, TtftSample};
+pub use calibrate::{fit_ttft, secant, TtftFit, TtftSample};
 pub use config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
 pub use engine::{Engine, SimHandle};
 pub use faults::{FaultScript, Faults};

@@ -32,7 +32,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvmesh_engine_sim::{
-    fit_ttft, Engine as SimEngine, LatencyProfile, SimConfig, TokenizerChoice, TtftSample,
+    fit_ttft, secant, Engine as SimEngine, LatencyProfile, SimConfig, TokenizerChoice, TtftFit,
+    TtftSample,
 };
 use serde_json::json;
 
@@ -257,8 +258,9 @@ pub async fn check(base_url: &str, kv_cache_blocks: usize, max_num_seqs: usize) 
     compare(observed, simulated)
 }
 
-/// Rounds of [`calibrated_profile`]: the second changes the first's result by a fraction of a ms.
-const CORRECTION_ROUNDS: usize = 2;
+/// Rounds of [`calibrated_profile`]: a plain correction, then secant steps through the last two
+/// rounds (the simulator's own time grows with the time it is given, so the slope is measured).
+const CORRECTION_ROUNDS: usize = 3;
 
 /// The `vllm-cpu-tiny` profile with its TTFT costs and spread fitted to the real engine's
 /// `samples`: the simulator runs the calibration groups with the profile, and the profile moves by
@@ -282,6 +284,7 @@ async fn calibrated_profile(
         base.prefill_ms_per_token
     )];
     let mut fit = real;
+    let mut last: Option<(TtftFit, TtftFit)> = None;
     for round in 0..CORRECTION_ROUNDS {
         let sim = start_sim(base.with_ttft_fit(&fit), kv_cache_blocks, max_num_seqs).await?;
         let measured = run(&sim.base_url(), &calibration()).await;
@@ -297,7 +300,12 @@ async fn calibrated_profile(
             got.ms_per_token,
             got.spread_ms
         ));
-        fit = fit.corrected(&real, &got);
+        let next = match &last {
+            Some((tried, measured)) => secant((tried, measured), (&fit, &got), &real),
+            None => fit.corrected(&real, &got),
+        };
+        last = Some((fit, got));
+        fit = next;
     }
     lines.push(format!(
         "  profile used: {:.1} ms + {:.4} ms ± {:.1} ms",
