@@ -278,7 +278,7 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
         if opts.quick {
             vec![30.0, 45.0, 60.0]
         } else {
-            vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0]
+            vec![20.0, 40.0, 60.0, 80.0]
         }
     });
     Ok(Bench {
@@ -323,7 +323,7 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
     let rates = if opts.quick {
         vec![8.0, 16.0]
     } else {
-        vec![4.0, 8.0, 12.0, 16.0, 20.0, 24.0]
+        vec![8.0, 16.0, 24.0]
     };
     // Quick: the even split only; full: every prefill:decode split.
     let mut routers = vec![Router::Aggregated];
