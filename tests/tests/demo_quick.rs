@@ -82,11 +82,11 @@ fn every_policy_has_finite_figures_in_json_and_table() {
                     "{policy} unavailable: {}",
                     p["note"]
                 );
-                assert!(
-                    p["note"].as_str().is_some_and(|n| n.contains("setup-smg")),
-                    "{}",
-                    p["note"]
-                );
+                let note = p["note"].as_str().unwrap_or_default();
+                assert!(!note.is_empty());
+                if demo::peers::smg::find().is_err() {
+                    assert!(note.contains("setup-smg"), "{note}");
+                }
                 assert!(table.contains("not available"));
                 continue;
             }
