@@ -1,8 +1,9 @@
 //! The shared end-to-end harness of kvmesh: in-process fake upstreams built
 //! with builders ([`fake_upstream`]), a fake engine in vLLM's shapes
 //! ([`vllm`]), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
-//! certificate ([`certs`]), sidecar start-up helpers ([`sidecar`]) and
-//! simulated engines as separate processes ([`simproc`]).
+//! certificate ([`certs`]), sidecar start-up helpers ([`sidecar`]),
+//! simulated engines as separate processes ([`simproc`]) and the test venv's
+//! Python ([`python`]).
 //!
 //! Everything listens on `127.0.0.1:0` and waits on readiness, never on sleeps.
 //! This is test support: a failed set-up step panics with its reason, which is
@@ -14,6 +15,7 @@ pub mod client;
 pub mod fake_upstream;
 pub mod mesh;
 pub mod prefix;
+pub mod python;
 pub mod route;
 pub mod sidecar;
 pub mod simproc;

@@ -43,22 +43,7 @@ print(json.dumps(out))
 "#;
 
 fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("KVMESH_PYTHON") {
-        if !p.is_empty() {
-            return PathBuf::from(p);
-        }
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let status = std::process::Command::new(root.join("scripts/setup-python"))
-        .status()
-        .expect("run scripts/setup-python");
-    assert!(status.success(), "scripts/setup-python failed");
-    let cache = std::env::var("KVMESH_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/kvmesh")
-        });
-    cache.join("venv/bin/python")
+    kvmesh_tests::python::interpreter()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

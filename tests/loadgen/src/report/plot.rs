@@ -171,7 +171,7 @@ struct Panel {
 }
 
 /// A "nice" tick step (1, 2 or 5 × 10^k) giving about five ticks up to `max`.
-fn tick_step(max: f64) -> f64 {
+pub(super) fn tick_step(max: f64) -> f64 {
     let raw = (max / 5.0).max(1e-9);
     let mag = 10f64.powf(raw.log10().floor());
     let norm = raw / mag;
@@ -187,7 +187,8 @@ fn tick_step(max: f64) -> f64 {
     nice * mag
 }
 
-fn fmt_value(v: f64) -> String {
+/// A tick or bar label: no decimals from 100, one from 1, two below.
+pub(super) fn fmt_value(v: f64) -> String {
     if v >= 100.0 {
         format!("{v:.0}")
     } else if v >= 1.0 {

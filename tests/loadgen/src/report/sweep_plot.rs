@@ -9,7 +9,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::font::{draw_text, text_width};
-use super::plot::policy_color;
+use super::plot::{fmt_value, policy_color, tick_step};
 use crate::error::LoadgenError;
 
 const W: i32 = 960;
@@ -74,13 +74,7 @@ impl Axis {
             }
             return out;
         }
-        let raw = ((self.hi - self.lo) / 5.0).max(1e-9);
-        let mag = 10f64.powf(raw.log10().floor());
-        let step = [1.0, 2.0, 5.0, 10.0]
-            .into_iter()
-            .map(|k| k * mag)
-            .find(|s| *s >= raw)
-            .unwrap_or(10.0 * mag);
+        let step = tick_step(self.hi - self.lo);
         let mut v = (self.lo / step).ceil() * step;
         let mut out = Vec::new();
         while v <= self.hi + step / 2.0 && out.len() < 12 {
@@ -88,16 +82,6 @@ impl Axis {
             v += step;
         }
         out
-    }
-}
-
-fn label(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 1.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
     }
 }
 
@@ -160,12 +144,12 @@ fn draw<DB: DrawingBackend>(
     for v in ya.ticks() {
         let y = ya.px(v);
         root.draw(&PathElement::new(vec![(LEFT, y), (W - RIGHT, y)], grey))?;
-        let t = label(v);
+        let t = fmt_value(v);
         draw_text(root, (LEFT - 6 - text_width(&t, 1), y - 4), &t, 1, &BLACK)?;
     }
     for v in xa.ticks() {
         let x = xa.px(v);
-        let t = label(v);
+        let t = fmt_value(v);
         draw_text(
             root,
             (x - text_width(&t, 1) / 2, H - BOTTOM + 8),
