@@ -308,15 +308,7 @@ async fn run_smg(opts: &DemoOpts, wl: &DemoWorkload) -> Result<PolicyReport, Dem
             wl.name, wl.spec.engines
         ),
     );
-    let mut engines = Vec::with_capacity(wl.spec.engines);
-    for _ in 0..wl.spec.engines {
-        engines.push(
-            kvmesh_engine_sim::Engine::start_local(
-                wl.spec.sim_config(kvmesh_filters::sched::Role::Both),
-            )
-            .await?,
-        );
-    }
+    let engines = peers::bare_engines(&wl.spec).await?;
     let urls: Vec<String> = engines
         .iter()
         .map(kvmesh_engine_sim::SimHandle::base_url)
@@ -340,21 +332,29 @@ async fn run_smg(opts: &DemoOpts, wl: &DemoWorkload) -> Result<PolicyReport, Dem
     Ok(PolicyReport::ran(NAME, summary, None))
 }
 
+/// How the demo and the peers bench send a workload: to `urls` in turn (as
+/// clients behind a Service), arrivals seeded by `seed`, with deadlines a
+/// saturated simulated fleet still meets.
+pub(crate) fn run_config(urls: &[String], model: &str, seed: u64) -> Result<RunConfig, DemoError> {
+    let mut cfg = RunConfig::new(urls, model)?;
+    cfg.spread = Spread::RoundRobin;
+    cfg.seed = seed;
+    cfg.client = ClientConfig {
+        request_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(30),
+        ..ClientConfig::default()
+    };
+    Ok(cfg)
+}
+
 /// Runs the workload against `urls`, spread in turn.
 async fn drive_urls(
     opts: &DemoOpts,
     wl: &DemoWorkload,
     urls: &[String],
 ) -> Result<runner::RunResult, DemoError> {
-    let mut cfg = RunConfig::new(urls, &wl.spec.model)?;
-    cfg.spread = Spread::RoundRobin;
-    cfg.seed = opts.seed;
+    let mut cfg = run_config(urls, &wl.spec.model, opts.seed)?;
     cfg.progress = opts.progress;
-    cfg.client = ClientConfig {
-        request_timeout: Duration::from_secs(120),
-        idle_timeout: Duration::from_secs(30),
-        ..ClientConfig::default()
-    };
     Ok(runner::run(&cfg, &wl.workload, &wl.load).await?)
 }
 
@@ -368,8 +368,7 @@ async fn drive(
 ) -> Result<Result<runner::RunResult, String>, DemoError> {
     let urls = fleet.urls();
     if policy.disaggregated() {
-        let mut cfg = RunConfig::new(&urls, &wl.spec.model)?;
-        cfg.client.request_timeout = Duration::from_secs(120);
+        let cfg = run_config(&urls, &wl.spec.model, opts.seed)?;
         if let Err(why) = probe(&cfg, &wl.workload).await {
             say(
                 opts,

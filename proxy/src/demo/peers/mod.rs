@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use kvmesh_engine_sim::{Engine, LatencyProfile, SimHandle, SimStats};
 use kvmesh_filters::sched::{FilterConfig, Role};
 use kvmesh_loadgen::workload::{PdParams, PressureParams};
-use kvmesh_loadgen::{runner, ClientConfig, Load, RunConfig, Spread, Workload};
+use kvmesh_loadgen::{runner, Load, Workload};
 use serde::Serialize;
 
 use super::fleet::{self, DemoFleet, FleetSpec};
@@ -536,10 +536,7 @@ async fn stand_up(
             fleet::start_with(&spec, policy, &filters).await?,
         )));
     }
-    let mut engines = Vec::with_capacity(b.spec.engines);
-    for _ in 0..b.spec.engines {
-        engines.push(Engine::start_local(b.spec.sim_config(Role::Both)).await?);
-    }
+    let engines = bare_engines(&b.spec).await?;
     let smg = match (router.smg_policy(), smg_bin) {
         (Some(policy), Some(bin)) => {
             let urls: Vec<String> = engines.iter().map(SimHandle::base_url).collect();
@@ -557,6 +554,16 @@ async fn stand_up(
         (None, _) => None,
     };
     Ok(Ok(Stand::Bare { engines, smg }))
+}
+
+/// `spec.engines` aggregated engines with no sidecar (what a router outside
+/// the pods fronts).
+pub async fn bare_engines(spec: &FleetSpec) -> Result<Vec<SimHandle>, DemoError> {
+    let mut engines = Vec::with_capacity(spec.engines);
+    for _ in 0..spec.engines {
+        engines.push(Engine::start_local(spec.sim_config(Role::Both)).await?);
+    }
+    Ok(engines)
 }
 
 /// One router, one rate, one seed, on a fresh fleet.
@@ -623,14 +630,7 @@ async fn drive(
     rate: f64,
     seed: u64,
 ) -> Result<runner::RunResult, DemoError> {
-    let mut cfg = RunConfig::new(&stand.urls(), &b.spec.model)?;
-    cfg.spread = Spread::RoundRobin;
-    cfg.seed = seed;
-    cfg.client = ClientConfig {
-        request_timeout: Duration::from_secs(120),
-        idle_timeout: Duration::from_secs(30),
-        ..ClientConfig::default()
-    };
+    let cfg = super::run_config(&stand.urls(), &b.spec.model, seed)?;
     let load = Load::poisson(rate * b.spec.time_scale, workload.len());
     Ok(runner::run(&cfg, workload, &load).await?)
 }
