@@ -8,6 +8,7 @@
 //! give the documented sizes, and `suggested_load` the load the field runs
 //! it with (scaled to the size).
 
+mod chat;
 mod long_body;
 mod multi_turn;
 mod pd;
@@ -23,6 +24,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub use chat::ChatParams;
 pub use long_body::LongBodyParams;
 pub use multi_turn::MultiTurnParams;
 pub use pd::PdParams;
