@@ -2,7 +2,7 @@
 //! answers its health check), `/metrics` (Prometheus text), `/config` (the
 //! effective config as JSON: paths of TLS files, never key material) and
 //! `/autoscale` (how many pods each pool should run, [`crate::autoscale`]);
-//! `/debug/stat` (the fleet for `kvmesh-proxy stat`, [`crate::stat`]).
+//! `/debug/stat` (the fleet for `kvmesh stat`, [`crate::stat`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -1,6 +1,8 @@
-//! The command line: `run` (the default), `check-config`, `demo`, `prefix`
-//! and `stat`. `main.rs` only calls [`main`]; this module turns arguments into
-//! a config and a running sidecar, and errors into exit codes.
+//! The sidecar's command line: `run` (the default) and `check-config`.
+//! `main.rs` only calls [`main`]; this module turns arguments into a config
+//! and a running sidecar, and errors into exit codes. Everything else an
+//! operator runs (`inject`, `stat`, `prefix`, `demo`, the benchmarks) is the
+//! `kvmesh` CLI crate, so this binary stays the data plane alone.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,25 +43,6 @@ pub enum Command {
         #[arg(long)]
         filters: Option<PathBuf>,
     },
-    /// A local fleet of simulated engines with sidecars and a shared-prefix workload.
-    Demo {
-        /// A shorter workload.
-        #[arg(long)]
-        quick: bool,
-        /// Print the result table as JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Print the token ids and block hashes of a request body read on stdin.
-    Prefix(crate::prefix::command::PrefixArgs),
-    /// One table of the fleet (load, hit rate, requests/s, P/D, mesh state)
-    /// from any sidecar's admin port.
-    Stat(crate::stat::command::StatArgs),
-    /// Add the kvmesh sidecar to the pod templates of Kubernetes manifests
-    /// (file, directory or - for stdin); prints them on stdout.
-    Inject(crate::inject::command::InjectArgs),
-    /// Remove what `inject` added.
-    Uninject(crate::inject::command::UninjectArgs),
 }
 
 /// Flags override the file; flags alone are enough to run beside an engine.
@@ -96,6 +79,10 @@ pub struct RunArgs {
     /// This pod's identity as peers reach its client port, HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
+    /// The IP of this pod's node, where its kvagent listens (`pod.node_ip`;
+    /// in Kubernetes `status.hostIP` through the downward API).
+    #[arg(long, value_name = "IP")]
+    pub node_ip: Option<std::net::IpAddr>,
     /// The model the local engine serves (replaces `pod.models`).
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
@@ -139,11 +126,6 @@ pub fn main() -> ExitCode {
         Some(Command::CheckConfig { file, filters }) => {
             check_config(file.as_deref(), filters.as_deref())
         }
-        Some(Command::Demo { quick, json }) => demo(quick, json),
-        Some(Command::Prefix(args)) => crate::prefix::command::main(&args),
-        Some(Command::Stat(args)) => crate::stat::command::main(&args),
-        Some(Command::Inject(args)) => crate::inject::command::inject_main(&args),
-        Some(Command::Uninject(args)) => crate::inject::command::uninject_main(&args),
     }
 }
 
@@ -181,6 +163,9 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     c.mesh.peers.extend(args.peers.iter().cloned());
     if let Some(a) = &args.advertise {
         c.mesh.advertise = Some(a.clone());
+    }
+    if let Some(ip) = args.node_ip {
+        c.pod.node_ip = Some(ip);
     }
     if let Some(m) = &args.model {
         c.pod.models = vec![m.clone()];
@@ -272,7 +257,10 @@ async fn termination() {
     }
 }
 
-fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
+/// `check-config`: validates a proxy.yaml (its TLS files loaded too) and a
+/// filters.yaml; prints `FILE: ok` per file, or the first error with file,
+/// line and field and exits 2. Shared with `kvmesh check-config`.
+pub fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
     if file.is_none() && filters.is_none() {
         eprintln!("check-config: name a proxy.yaml, a --filters file, or both");
         return ExitCode::from(2);
@@ -317,40 +305,4 @@ fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-fn demo(quick: bool, json: bool) -> ExitCode {
-    // Status lines and the progress line go to stderr, the table or JSON to
-    // stdout, so `demo --json | jq` works.
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvmesh-proxy: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let mut opts = crate::demo::DemoOpts::new(quick);
-    opts.progress = true;
-    eprintln!(
-        "kvmesh-proxy demo{}: {} simulated engines with a kvmesh sidecar each, on 127.0.0.1; \
-         a fresh fleet per routing policy, same workload and seed",
-        if quick { " --quick" } else { "" },
-        opts.engines
-    );
-    let result = rt.block_on(crate::demo::run(&opts));
-    rt.shutdown_timeout(std::time::Duration::from_secs(5));
-    match result {
-        Ok(report) => {
-            print!("{}", crate::demo::render(&report, json));
-            eprintln!("done in {:.0} s", report.wall_s);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("kvmesh-proxy demo: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! The demo in its CI size: `kvmesh-proxy demo --quick` end to end, in
+//! The demo in its CI size: `kvmesh demo --quick` end to end, in
 //! process. One run (shared by the tests below: it is the expensive part)
 //! starts fresh simulated fleets per policy and must report every policy with
 //! finite figures, show kvmesh's prefix-aware routing hitting the engines'
@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use kvmesh_proxy::demo::{self, DemoOpts, DemoReport, Policy};
+use kvmesh::demo::{self, DemoOpts, DemoReport, Policy};
 
 struct QuickRun {
     report: DemoReport,

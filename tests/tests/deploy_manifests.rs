@@ -1,4 +1,4 @@
-//! Every manifest under `deploy/` and `kvmesh-proxy inject`'s output pass a
+//! Every manifest under `deploy/` and `kvmesh inject`'s output pass a
 //! Kubernetes schema validator (`tests/deploy/validate.py`: kubernetes-validate's
 //! bundled schemas, strict, for Kubernetes 1.30; the CRD schemas in
 //! `deploy/schemas/` for LeaderWorkerSet and KEDA's ScaledObject), read as
@@ -18,8 +18,8 @@
 
 use std::path::{Path, PathBuf};
 
-use kvmesh_proxy::inject::command::{options, InjectArgs, RoleArg};
-use kvmesh_proxy::inject::{self, yaml, CONTAINER};
+use kvmesh::inject::command::{options, InjectArgs, RoleArg};
+use kvmesh::inject::{self, yaml, CONTAINER};
 use serde_yaml_ng::{Mapping, Value};
 
 const K8S: &str = "1.30.0";

@@ -244,7 +244,7 @@ fn the_manifests_run_the_images_the_dockerfiles_build() {
         std::slice::from_ref(&proxy)
     );
     // inject's default image.
-    let args = kvmesh_proxy::inject::command::InjectArgs {
+    let args = kvmesh::inject::command::InjectArgs {
         input: "-".to_owned(),
         role: None,
         pd_connector: None,
@@ -253,6 +253,6 @@ fn the_manifests_run_the_images_the_dockerfiles_build() {
         filters: None,
         image: None,
     };
-    let (opts, _) = kvmesh_proxy::inject::command::options(&args).unwrap();
+    let (opts, _) = kvmesh::inject::command::options(&args).unwrap();
     assert_eq!(opts.image, proxy);
 }

@@ -1,4 +1,4 @@
-//! `kvmesh-bench peers` in miniature: one rate, two seeds, round-robin and
+//! `kvmesh bench peers` in miniature: one rate, two seeds, round-robin and
 //! kvmesh on the pressured shared-prefix workload, and an SMG that cannot be
 //! found. The report must have the JSON shape, medians over the
 //! seeds with their ranges, a capacity per router, the unavailable router
@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use kvmesh_proxy::demo::peers::{self, PeersOpts, Router};
+use kvmesh::demo::peers::{self, PeersOpts, Router};
 
 #[test]
 fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {

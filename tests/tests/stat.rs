@@ -1,4 +1,4 @@
-//! `kvmesh-proxy stat` against a small meshed fleet of simulated engines: one
+//! `kvmesh stat` against a small meshed fleet of simulated engines: one
 //! row per pod from any sidecar's admin port, with the counters each pod's
 //! own sidecar publishes over the mesh (requests/s, prefix hit rate), and the
 //! two errors an operator must tell apart: nothing listening, and something
@@ -8,9 +8,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvmesh_proxy::stat::command::{format, once, Output};
-use kvmesh_proxy::stat::fetch::{fetch, FetchError};
-use kvmesh_proxy::stat::table::render;
+use kvmesh::stat::command::{format, once, Output};
+use kvmesh::stat::fetch::{fetch, FetchError};
+use kvmesh::stat::table::render;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch as http_fetch, http1, post_json};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
@@ -134,7 +134,7 @@ async fn one_row_per_pod_from_any_sidecar_with_counters_from_the_mesh() {
 
     // Requests/s over a window with traffic: 4 requests through the local pod's
     // sidecar within the window show as a positive rate somewhere.
-    let first = kvmesh_proxy::stat::command::sample(&admin, DEADLINE)
+    let first = kvmesh::stat::command::sample(&admin, DEADLINE)
         .await
         .unwrap();
     for user in 0..4 {
@@ -147,14 +147,14 @@ async fn one_row_per_pod_from_any_sidecar_with_counters_from_the_mesh() {
         assert_eq!(r.status, 200);
     }
     let second = eventually("the new requests counted", || async {
-        let s = kvmesh_proxy::stat::command::sample(&admin, DEADLINE)
+        let s = kvmesh::stat::command::sample(&admin, DEADLINE)
             .await
             .ok()?;
         let total: u64 = s.report.pods.iter().map(|p| p.stats.requests).sum();
         (total == 12).then_some(s)
     })
     .await;
-    let t = kvmesh_proxy::stat::table::table(&admin, Some(&first), &second);
+    let t = kvmesh::stat::table::table(&admin, Some(&first), &second);
     let rate: f64 = t.pods.iter().filter_map(|r| r.requests_per_s).sum();
     let window = t.window_s.unwrap();
     assert!(

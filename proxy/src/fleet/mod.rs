@@ -60,7 +60,7 @@ struct PodState {
     healthy: bool,
     /// Requests this sidecar has outstanding to the pod (guards count them).
     in_flight: Arc<AtomicU32>,
-    /// The pod's cumulative counters, for `kvmesh-proxy stat`.
+    /// The pod's cumulative counters, for `kvmesh stat`.
     stats: crate::stat::PodStats,
 }
 

@@ -65,7 +65,7 @@ pub enum Msg {
         keys: Vec<u64>,
     },
     /// The sender pod's cumulative counters (requests served, P/D, prefix
-    /// cache), for `kvmesh-proxy stat`; sent with each load tick.
+    /// cache), for `kvmesh stat`; sent with each load tick.
     Stats(crate::stat::PodStats),
 }
 

@@ -20,7 +20,6 @@
 //! adapter or `pod.models` is set, else the same default. An event's
 //! `lora_name` overrides its model.
 
-pub mod command;
 pub mod metrics;
 pub mod tokenize;
 

@@ -1,18 +1,14 @@
-//! `kvmesh-proxy stat`: the fleet at a glance, from any sidecar's admin port.
+//! `GET /debug/stat`: the fleet at a glance, from any sidecar's admin port, for `kvmesh stat`.
 //!
-//! The sidecar side is `GET /debug/stat` ([`report`]): every pod it knows with
+//! [`report`] lists every pod this sidecar knows with
 //! its role, models, load and staleness, each pod's cumulative counters
 //! ([`PodStats`]: requests served, P/D splits and failures, prefix cache
 //! queries and hits) and the state of every followed mesh stream
 //! ([`PeerEntry`]). A pod's counters come from the pod's own sidecar: the
 //! local ones from this sidecar's metrics and engine scrape, the peers' over
 //! the mesh (`Msg::Stats`, sent with every load tick). Counters are
-//! cumulative, so rates need two samples: the client side ([`command`],
-//! [`fetch`], [`table`]) takes them and turns them into one row per pod.
-
-pub mod command;
-pub mod fetch;
-pub mod table;
+//! cumulative, so rates need two samples: the client side (`kvmesh stat`, in
+//! the `kvmesh` CLI crate) takes them and turns them into one row per pod.
 
 use std::net::SocketAddr;
 use std::time::Duration;

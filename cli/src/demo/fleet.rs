@@ -32,9 +32,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::policy::{Policy, PrefixSource};
 use super::DemoError;
-use crate::config::{self, Config, EngineUrl};
-use crate::fleet::{Fleet, PodInfo};
-use crate::sidecar::{Sidecar, SidecarHandle};
+use kvmesh_proxy::config::{self, Config, EngineUrl};
+use kvmesh_proxy::fleet::{Fleet, PodInfo};
+use kvmesh_proxy::{Sidecar, SidecarHandle};
 
 /// How often the fleet copies loads between sidecars (wall time). The
 /// sidecars scrape their engines at the same pace.

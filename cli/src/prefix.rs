@@ -1,4 +1,4 @@
-//! `kvmesh-proxy prefix`: what the sidecar (or the engine) computes for one
+//! `kvmesh prefix`: what the sidecar (or the engine) computes for one
 //! request body, for when a request lands somewhere unexpected.
 //!
 //! Reads an OpenAI request body on stdin and prints
@@ -15,14 +15,14 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use kvmesh_filters::prefix::hash::{LocalHasher, VllmCborHasher};
 
-use super::tokenize::LocalTokenizer;
-use crate::path::view::Shape;
-use crate::path::RequestView;
+use kvmesh_proxy::prefix::LocalTokenizer;
+use kvmesh_proxy::path::view::Shape;
+use kvmesh_proxy::path::RequestView;
 
 /// Largest body read from stdin.
 const MAX_BODY: u64 = 64 * 1024 * 1024;
 
-/// Arguments of `kvmesh-proxy prefix`.
+/// Arguments of `kvmesh prefix`.
 #[derive(Debug, Clone, Args)]
 pub struct PrefixArgs {
     /// `builtin` (the simulator's tokenizer) or a Hugging Face model directory.
@@ -59,7 +59,7 @@ pub enum HashKind {
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
     #[error("--tokenizer: {0}")]
-    Tokenizer(#[from] super::PrefixError),
+    Tokenizer(#[from] kvmesh_proxy::prefix::PrefixError),
     #[error("--block-size must be at least 1")]
     BlockSize,
     #[error("the body is not a valid request: {0}")]
@@ -125,7 +125,7 @@ pub fn main(args: &PrefixArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("kvmesh-proxy prefix: {e}");
+            eprintln!("kvmesh prefix: {e}");
             ExitCode::from(2)
         }
     }

@@ -1,4 +1,4 @@
-//! `kvmesh-proxy stat` as a user runs it: the built binary against a running
+//! `kvmesh stat` as a user runs it: the built binary against a running
 //! sidecar's admin port (table, `-o json`, `--watch`), and against a port
 //! nothing listens on (exit code 1, the address named).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tokio::process::Command;
 
 fn stat(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kvmesh-proxy"));
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvmesh"));
     c.arg("stat").args(args).env_remove("RUST_LOG");
     c.kill_on_drop(true);
     c

@@ -1,6 +1,6 @@
-//! `kvmesh-proxy inject` / `uninject`: add the kvmesh sidecar to the pod
+//! `kvmesh inject` / `uninject`: add the kvmesh sidecar to the pod
 //! templates of Kubernetes manifests, or take it out again, in the manner of
-//! `linkerd inject`: `helm template … | kvmesh-proxy inject - | kubectl apply -f -`.
+//! `linkerd inject`: `helm template … | kvmesh inject - | kubectl apply -f -`.
 //!
 //! Pure functions over `serde_yaml_ng` values; [`command`] reads files and
 //! prints. Targets: Deployment, StatefulSet and Pod, and LeaderWorkerSet's

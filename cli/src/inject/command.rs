@@ -12,7 +12,7 @@ use clap::{Args, ValueEnum};
 use serde_yaml_ng::Value;
 
 use super::{yaml, InjectOptions, Outcome, Ports};
-use crate::config::PdConnector;
+use kvmesh_proxy::config::PdConnector;
 
 /// Largest input read (all files together, or stdin).
 const MAX_INPUT: u64 = 64 * 1024 * 1024;
@@ -20,7 +20,7 @@ const MAX_INPUT: u64 = 64 * 1024 * 1024;
 /// The proxy.yaml used without `--config`: the kustomize Component's.
 const DEFAULT_PROXY_YAML: &str = include_str!("../../../deploy/sidecar/proxy.yaml");
 
-/// Arguments of `kvmesh-proxy inject`.
+/// Arguments of `kvmesh inject`.
 #[derive(Debug, Clone, Args)]
 pub struct InjectArgs {
     /// A manifest file, a directory (its *.yaml and *.yml, in name order), or - for stdin.
@@ -46,7 +46,7 @@ pub struct InjectArgs {
     pub image: Option<String>,
 }
 
-/// Arguments of `kvmesh-proxy uninject`.
+/// Arguments of `kvmesh uninject`.
 #[derive(Debug, Clone, Args)]
 pub struct UninjectArgs {
     /// A manifest file, a directory (its *.yaml and *.yml, in name order), or - for stdin.
@@ -82,7 +82,7 @@ pub enum CommandError {
     #[error(transparent)]
     Parse(#[from] yaml::ParseError),
     #[error("invalid config: {0}")]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] kvmesh_proxy::config::ConfigError),
     #[error("invalid filter config: {0}")]
     Filters(String),
     #[error("{0}")]
@@ -93,7 +93,7 @@ pub enum CommandError {
     Emit(#[from] yaml::EmitError),
 }
 
-/// `kvmesh-proxy inject`.
+/// `kvmesh inject`.
 pub fn inject_main(args: &InjectArgs) -> ExitCode {
     finish(
         "inject",
@@ -106,7 +106,7 @@ pub fn inject_main(args: &InjectArgs) -> ExitCode {
     )
 }
 
-/// `kvmesh-proxy uninject`.
+/// `kvmesh uninject`.
 pub fn uninject_main(args: &UninjectArgs) -> ExitCode {
     finish(
         "uninject",
@@ -119,7 +119,7 @@ fn finish(name: &str, result: Result<Outcome, CommandError>) -> ExitCode {
     match printed {
         Ok((text, notes)) => {
             for n in notes {
-                eprintln!("kvmesh-proxy {name}: {n}");
+                eprintln!("kvmesh {name}: {n}");
             }
             let mut stdout = std::io::stdout().lock();
             match stdout
@@ -128,13 +128,13 @@ fn finish(name: &str, result: Result<Outcome, CommandError>) -> ExitCode {
             {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("kvmesh-proxy {name}: writing stdout: {e}");
+                    eprintln!("kvmesh {name}: writing stdout: {e}");
                     ExitCode::FAILURE
                 }
             }
         }
         Err(e) => {
-            eprintln!("kvmesh-proxy {name}: {e}");
+            eprintln!("kvmesh {name}: {e}");
             ExitCode::from(2)
         }
     }
@@ -158,7 +158,7 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
             )
         }
     };
-    let file = crate::config::load::from_yaml_str(&proxy_yaml, &origin)?;
+    let file = kvmesh_proxy::config::load::from_yaml_str(&proxy_yaml, &origin)?;
     if file.scheduling.filters.is_some() && args.filters.is_none() {
         return Err(CommandError::Usage(format!(
             "{origin} names scheduling.filters; pass that file with --filters so it goes into the ConfigMap"
@@ -172,7 +172,7 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
     }
     let filters_yaml = match &args.filters {
         Some(p) => {
-            crate::routing::load_filters(p).map_err(|e| CommandError::Filters(e.to_string()))?;
+            kvmesh_proxy::routing::load_filters(p).map_err(|e| CommandError::Filters(e.to_string()))?;
             Some(read_file(p)?)
         }
         None => None,
@@ -204,8 +204,8 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
         extra_args.push(format!("--pd-connector={name}"));
         effective.pd.connector = connector;
     }
-    crate::config::load::validate(&effective).map_err(|(field, message)| {
-        crate::config::ConfigError {
+    kvmesh_proxy::config::load::validate(&effective).map_err(|(field, message)| {
+        kvmesh_proxy::config::ConfigError {
             file: format!("{origin} with the flags"),
             line: None,
             column: None,

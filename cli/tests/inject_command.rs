@@ -1,4 +1,4 @@
-//! `kvmesh-proxy inject` / `uninject` as a pipe stage: YAML in on stdin, a
+//! `kvmesh inject` / `uninject` as a pipe stage: YAML in on stdin, a
 //! file or a directory; YAML out on stdout; any error on stderr with a
 //! non-zero exit and nothing on stdout, so `| kubectl apply -f -` never
 //! applies half a stream.
@@ -8,14 +8,14 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use kvmesh_proxy::inject::yaml::parse_stream;
+use kvmesh::inject::yaml::parse_stream;
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/inject/examples")
 }
 
 fn run(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-proxy"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -127,7 +127,7 @@ mod tests {
         for p in Policy::ALL {
             let cfg = p.filter_config();
             assert!(cfg.is_ok(), "{p}: {:?}", cfg.err());
-            assert!(crate::routing::compile(&cfg.unwrap()).is_ok(), "{p}");
+            assert!(kvmesh_proxy::routing::compile(&cfg.unwrap()).is_ok(), "{p}");
             assert_eq!(Policy::parse(p.name()), Some(p));
         }
         assert_eq!(Policy::parse("fastest"), None);

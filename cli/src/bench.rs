@@ -1,32 +1,25 @@
-//! `kvmesh-bench`: runs kvmesh-loadgen workloads against OpenAI-compatible
+//! `kvmesh bench`: runs kvmesh-loadgen workloads against OpenAI-compatible
 //! endpoints (`run`), measures proxy overhead against direct and nginx
-//! (`overhead`), or serves the fast fake engine (`fake-engine`). The logic
-//! lives in `kvmesh_loadgen`; this file only parses arguments.
+//! (`overhead`), serves the fast fake engine (`fake-engine`), or sweeps kvmesh
+//! against the routers users pick instead (`peers`). The logic lives in
+//! `kvmesh_loadgen` and [`crate::demo::peers`]; this file only parses
+//! arguments.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Subcommand, ValueEnum};
 use kvmesh_loadgen::fake::{FastEngine, FastEngineConfig};
 use kvmesh_loadgen::overhead::{self, OverheadConfig};
 use kvmesh_loadgen::report::Report;
 use kvmesh_loadgen::workload::{Size, Workload, WORKLOAD_NAMES};
 use kvmesh_loadgen::{run, Load, RunConfig, Spread};
 
-#[derive(Parser)]
-#[command(
-    name = "kvmesh-bench",
-    about = "Load generator and benchmarks for kvmesh"
-)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
+/// The `kvmesh bench` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCmd {
     /// Run a workload against one or more base URLs and print a report.
     Run(RunArgs),
     /// Proxy overhead: the fast fake engine direct, through kvmesh, through nginx.
@@ -38,8 +31,8 @@ enum Cmd {
     Peers(PeersArgs),
 }
 
-#[derive(clap::Args)]
-struct PeersArgs {
+#[derive(Debug, clap::Args)]
+pub struct PeersArgs {
     /// The CI size: fewer rates and requests, under 10 minutes on 2 cores.
     #[arg(long)]
     quick: bool,
@@ -75,14 +68,14 @@ struct PeersArgs {
     png_dir: Option<PathBuf>,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum SpreadArg {
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum SpreadArg {
     RoundRobin,
     Sticky,
 }
 
-#[derive(clap::Args)]
-struct RunArgs {
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
     /// Base URL of a target (repeat for several; requests are spread over them).
     #[arg(long = "url", required = true)]
     urls: Vec<String>,
@@ -125,8 +118,8 @@ struct RunArgs {
     records: Option<PathBuf>,
 }
 
-#[derive(clap::Args)]
-struct OverheadArgs {
+#[derive(Debug, clap::Args)]
+pub struct OverheadArgs {
     /// kvmesh-proxy binary (default: next to this binary, then PATH).
     #[arg(long)]
     proxy: Option<PathBuf>,
@@ -147,8 +140,8 @@ struct OverheadArgs {
     png: Option<PathBuf>,
 }
 
-#[derive(clap::Args)]
-struct FakeArgs {
+#[derive(Debug, clap::Args)]
+pub struct FakeArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
     #[arg(long, default_value_t = 8)]
@@ -159,14 +152,20 @@ struct FakeArgs {
     chunk_ms: u64,
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    match Cli::parse().cmd {
-        Cmd::Run(a) => run_cmd(a).await,
-        Cmd::Overhead(a) => overhead_cmd(a).await,
-        Cmd::FakeEngine(a) => fake_cmd(a).await,
-        Cmd::Peers(a) => peers_cmd(a).await,
-    }
+/// Runs one `kvmesh bench` subcommand on a fresh runtime.
+pub fn main(cmd: BenchCmd) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    rt.block_on(async move {
+        match cmd {
+            BenchCmd::Run(a) => run_cmd(a).await,
+            BenchCmd::Overhead(a) => overhead_cmd(a).await,
+            BenchCmd::FakeEngine(a) => fake_cmd(a).await,
+            BenchCmd::Peers(a) => peers_cmd(a).await,
+        }
+    })
 }
 
 fn load_from(a: &RunArgs, default: Load) -> Load {
@@ -286,7 +285,7 @@ async fn fake_cmd(a: FakeArgs) -> Result<()> {
 }
 
 async fn peers_cmd(a: PeersArgs) -> Result<()> {
-    use kvmesh_proxy::demo::peers::{self, PeersOpts, Router};
+    use crate::demo::peers::{self, PeersOpts, Router};
     let mut opts = PeersOpts::new(a.quick);
     opts.seeds = a.seeds;
     opts.engines = a.engines;

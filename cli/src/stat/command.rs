@@ -1,4 +1,4 @@
-//! `kvmesh-proxy stat --admin HOST:PORT [--watch [SECS]] [-o table|json]`:
+//! `kvmesh stat --admin HOST:PORT [--watch [SECS]] [-o table|json]`:
 //! one table of the fleet from any sidecar's admin port. A single run takes
 //! two samples `--window` apart (rates need two); `--watch` redraws every
 //! SECS until Ctrl-C, with rates between consecutive samples.
@@ -84,7 +84,7 @@ pub fn main(args: &StatArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kvmesh-proxy stat: cannot start the runtime: {e}");
+            eprintln!("kvmesh stat: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -96,7 +96,7 @@ pub fn main(args: &StatArgs) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
-                    eprintln!("kvmesh-proxy stat: {e}");
+                    eprintln!("kvmesh stat: {e}");
                     ExitCode::FAILURE
                 }
             },
@@ -124,7 +124,7 @@ async fn watch(args: &StatArgs, every: Duration) {
                 prev = Some(cur);
                 format(&t, args.output)
             }
-            Err(e) => format!("kvmesh-proxy stat: {e}\n"),
+            Err(e) => format!("kvmesh stat: {e}\n"),
         };
         let mut out = std::io::stdout().lock();
         // JSON is for scripts: one document per refresh, no screen control.

@@ -6,7 +6,7 @@
 //! [`fleet::start`] brings up N simulated engines with a sidecar each, all
 //! running one [`Policy`]; [`run`] drives the shared-prefix workload under
 //! every policy and the long-prompt workload with and without P/D, and
-//! returns a [`DemoReport`]. `kvmesh-proxy demo` is a thin shell over it.
+//! returns a [`DemoReport`]. `kvmesh demo` is a thin shell over it.
 //!
 //! Times are simulated: the engines run `time_scale` simulated seconds per
 //! wall second, so the client's wall-clock measurements are multiplied by it
@@ -96,11 +96,11 @@ struct DemoWorkload {
 }
 
 /// Where routing decides: past round-robin's capacity on the pressured
-/// fleet, within kvmesh's (`kvmesh-bench peers`, docs/benchmarks.md), in
+/// fleet, within kvmesh's (`kvmesh bench peers`, docs/benchmarks.md), in
 /// simulated requests per second.
 const SHARED_PREFIX_RATE: f64 = 40.0;
 /// Where P/D pays: long prefills stall aggregated decodes often enough to
-/// show in their ITL p99 (`kvmesh-bench peers`), simulated requests per second.
+/// show in their ITL p99 (`kvmesh bench peers`), simulated requests per second.
 const LONG_PROMPT_RATE: f64 = 16.0;
 
 fn shared_prefix(opts: &DemoOpts) -> Result<DemoWorkload, DemoError> {
@@ -266,10 +266,10 @@ async fn run_policy(
 /// sees it, every 100 ms until `stop`: per pool with pods, its largest size
 /// and the most pods asked for.
 async fn sample_autoscale(
-    fleet: std::sync::Arc<crate::fleet::Fleet>,
+    fleet: std::sync::Arc<kvmesh_proxy::fleet::Fleet>,
     stop: tokio_util::sync::CancellationToken,
 ) -> BTreeMap<String, report::PoolPeak> {
-    let cfg = crate::config::Autoscale::default();
+    let cfg = kvmesh_proxy::config::Autoscale::default();
     let mut peak: BTreeMap<String, report::PoolPeak> = BTreeMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
@@ -278,7 +278,7 @@ async fn sample_autoscale(
             _ = tick.tick() => {}
         }
         let pods = fleet.snapshot(tokio::time::Instant::now());
-        for (pool, a) in crate::autoscale::answer(&cfg, &pods) {
+        for (pool, a) in kvmesh_proxy::autoscale::answer(&cfg, &pods) {
             if a.pods == 0 {
                 continue;
             }
@@ -404,7 +404,7 @@ async fn probe(cfg: &RunConfig, workload: &Workload) -> Result<(), String> {
     }
 }
 
-/// What `kvmesh-proxy demo` prints on stdout: the table, or the JSON.
+/// What `kvmesh demo` prints on stdout: the table, or the JSON.
 pub fn render(report: &DemoReport, json: bool) -> String {
     if json {
         format!("{}\n", report.to_json())

@@ -1,4 +1,4 @@
-//! `kvmesh-proxy prefix` against what a real vLLM 0.32 published: the token
+//! `kvmesh prefix` against what a real vLLM 0.32 published: the token
 //! ids of its `/tokenize` and the block hashes of its `BlockStored` events
 //! (`tests/fixtures/vllm-cpu/hash_vectors.json`, `sha256_cbor`, block size
 //! 32), with the repo's `tests/fixtures/tiny-llama` tokenizer.
@@ -16,7 +16,7 @@ fn repo() -> PathBuf {
 }
 
 fn run(args: &[&str], body: &[u8]) -> (i32, serde_json::Value, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh-proxy"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
         .arg("prefix")
         .args(args)
         .stdin(Stdio::piped())

@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 const DASHBOARD: &str = include_str!("../../deploy/observability/kvmesh-dashboard.json");
 const RULES: &str = include_str!("../../deploy/observability/prometheus-rules.yaml");
-const VLLM: &str = include_str!("../../tests/fixtures/metrics/vllm-0.32.txt");
+const VLLM: &str = include_str!("../fixtures/metrics/vllm-0.32.txt");
 
 /// PromQL functions and aggregation operators: a name followed by `(`.
 const FUNCTIONS: &[&str] = &[
