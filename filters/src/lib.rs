@@ -7,6 +7,9 @@
 //! * [`prefix`]: turning a prompt into block keys (tokenization, chained block
 //!   hashes), decoding the engines' KV events, and the prefix index that says
 //!   which pod holds how much of a request's prefix.
+//! * [`yaml`]: where a field path is written in YAML text, for config errors
+//!   that name file, line and field.
 
 pub mod prefix;
 pub mod sched;
+pub mod yaml;

@@ -9,6 +9,7 @@
 //! our own emitter, which quotes every string either version could read as
 //! anything else, so the output means the same to kubectl as the input did.
 
+use kvmesh_filters::yaml::strip_comment;
 use serde_yaml_ng::{Mapping, Value};
 
 /// Why input could not be read.
@@ -298,23 +299,6 @@ fn block_indicator(line: &str) -> bool {
         && last[1..]
             .chars()
             .all(|c| c == '-' || c == '+' || c.is_ascii_digit())
-}
-
-/// The line without a trailing `# comment` (a `#` after whitespace, outside quotes).
-fn strip_comment(line: &str) -> &str {
-    let mut quote: Option<char> = None;
-    let mut prev = ' ';
-    for (i, c) in line.char_indices() {
-        match quote {
-            Some(q) if c == q => quote = None,
-            Some(_) => {}
-            None if c == '"' || c == '\'' => quote = Some(c),
-            None if c == '#' && prev.is_whitespace() => return &line[..i],
-            None => {}
-        }
-        prev = c;
-    }
-    line
 }
 
 /// Candidate plain scalars in value position: after `key: `, after `- `,

@@ -186,34 +186,7 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
 /// found after decoding (when the parser's position is gone). Returns `None`
 /// when the key is not written in the file (a default was used).
 pub fn locate(src: &str, field: &str) -> Option<(usize, usize)> {
-    let mut want = field.split('.').peekable();
-    let mut key = want.next()?;
-    // Indentation of the mapping we are inside; keys must be deeper than this.
-    let mut parent_indent: Option<usize> = None;
-    for (i, line) in src.lines().enumerate() {
-        let body = line.trim_start();
-        if body.is_empty() || body.starts_with('#') {
-            continue;
-        }
-        let indent = line.len() - body.len();
-        if let Some(p) = parent_indent {
-            if indent <= p {
-                return None; // left the section without finding the key
-            }
-        }
-        let Some(rest) = body.strip_prefix(key) else {
-            continue;
-        };
-        if !rest.trim_start().starts_with(':') {
-            continue;
-        }
-        if want.peek().is_none() {
-            return Some((i + 1, indent + 1));
-        }
-        parent_indent = Some(indent);
-        key = want.next()?;
-    }
-    None
+    kvmesh_filters::yaml::locate_exact(src, field)
 }
 
 #[cfg(test)]

@@ -12,7 +12,6 @@
 //! handler gives `single-profile-handler`. [`FilterConfig::builtin_default`]
 //! is the config used when there is no file.
 
-mod locate;
 mod raw;
 
 use std::collections::HashMap;
@@ -303,7 +302,7 @@ impl Errs<'_> {
         kind: ConfigErrorKind,
         message: impl Into<String>,
     ) -> ConfigError {
-        let pos = self.text.and_then(|t| locate::locate(t, path));
+        let pos = self.text.and_then(|t| crate::yaml::locate(t, path));
         ConfigError {
             file: self.file.to_owned(),
             line: pos.map(|p| p.0),
@@ -345,7 +344,7 @@ fn parse_raw(text: &str, file: &str) -> Result<RawConfig, ConfigError> {
             Some(m) => m.to_owned(),
             None => message,
         };
-        let fallback = locate::locate(text, &path);
+        let fallback = crate::yaml::locate(text, &path);
         ConfigError {
             file: file.to_owned(),
             line: loc.as_ref().map(|l| l.line()).or(fallback.map(|p| p.0)),

@@ -1,8 +1,12 @@
-//! Finds the line and column of a field path (`plugins[2].parameters.threshold`)
-//! in YAML text, for errors found after parsing (serde's values carry no
-//! positions). It understands block-style YAML, which is how configs are
-//! written; inside flow collections (`{a: 1}`) or block scalars it stops at
-//! the deepest key it could find, which is still the right neighbourhood.
+//! Positions in YAML text, for errors found after parsing (serde's values
+//! carry no positions): the line and column of a field path
+//! (`plugins[2].parameters.threshold`, `timeouts.first_byte`), and the line
+//! without its comment. It understands block-style YAML, which is how configs
+//! and manifests are written; inside flow collections (`{a: 1}`) or block
+//! scalars [`locate`] stops at the deepest key it could find, which is still
+//! the right neighbourhood. Both config loaders (`filters.yaml` here,
+//! `proxy.yaml` in the sidecar) and the manifest reader of `kvmesh inject` use
+//! this one implementation.
 
 /// One structural token of a line: a mapping key or a sequence dash.
 #[derive(Debug)]
@@ -20,17 +24,31 @@ enum Seg<'a> {
 }
 
 /// 1-based (line, column) of the deepest part of `path` found in `text`.
-pub(crate) fn locate(text: &str, path: &str) -> Option<(usize, usize)> {
+pub fn locate(text: &str, path: &str) -> Option<(usize, usize)> {
+    find(text, path).0
+}
+
+/// 1-based (line, column) of `path` when the whole of it is written in
+/// `text`; `None` when some part is not (a default was used).
+pub fn locate_exact(text: &str, path: &str) -> Option<(usize, usize)> {
+    match find(text, path) {
+        (pos, true) => pos,
+        (_, false) => None,
+    }
+}
+
+/// The deepest position found, and whether every segment was.
+fn find(text: &str, path: &str) -> (Option<(usize, usize)>, bool) {
     let entries = entries(text);
     let mut lo = 0;
     let mut hi = entries.len();
     let mut best = None;
     for seg in segments(path) {
         let Some(scope) = entries.get(lo..hi) else {
-            return best;
+            return (best, false);
         };
         let Some(min_col) = scope.iter().map(|e| e.col).min() else {
-            return best;
+            return (best, false);
         };
         let mut dashes = 0;
         let mut found = None;
@@ -53,13 +71,13 @@ pub(crate) fn locate(text: &str, path: &str) -> Option<(usize, usize)> {
             }
         }
         let Some(j) = found else {
-            return best;
+            return (best, false);
         };
         best = Some((entries[j].line + 1, entries[j].col + 1));
         lo = j + 1;
         hi = children_end(&entries, j);
     }
-    best
+    (best, best.is_some())
 }
 
 /// End (exclusive) of the entries nested under `entries[j]`.
@@ -150,8 +168,8 @@ fn key_of(rest: &str) -> Option<String> {
     Some(rest[..pos].trim_end().to_owned())
 }
 
-/// The line without a trailing `# comment` (quotes respected).
-fn strip_comment(line: &str) -> &str {
+/// The line without a trailing `# comment` (a `#` after whitespace, outside quotes).
+pub fn strip_comment(line: &str) -> &str {
     let mut quote = None;
     let mut prev = ' ';
     for (i, c) in line.char_indices() {
@@ -207,5 +225,24 @@ schedulingProfiles:
     fn falls_back_to_deepest_found() {
         assert_eq!(locate(DOC, "plugins[1].parameters.nope"), Some((7, 3)));
         assert_eq!(locate(DOC, "nope"), None);
+    }
+
+    #[test]
+    fn exact_needs_every_segment() {
+        assert_eq!(
+            locate_exact(DOC, "plugins[1].parameters.threshold"),
+            Some((8, 5))
+        );
+        assert_eq!(locate_exact(DOC, "plugins[1].parameters.nope"), None);
+        let sections = "a:\n  x: 1\nb:\n  x: 2\n";
+        assert_eq!(locate_exact(sections, "b.x"), Some((4, 3)));
+        assert_eq!(locate_exact(sections, "a.y"), None);
+    }
+
+    #[test]
+    fn comments_are_stripped_outside_quotes() {
+        assert_eq!(strip_comment("a: 1 # c"), "a: 1 ");
+        assert_eq!(strip_comment("a: \"x # y\""), "a: \"x # y\"");
+        assert_eq!(strip_comment("a: b#c"), "a: b#c");
     }
 }
