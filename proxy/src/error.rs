@@ -110,8 +110,6 @@ pub enum ProxyError {
     },
     #[error("x-prefiller-host-port {value:?} refused: {reason}")]
     BadPrefiller { value: String, reason: &'static str },
-    #[error("not supported yet: {0}")]
-    Unsupported(&'static str),
     #[error("internal proxy error: {0}")]
     Internal(String),
 }
@@ -153,7 +151,7 @@ impl ProxyError {
             | Self::OverallTimeout { upstream, .. }
             | Self::UpstreamFailed { upstream, .. }
             | Self::UpstreamDied { upstream, .. } => upstream.culprit(),
-            Self::NoEndpoint { .. } | Self::Unsupported(_) | Self::Internal(_) => Culprit::Proxy,
+            Self::NoEndpoint { .. } | Self::Internal(_) => Culprit::Proxy,
         }
     }
 
@@ -175,7 +173,6 @@ impl ProxyError {
             | Self::PrefillFailed { .. }
             | Self::BadPrefiller { .. }
             | Self::NoEndpoint { .. }
-            | Self::Unsupported(_)
             | Self::Internal(_) => Retry::Never,
         }
     }

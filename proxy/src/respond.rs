@@ -58,7 +58,6 @@ pub fn openai_error(err: &ProxyError) -> ErrorReply {
             _ => (StatusCode::BAD_GATEWAY, "prefill_failed"),
         },
         E::BadPrefiller { .. } => (StatusCode::FORBIDDEN, "prefiller_not_allowed"),
-        E::Unsupported(_) => (StatusCode::NOT_IMPLEMENTED, "not_supported"),
         E::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
     };
     let kind = match err.culprit() {

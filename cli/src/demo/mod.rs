@@ -21,7 +21,7 @@ pub mod report;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvmesh_loadgen::{runner, Client, ClientConfig, Load, RunConfig, Spread, Workload};
+use kvmesh_loadgen::{runner, ClientConfig, Load, RunConfig, Spread, Workload};
 
 pub use fleet::{DemoFleet, FleetSpec};
 pub use policy::Policy;
@@ -229,7 +229,7 @@ async fn run_policy(
         .pods
         .first()
         .map(|p| tokio::spawn(sample_autoscale(p.sidecar.fleet().clone(), stop.clone())));
-    let outcome = drive(opts, wl, policy, &fleet).await;
+    let outcome = drive_urls(opts, wl, &fleet.urls()).await;
     stop.cancel();
     let autoscale_peak = match sampler {
         Some(task) => task.await.unwrap_or_default(),
@@ -237,10 +237,7 @@ async fn run_policy(
     };
     let prefill_requests = fleet.prefill_requests();
     fleet.shutdown().await;
-    let result = match outcome? {
-        Ok(result) => result,
-        Err(why) => return Ok(PolicyReport::unavailable(policy.name(), why)),
-    };
+    let result = outcome?;
     let summary = report::to_simulated(&result.summary(), wl.spec.time_scale);
     let mut note = None;
     if summary.errors > 0 {
@@ -356,52 +353,6 @@ async fn drive_urls(
     let mut cfg = run_config(urls, &wl.spec.model, opts.seed)?;
     cfg.progress = opts.progress;
     Ok(runner::run(&cfg, &wl.workload, &wl.load).await?)
-}
-
-/// Probes (for P/D) and runs the workload. The inner error is a reason the
-/// policy is unavailable in this build; the outer one a failure of the demo.
-async fn drive(
-    opts: &DemoOpts,
-    wl: &DemoWorkload,
-    policy: Policy,
-    fleet: &DemoFleet,
-) -> Result<Result<runner::RunResult, String>, DemoError> {
-    let urls = fleet.urls();
-    if policy.disaggregated() {
-        let cfg = run_config(&urls, &wl.spec.model, opts.seed)?;
-        if let Err(why) = probe(&cfg, &wl.workload).await {
-            say(
-                opts,
-                &format!("[{}] {policy}: not available: {why}", wl.name),
-            );
-            return Ok(Err(why));
-        }
-    }
-    Ok(Ok(drive_urls(opts, wl, &urls).await?))
-}
-
-/// Sends the workload's longest request once; an error says the set-up does
-/// not work in this build (P/D before its stage exists answers 501).
-async fn probe(cfg: &RunConfig, workload: &Workload) -> Result<(), String> {
-    let Some(req) = workload.requests.iter().max_by_key(|r| r.prompt_words()) else {
-        return Ok(());
-    };
-    let target = cfg.targets.first().ok_or("no sidecar")?;
-    let uri = target.uri(req.path()).map_err(|e| e.to_string())?;
-    let body = req.body(&cfg.model).map_err(|e| e.to_string())?;
-    let rec = Client::new(cfg.client.clone())
-        .send(uri, body, req.stream)
-        .await;
-    if rec.is_ok() {
-        Ok(())
-    } else {
-        Err(match (rec.status, rec.error) {
-            (Some(s), Some(e)) => format!("HTTP {s}: {e}"),
-            (Some(s), None) => format!("HTTP {s}"),
-            (None, Some(e)) => e,
-            (None, None) => "the request failed".to_owned(),
-        })
-    }
 }
 
 /// What `kvmesh demo` prints on stdout: the table, or the JSON.
