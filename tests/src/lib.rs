@@ -1,6 +1,6 @@
 //! The shared end-to-end harness of kvmesh: in-process fake upstreams built
 //! with builders ([`fake_upstream`]), a fake engine in vLLM's shapes
-//! ([`vllm`]), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
+//! ([`fake_vllm`]; the real vLLM is driven by `tests/tests/vllm/`), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
 //! certificate ([`certs`]), sidecar start-up helpers ([`sidecar`]),
 //! simulated engines as separate processes ([`simproc`]) and the test venv's
 //! Python ([`python`]).
@@ -13,10 +13,10 @@
 pub mod certs;
 pub mod client;
 pub mod fake_upstream;
+pub mod fake_vllm;
 pub mod mesh;
 pub mod prefix;
 pub mod python;
 pub mod route;
 pub mod sidecar;
 pub mod simproc;
-pub mod vllm;

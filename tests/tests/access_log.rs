@@ -67,7 +67,7 @@ const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 async fn a_request_writes_exactly_one_line_with_its_fields() {
     let lines = Lines::default();
     let _guard = lines.capture();
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let mut config = test_config(engine.addr());
     config.logging.access_log = true;
     let proxy = start(config).await;
@@ -165,7 +165,7 @@ async fn a_stream_is_logged_when_its_body_ends_not_at_its_head() {
 async fn off_by_default_no_line() {
     let lines = Lines::default();
     let _guard = lines.capture();
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start(test_config(engine.addr())).await;
     let r = fetch(
         &client::http1(),

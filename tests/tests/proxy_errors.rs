@@ -37,7 +37,7 @@ async fn streaming_engine() -> (StreamTx, FakeUpstream) {
 
 #[tokio::test]
 async fn malformed_json_is_400_and_never_reaches_the_engine() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let c = client::http1();
     let r = fetch(
@@ -67,7 +67,7 @@ async fn malformed_json_is_400_and_never_reaches_the_engine() {
 
 #[tokio::test]
 async fn body_over_the_limit_is_413() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let mut config = test_config(engine.addr());
     config.limits.max_body_bytes = ByteSize(64);
     let proxy = start(config).await;
@@ -98,7 +98,7 @@ async fn body_over_the_limit_is_413() {
 
 #[tokio::test]
 async fn wrong_method_on_inference_route_is_405() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let r = fetch(
         &client::http1(),

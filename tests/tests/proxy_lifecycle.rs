@@ -70,7 +70,7 @@ async fn ready_follows_the_engine_health() {
     assert_eq!(admin_get(down.admin_addr(), "/health").await.status, 200);
     down.shutdown().await;
 
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let up = start_for(engine.addr()).await;
     wait_ready(&up).await;
     assert_eq!(
@@ -82,7 +82,7 @@ async fn ready_follows_the_engine_health() {
 
 #[tokio::test]
 async fn metrics_and_config_on_the_admin_port() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let c = client::http1();
     let stream = r#"{"model":"tiny-llama","prompt":"p","stream":true,"max_tokens":3}"#;

@@ -49,7 +49,7 @@ fn python() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_openai_client_through_the_proxy() {
     let python = tokio::task::spawn_blocking(python).await.unwrap();
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let dir = tempfile::tempdir().unwrap();
     let script = dir.path().join("client.py");

@@ -50,7 +50,7 @@ async fn stream_is_forwarded_chunk_by_chunk() {
 
 #[tokio::test]
 async fn non_streaming_completion_and_models() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let c = client::http1();
     let r = fetch(
@@ -76,7 +76,7 @@ async fn non_streaming_completion_and_models() {
 
 #[tokio::test]
 async fn http2_prior_knowledge_client() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let resp = send(
         &client::h2c(),
@@ -94,7 +94,7 @@ async fn http2_prior_knowledge_client() {
 
 #[tokio::test]
 async fn tls_client_over_http1_and_h2() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let cert = TestCert::new();
     let mut config = test_config(engine.addr());
     config.listeners.tls = Some(kvmesh_proxy::config::Tls {
@@ -121,7 +121,7 @@ async fn tls_client_over_http1_and_h2() {
 
 #[tokio::test]
 async fn request_id_is_kept_or_generated() {
-    let engine = kvmesh_tests::vllm::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start_for(engine.addr()).await;
     let c = client::http1();
     let body = r#"{"model":"tiny-llama","prompt":"x","max_tokens":1}"#;
