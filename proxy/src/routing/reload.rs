@@ -11,9 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use kvmesh_filters::sched::FilterConfig;
-
-use super::{compile, FiltersError};
+use super::FiltersError;
 use crate::app::App;
 use crate::shutdown::Shutdown;
 
@@ -56,14 +54,15 @@ async fn stamp(path: &Path) -> Stamp {
     Some((m.modified().ok()?, m.len()))
 }
 
+/// The one loader ([`super::load_filters_with`]), off the runtime's threads:
+/// reading and compiling a file blocks.
 async fn load(path: &Path, pd_threshold: Option<u32>) -> Result<super::Active, FiltersError> {
+    let path = path.to_path_buf();
     let file = path.display().to_string();
-    let text = tokio::fs::read_to_string(path)
+    tokio::task::spawn_blocking(move || super::load_filters_with(&path, pd_threshold))
         .await
-        .map_err(|source| FiltersError::Read {
-            file: file.clone(),
-            source,
-        })?;
-    let cfg = FilterConfig::from_yaml(&text, &file)?;
-    compile(&super::pd_threshold::apply(cfg, pd_threshold)?)
+        .map_err(|e| FiltersError::Read {
+            file,
+            source: std::io::Error::other(e),
+        })?
 }
