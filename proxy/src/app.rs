@@ -28,4 +28,6 @@ pub struct App {
     pub engine_ready: Arc<AtomicBool>,
     /// The mesh: this sidecar's state stream and its subscribers.
     pub mesh: Arc<crate::mesh::Mesh>,
+    /// Spans of the request path (`tracing` in proxy.yaml); `None`: off.
+    pub tracer: Option<crate::otel::Tracer>,
 }

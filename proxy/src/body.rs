@@ -39,6 +39,16 @@ pub struct ResponseBody {
     _in_flight: Option<InFlight>,
     /// The request's access record (`logging.access_log`), written on drop.
     access: Option<AccessGuard>,
+    /// The spans that end with the body (`tracing` configured).
+    spans: Option<Box<Spans>>,
+}
+
+/// Spans ended when the body is dropped, in field order: the upstream call,
+/// then the request's execute and server spans.
+#[derive(Default)]
+struct Spans {
+    hop: Option<crate::otel::Hop>,
+    trace: Option<Box<crate::otel::RequestTrace>>,
 }
 
 /// Writes the access line when the body is dropped, with how it ended.
@@ -98,6 +108,7 @@ impl ResponseBody {
             kind: Kind::Full(Some(b.into())),
             _in_flight: None,
             access: None,
+            spans: None,
         }
     }
 
@@ -106,6 +117,7 @@ impl ResponseBody {
             kind: Kind::Full(None),
             _in_flight: None,
             access: None,
+            spans: None,
         }
     }
 
@@ -127,11 +139,26 @@ impl ResponseBody {
             })),
             _in_flight: None,
             access: None,
+            spans: None,
         }
     }
 
     pub fn with_in_flight(mut self, guard: InFlight) -> Self {
         self._in_flight = Some(guard);
+        self
+    }
+
+    /// Ends `hop`, an upstream call's span, when this body is dropped.
+    pub fn with_span(mut self, hop: crate::otel::Hop) -> Self {
+        if hop.is_some() {
+            self.spans.get_or_insert_with(Default::default).hop = Some(hop);
+        }
+        self
+    }
+
+    /// Ends the request's spans when this body is dropped.
+    pub fn with_trace(mut self, trace: Box<crate::otel::RequestTrace>) -> Self {
+        self.spans.get_or_insert_with(Default::default).trace = Some(trace);
         self
     }
 

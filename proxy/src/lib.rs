@@ -27,6 +27,7 @@ pub mod logging;
 pub mod malloc;
 pub mod mesh;
 pub mod metrics;
+pub mod otel;
 pub mod path;
 pub mod pd;
 pub mod prefix;

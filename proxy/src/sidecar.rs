@@ -38,6 +38,8 @@ pub struct SidecarHandle {
     routing: Arc<Routing>,
     prefix: Arc<crate::prefix::PrefixState>,
     mesh: Arc<crate::mesh::Mesh>,
+    /// The OTLP span pipeline, flushed once the tasks stopped.
+    exporter: Option<crate::otel::Exporter>,
 }
 
 /// Why a sidecar could not start.
@@ -58,6 +60,9 @@ pub enum StartError {
     /// The tokenizer (`prefix.tokenizer`) cannot be loaded.
     #[error("prefix: {0}")]
     Prefix(#[from] crate::prefix::PrefixError),
+    /// The OTLP exporter (`tracing`) cannot be built.
+    #[error("tracing: {0}")]
+    Otel(#[from] crate::otel::OtelError),
     #[error("reading a listener's address: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -117,6 +122,13 @@ impl Sidecar {
         let mesh = Arc::new(crate::mesh::Mesh::new(
             &config, &fleet, &prefix, mesh_addr, mesh_tls,
         ));
+        let (tracer, exporter) = match &config.tracing {
+            Some(t) => {
+                let (tracer, exporter) = crate::otel::build(t, fleet.local_id())?;
+                (Some(tracer), Some(exporter))
+            }
+            None => (None, None),
+        };
         let config = Arc::new(config);
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
@@ -129,6 +141,7 @@ impl Sidecar {
             prefix: prefix.clone(),
             engine_ready: Arc::new(AtomicBool::new(false)),
             mesh: mesh.clone(),
+            tracer,
         });
         let shutdown = Shutdown::new();
         let t = &config.timeouts;
@@ -178,6 +191,7 @@ impl Sidecar {
             routing,
             prefix,
             mesh,
+            exporter,
         })
     }
 
@@ -240,11 +254,21 @@ impl SidecarHandle {
     pub async fn shutdown(mut self) {
         self.shutdown.trigger();
         while self.tasks.join_next().await.is_some() {}
+        self.flush_spans().await;
     }
 
     /// Waits until the sidecar stops through its [`Shutdown`] handle.
     pub async fn wait(mut self) {
         self.shutdown.triggered().await;
         while self.tasks.join_next().await.is_some() {}
+        self.flush_spans().await;
+    }
+
+    /// Exports the spans still queued (the drained requests' last ones);
+    /// bounded by `otel::FLUSH_TIMEOUT`.
+    async fn flush_spans(&mut self) {
+        if let Some(exporter) = self.exporter.take() {
+            let _ = tokio::task::spawn_blocking(move || exporter.shutdown()).await;
+        }
     }
 }

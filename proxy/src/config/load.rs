@@ -165,6 +165,9 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     super::prefix::validate(c)?;
     c.mesh.validate()?;
     c.autoscale.validate()?;
+    if let Some(t) = &c.tracing {
+        t.validate()?;
+    }
     if c.mesh.follow == super::mesh::Follow::SameModels && c.pod.models.is_empty() {
         return err(
             "mesh.follow",

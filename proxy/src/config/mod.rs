@@ -15,6 +15,7 @@ pub mod load;
 pub mod mesh;
 pub mod pd;
 pub mod prefix;
+pub mod traces;
 mod units;
 
 use std::net::SocketAddr;
@@ -27,6 +28,7 @@ pub use load::{from_yaml_str, load_file, ConfigError};
 pub use mesh::Mesh;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
 pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};
+pub use traces::{OtlpEndpoint, OtlpProtocol, Tracing};
 pub use units::{ByteSize, Duration, EngineUrl, Fraction};
 
 /// The whole `proxy.yaml`.
@@ -51,6 +53,9 @@ pub struct Config {
     pub pd: Pd,
     /// The targets the autoscaling hook sizes each pool against (docs/autoscaling.md).
     pub autoscale: Autoscale,
+    /// OpenTelemetry spans exported over OTLP (docs/observability.md#traces);
+    /// absent: no spans, `traceparent` passed through unchanged.
+    pub tracing: Option<Tracing>,
 }
 
 /// Where the sidecar listens.

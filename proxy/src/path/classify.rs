@@ -12,6 +12,8 @@ use super::view::{RequestView, Shape};
 use crate::app::App;
 use crate::error::ProxyError;
 use crate::metrics::Route;
+use crate::otel::Stage;
+use opentelemetry::KeyValue;
 
 /// The client's request after classification: its head and its bytes.
 pub struct ClientRequest {
@@ -29,6 +31,29 @@ pub enum ClientBody {
 }
 
 pub async fn classify(
+    app: &App,
+    ctx: &mut RequestCtx,
+    req: Request<Incoming>,
+) -> Result<ClientRequest, ProxyError> {
+    let span = Stage::of(ctx.trace.as_deref(), "kvmesh.classify");
+    let r = read(app, ctx, req).await;
+    if span.recording() {
+        span.set(KeyValue::new("kvmesh.route", ctx.route.as_str()));
+        span.set(KeyValue::new("kvmesh.request_id", ctx.id().to_owned()));
+        if let Some(v) = &ctx.view {
+            if let Some(m) = &v.model {
+                span.set(KeyValue::new("gen_ai.request.model", m.clone()));
+            }
+            span.set(KeyValue::new("kvmesh.stream", v.stream));
+        }
+        if let Err(e) = &r {
+            span.fail(e);
+        }
+    }
+    r
+}
+
+async fn read(
     app: &App,
     ctx: &mut RequestCtx,
     req: Request<Incoming>,

@@ -43,6 +43,8 @@ pub struct RequestCtx {
     // ---- observe ----
     /// The access record, when `logging.access_log` is on.
     pub access: Option<Box<crate::access::AccessLog>>,
+    /// The request's spans, when `tracing` is configured (`crate::otel`).
+    pub trace: Option<Box<crate::otel::RequestTrace>>,
 }
 
 /// The upstream that produced the response.
@@ -70,6 +72,7 @@ impl RequestCtx {
             served_by: None,
             attempts: 0,
             access: None,
+            trace: None,
         }
     }
 

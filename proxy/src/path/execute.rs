@@ -21,6 +21,7 @@ use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, Retry, UpstreamName};
 use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
 use crate::mesh::client::MeshSendError;
+use crate::otel::Hop;
 use crate::upstream::{EngineError, ReplyBody};
 
 pub async fn execute(
@@ -30,6 +31,9 @@ pub async fn execute(
     mut req: ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     crate::mesh::forward::check_arrival(&req.head.headers)?;
+    if let Some(t) = ctx.trace.as_mut() {
+        t.begin_execute();
+    }
     if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
         let mut access = ctx.access.take();
         if let Some(a) = access.as_mut() {
@@ -196,29 +200,64 @@ async fn forward(
     req: &mut ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let body = client_body(app, req)?;
-    let (resp, name) = send(app, ctx, &upstream, &req.head, body).await?;
-    Ok(relay(app, ctx, name, resp))
+    let (resp, name, hop) =
+        send(app, ctx, &upstream, &req.head, body, FORWARD, ctx.attempts).await?;
+    Ok(relay(app, ctx, name, resp, hop))
 }
 
+/// The span of a whole request sent to one target (`send`'s `leg`).
+pub(crate) const FORWARD: &str = "kvmesh.forward";
+
 /// Sends one request (the client's head, rewritten for the hop, with `body`)
-/// and waits for the response head under the first-byte deadline.
+/// and waits for the response head under the first-byte deadline. `leg`
+/// names the call's span (`FORWARD`, or a P/D leg's), the `attempt`-th of
+/// the request; its context goes upstream in `traceparent`, and it is
+/// returned with the response, to end when the response does.
 pub(crate) async fn send(
     app: &App,
     ctx: &RequestCtx,
     upstream: &Upstream,
     head: &http::request::Parts,
     body: UpstreamBody,
-) -> Result<(Response<ReplyBody>, UpstreamName), ProxyError> {
+    leg: &'static str,
+    attempt: u8,
+) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
     let (authority, name) = upstream.resolve(app)?;
-    let out = build_request(app, ctx, upstream, authority, head, body)?;
+    let hop = Hop::of(ctx.trace.as_deref(), leg, &name, attempt);
+    let r = send_as(app, ctx, upstream, authority, &name, head, body, &hop).await;
+    match r {
+        Ok(resp) => {
+            hop.status(resp.status().as_u16());
+            Ok((resp, name, hop))
+        }
+        Err(e) => {
+            hop.fail(&e);
+            Err(e)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn send_as(
+    app: &App,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    authority: Authority,
+    name: &UpstreamName,
+    head: &http::request::Parts,
+    body: UpstreamBody,
+    hop: &Hop,
+) -> Result<Response<ReplyBody>, ProxyError> {
+    let mut out = build_request(app, ctx, upstream, authority, head, body)?;
+    hop.inject(out.headers_mut());
     let timeouts = &app.config.timeouts;
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
     let head_wait = timeouts.first_byte.get().min(overall_left);
     let sent = Instant::now();
-    let resp = match tokio::time::timeout(head_wait, request(app, upstream, &name, out)).await {
+    let resp = match tokio::time::timeout(head_wait, request(app, upstream, name, out)).await {
         Err(_) => {
             return Err(ProxyError::FirstByteTimeout {
-                upstream: name,
+                upstream: name.clone(),
                 after: head_wait,
             })
         }
@@ -226,7 +265,7 @@ pub(crate) async fn send(
     };
     app.metrics
         .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
-    Ok((resp, name))
+    Ok(resp)
 }
 
 /// Sends `out` over the engine's own pool, the general pooled client, or, to a
@@ -280,12 +319,13 @@ async fn request(
 }
 
 /// Relays an upstream response to the client, chunk by chunk, under the idle
-/// and overall deadlines.
+/// and overall deadlines; `hop`, the call's span, ends with the body.
 pub(crate) fn relay(
     app: &App,
     ctx: &RequestCtx,
     name: UpstreamName,
     resp: Response<ReplyBody>,
+    hop: Hop,
 ) -> Response<ResponseBody> {
     let timeouts = &app.config.timeouts;
     let (mut head, incoming) = resp.into_parts();
@@ -312,7 +352,8 @@ pub(crate) fn relay(
             sse,
             request_id: ctx.id().to_owned(),
         },
-    );
+    )
+    .with_span(hop);
     Response::from_parts(head, body)
 }
 

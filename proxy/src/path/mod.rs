@@ -38,6 +38,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
         ctx.id(),
         ctx.route.as_str(),
     );
+    ctx.trace = crate::otel::request::start(
+        app.tracer.as_ref(),
+        req.headers(),
+        req.method().as_str(),
+        ctx.route.as_str(),
+    );
     let result = async {
         let req = classify::classify(&app, &mut ctx, req).await?;
         prefix::prefix(&app, &mut ctx).await?;

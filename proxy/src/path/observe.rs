@@ -40,6 +40,19 @@ pub fn observe(
         head_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
         "response head"
     );
+    let resp = match ctx.trace.take() {
+        Some(trace) => {
+            crate::otel::request::finish(
+                &trace,
+                status,
+                ctx.decision,
+                ctx.attempts,
+                ctx.served_by.is_some(),
+            );
+            resp.map(|b| b.with_trace(trace))
+        }
+        None => resp,
+    };
     let resp = match ctx.access.take() {
         Some(mut log) => {
             let pod = ctx.served_by.map(|s| match s {

@@ -10,11 +10,36 @@
 use super::context::RequestCtx;
 use crate::app::App;
 use crate::error::ProxyError;
+use crate::otel::Stage;
+use opentelemetry::KeyValue;
 
 pub async fn prefix(app: &App, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
     if ctx.view.is_none() || ctx.already_routed {
         return Ok(());
     }
+    let span = Stage::of(ctx.trace.as_deref(), "kvmesh.prefix");
     app.prefix.compute(app, ctx).await;
+    if span.recording() {
+        // The per-pod match is the schedule stage's work; a sampled request
+        // looks it up once more here, so the span says what was matched.
+        let best = app
+            .prefix
+            .matches(ctx)
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)));
+        if let Some(t) = ctx.prompt_tokens {
+            span.set(KeyValue::new("kvmesh.prefix.tokens", i64::from(t)));
+        }
+        let blocks = i64::try_from(ctx.block_keys.len()).unwrap_or(i64::MAX);
+        span.set(KeyValue::new("kvmesh.prefix.blocks", blocks));
+        let (pod, matched) = best.unwrap_or_default();
+        span.set(KeyValue::new(
+            "kvmesh.prefix.matched_blocks",
+            i64::from(matched),
+        ));
+        if matched > 0 {
+            span.set(KeyValue::new("kvmesh.prefix.matched_pod", pod));
+        }
+    }
     Ok(())
 }

@@ -14,6 +14,8 @@ use std::net::SocketAddr;
 use super::context::RequestCtx;
 use crate::app::App;
 use crate::error::ProxyError;
+use crate::otel::Stage;
+use opentelemetry::KeyValue;
 
 /// Most targets the execute stage tries for one request (the first plus fallbacks).
 pub const MAX_ATTEMPTS: usize = 4;
@@ -84,7 +86,20 @@ impl Plan {
 }
 
 pub fn schedule(app: &App, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
-    let plan = app.routing.plan(app, ctx)?;
+    let span = Stage::of(ctx.trace.as_deref(), "kvmesh.schedule");
+    let plan = app.routing.plan(app, ctx, &span);
+    if span.recording() {
+        match &plan {
+            Ok(p) => {
+                span.set(KeyValue::new("kvmesh.schedule.decision", p.decision()));
+                span.set(KeyValue::new("kvmesh.schedule.reason", p.reason));
+                let n = i64::try_from(p.fallbacks.len()).unwrap_or(i64::MAX);
+                span.set(KeyValue::new("kvmesh.schedule.fallbacks", n));
+            }
+            Err(e) => span.fail(e),
+        }
+    }
+    let plan = plan?;
     ctx.decision = plan.reason;
     Ok(plan)
 }

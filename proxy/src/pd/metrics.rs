@@ -36,7 +36,7 @@ impl Outcome {
         }
     }
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::Disaggregated => "disaggregated",
             Self::Recompute => "recompute",

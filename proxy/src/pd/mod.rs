@@ -107,3 +107,22 @@ fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
     );
     m
 }
+
+/// The span names of the two legs (children of `kvmesh.execute`).
+pub(crate) const PREFILL: &str = "kvmesh.pd.prefill";
+pub(crate) const DECODE: &str = "kvmesh.pd.decode";
+
+/// The connector and the P/D outcome on the execute span.
+fn traced(ctx: &RequestCtx, connector: &'static str, outcome: metrics::Outcome) {
+    if let Some(t) = ctx.trace.as_deref() {
+        let span = t.execute();
+        span.set(opentelemetry::KeyValue::new(
+            "kvmesh.pd.connector",
+            connector,
+        ));
+        span.set(opentelemetry::KeyValue::new(
+            "kvmesh.pd.outcome",
+            outcome.label(),
+        ));
+    }
+}

@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use super::body;
 use super::metrics::Outcome;
 use super::PdPlan;
+use super::{DECODE, PREFILL};
 use crate::app::App;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::error::ProxyError;
@@ -41,7 +42,8 @@ pub async fn run(
     let legs = body::sglang_legs(client, &host, app.config.pd.sglang_bootstrap_port, &rooms)?;
     let sent = Instant::now();
     let prefill_leg = async {
-        let (resp, name) = send(app, ctx, prefill, &req.head, full(legs.clone())).await?;
+        let (resp, name, hop) =
+            send(app, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();
         let bytes = tokio::time::timeout(
             app.config.pd.prefill_timeout.get(),
@@ -59,6 +61,7 @@ pub async fn run(
             reason: format!("reading the prefill response: {e}"),
         })?
         .to_bytes();
+        drop(hop);
         if !status.is_success() {
             return Err(ProxyError::PrefillFailed {
                 upstream: name,
@@ -70,7 +73,15 @@ pub async fn run(
         metrics.leg("prefill", sent.elapsed().as_secs_f64());
         Ok(())
     };
-    let decode_leg = send(app, ctx, &plan.decode, &req.head, full(legs.clone()));
+    let decode_leg = send(
+        app,
+        ctx,
+        &plan.decode,
+        &req.head,
+        full(legs.clone()),
+        DECODE,
+        ctx.attempts,
+    );
     tokio::pin!(prefill_leg, decode_leg);
     let (mut prefilled, mut decoded) = (false, None);
     while !(prefilled && decoded.is_some()) {
@@ -78,6 +89,7 @@ pub async fn run(
             r = &mut prefill_leg, if !prefilled => {
                 if let Err(e) = r {
                     metrics.outcome("sglang", Outcome::Failed);
+                    super::traced(ctx, "sglang", Outcome::Failed);
                     return Err(e);
                 }
                 prefilled = true;
@@ -87,20 +99,22 @@ pub async fn run(
                     Ok(head) => decoded = Some(head),
                     Err(e) => {
                         metrics.outcome("sglang", Outcome::of_decode_error(&e));
+                        super::traced(ctx, "sglang", Outcome::of_decode_error(&e));
                         return Err(e);
                     }
                 }
             }
         }
     }
-    let Some((resp, name)) = decoded else {
+    let Some((resp, name, hop)) = decoded else {
         return Err(ProxyError::Internal(
             "the decode leg ended without a response".to_owned(),
         ));
     };
     metrics.leg("decode", sent.elapsed().as_secs_f64());
     metrics.outcome("sglang", Outcome::Disaggregated);
-    Ok(relay(app, ctx, name, resp))
+    super::traced(ctx, "sglang", Outcome::Disaggregated);
+    Ok(relay(app, ctx, name, resp, hop))
 }
 
 fn full(b: bytes::Bytes) -> UpstreamBody {

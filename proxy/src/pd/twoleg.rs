@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::body;
 use super::metrics::Outcome;
 use super::PdPlan;
+use super::{DECODE, PREFILL};
 use crate::app::App;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
@@ -58,20 +59,34 @@ pub async fn run(
             }
             OnPrefillFailure::Error => {
                 metrics.outcome(connector, Outcome::Failed);
+                super::traced(ctx, connector, Outcome::Failed);
                 return Err(e);
             }
         },
     };
     let sent = Instant::now();
     let body = UpstreamBody::Full(Full::new(decode_body));
-    match send(app, ctx, &plan.decode, &req.head, body).await {
-        Ok((resp, name)) => {
+    let decode = send(
+        app,
+        ctx,
+        &plan.decode,
+        &req.head,
+        body,
+        DECODE,
+        ctx.attempts,
+    )
+    .await;
+    match decode {
+        Ok((resp, name, hop)) => {
             metrics.leg("decode", sent.elapsed().as_secs_f64());
             metrics.outcome(connector, outcome);
-            Ok(relay(app, ctx, name, resp))
+            super::traced(ctx, connector, outcome);
+            Ok(relay(app, ctx, name, resp, hop))
         }
         Err(e) => {
-            metrics.outcome(connector, Outcome::of_decode_error(&e));
+            let outcome = Outcome::of_decode_error(&e);
+            metrics.outcome(connector, outcome);
+            super::traced(ctx, connector, outcome);
             Err(e)
         }
     }
@@ -99,7 +114,7 @@ async fn prefill(
         let upstream = &plan.prefill[attempt % plan.prefill.len()];
         let leg = tokio::time::timeout(
             pd.prefill_timeout.get(),
-            prefill_once(app, ctx, upstream, req, body.clone()),
+            prefill_once(app, ctx, upstream, req, body.clone(), attempt_no(attempt)),
         )
         .await
         .unwrap_or_else(|_| {
@@ -150,31 +165,44 @@ fn prefill_retryable(e: &ProxyError) -> bool {
     }
 }
 
+/// A prefill attempt's number for its span (1-based).
+fn attempt_no(attempt: usize) -> u8 {
+    u8::try_from(attempt + 1).unwrap_or(u8::MAX)
+}
+
 async fn prefill_once(
     app: &App,
     ctx: &RequestCtx,
     upstream: &Upstream,
     req: &ClientRequest,
     body: Bytes,
+    attempt: u8,
 ) -> Result<Option<Value>, ProxyError> {
     let sent = Instant::now();
-    let (resp, name) = send(
+    let (resp, name, hop) = send(
         app,
         ctx,
         upstream,
         &req.head,
         UpstreamBody::Full(Full::new(body)),
+        PREFILL,
+        attempt,
     )
     .await?;
     let status = resp.status();
     let bytes = Limited::new(resp.into_body(), MAX_PREFILL_RESPONSE)
         .collect()
         .await
-        .map_err(|e| ProxyError::UpstreamFailed {
-            upstream: name.clone(),
-            reason: format!("reading the prefill response: {e}"),
+        .map_err(|e| {
+            let e = ProxyError::UpstreamFailed {
+                upstream: name.clone(),
+                reason: format!("reading the prefill response: {e}"),
+            };
+            hop.fail(&e);
+            e
         })?
         .to_bytes();
+    drop(hop);
     app.metrics.pd.leg("prefill", sent.elapsed().as_secs_f64());
     if !status.is_success() {
         return Err(ProxyError::PrefillFailed {

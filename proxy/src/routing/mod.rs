@@ -21,8 +21,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvmesh_filters::sched::{
-    ConfigError, Decision, FilterConfig, ScheduleError, Scheduler, TraceLevel,
+    ConfigError, Decision, DecisionTrace, FilterConfig, Route, ScheduleError, Scheduler, TraceLevel,
 };
+use opentelemetry::KeyValue;
 use parking_lot::RwLock;
 use tokio::time::Instant;
 
@@ -30,6 +31,7 @@ use crate::app::App;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fleet::{Fleet, PodInfo};
+use crate::otel::Stage;
 use crate::path::{Leg, Plan, RequestCtx, Target};
 
 /// Block size assumed until the engine reports its own (vLLM's default).
@@ -164,7 +166,9 @@ impl Routing {
     }
 
     /// The plan for one request: the scheduler's decision as targets.
-    pub fn plan(&self, app: &App, ctx: &RequestCtx) -> Result<Plan, ProxyError> {
+    /// `span`: the schedule stage's span; a recording one gets the chosen
+    /// pods, the top scores and the reason ([`record`]).
+    pub fn plan(&self, app: &App, ctx: &RequestCtx, span: &Stage) -> Result<Plan, ProxyError> {
         let m = &app.metrics.routing;
         if ctx.already_routed {
             m.decision("local", "routed_by_peer");
@@ -182,7 +186,7 @@ impl Routing {
         // more than the decision on a small fleet, so it is built only when
         // the trace-level line that prints it is enabled. `/debug/route`
         // asks the scheduler for the full trace itself.
-        let level = if tracing::enabled!(tracing::Level::TRACE) {
+        let level = if tracing::enabled!(tracing::Level::TRACE) || span.recording() {
             TraceLevel::Full
         } else {
             TraceLevel::Summary
@@ -206,6 +210,9 @@ impl Routing {
                     "scheduled"
                 );
                 tracing::trace!(request_id = ctx.id(), trace = ?trace, "decision trace");
+                if span.recording() {
+                    record(span, &route, &trace);
+                }
                 match plan {
                     Some(plan) => {
                         m.decision(plan.decision(), plan.reason);
@@ -319,4 +326,35 @@ fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
         Leg::LocalEngine => Some(fleet.local_id().to_owned()),
         Leg::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
     }
+}
+
+/// How many candidates of each profile the schedule span lists.
+const TOP_SCORES: usize = 3;
+
+/// The schedule span's attributes: the chosen pods, the handler's reason, and
+/// each profile's best candidates by weighted total (`profile: pod=0.83 ...`).
+fn record(span: &Stage, route: &Route, trace: &DecisionTrace) {
+    span.set(KeyValue::new(
+        "kvmesh.schedule.pod",
+        route.primary().id.clone(),
+    ));
+    if let Some(p) = route.prefill() {
+        span.set(KeyValue::new("kvmesh.schedule.prefill_pod", p.id.clone()));
+    }
+    span.set(KeyValue::new("kvmesh.schedule.why", trace.reason.clone()));
+    let mut scores = String::new();
+    for p in &trace.profiles {
+        let mut ranked: Vec<(&String, f64)> =
+            p.candidates.iter().zip(p.totals.iter().copied()).collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if !scores.is_empty() {
+            scores.push_str("; ");
+        }
+        scores.push_str(&p.profile);
+        scores.push(':');
+        for (id, total) in ranked.into_iter().take(TOP_SCORES) {
+            scores.push_str(&format!(" {id}={total:.3}"));
+        }
+    }
+    span.set(KeyValue::new("kvmesh.schedule.top_scores", scores));
 }

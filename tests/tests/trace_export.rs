@@ -1,0 +1,443 @@
+//! The sidecar's own spans, exported over OTLP to an in-process receiver
+//! (`kvmesh_tests::otlp`): a request that crosses the mesh and a P/D split
+//! each make one trace under the client's span, with the stage spans and
+//! their attributes, one client span per upstream call, and every engine
+//! (or peer sidecar) receiving the `traceparent` of the span that called it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
+use kvmesh_proxy::config::{OtlpProtocol, Tracing};
+use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, request};
+use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
+use kvmesh_tests::otlp::{Collector, Received};
+use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
+use kvmesh_tests::sidecar::{refused_addr, start};
+
+const TRACESTATE: &str = "vendor=abc,other=1";
+
+fn tracing(c: &Collector, protocol: OtlpProtocol, sample_ratio: f64) -> Option<Tracing> {
+    Some(Tracing {
+        otlp_endpoint: c.endpoint().parse().unwrap(),
+        protocol,
+        sample_ratio,
+    })
+}
+
+/// The client's trace id and span id for request `i`, and its `traceparent`.
+fn client_span(i: usize) -> (String, String, String) {
+    let (t, s) = (
+        format!("{:032x}", 0xfeed_0000 + i),
+        format!("{:016x}", 0x7ace + i),
+    );
+    let tp = format!("00-{t}-{s}-01");
+    (t, s, tp)
+}
+
+async fn complete(addr: SocketAddr, body: &str, id: &str, tp: Option<&str>) {
+    let mut headers = vec![("content-type", "application/json"), ("x-request-id", id)];
+    if let Some(tp) = tp {
+        headers.push(("traceparent", tp));
+        headers.push(("tracestate", TRACESTATE));
+    }
+    let r = fetch(
+        &http1(),
+        request("POST", addr, "/v1/completions", body.to_owned(), &headers),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+fn inference(e: &SimHandle) -> Vec<ReceivedRequest> {
+    let mut v = e.received_requests();
+    v.retain(|r| r.path.starts_with("/v1/"));
+    v
+}
+
+/// The spans of one trace, by span id.
+struct Trace {
+    spans: Vec<Received>,
+}
+
+impl Trace {
+    fn of(all: &[Received], trace_id: &str) -> Self {
+        Self {
+            spans: all
+                .iter()
+                .filter(|s| s.trace_id() == trace_id)
+                .cloned()
+                .collect(),
+        }
+    }
+
+    fn named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a Received> + 'a {
+        self.spans.iter().filter(move |s| s.name() == name)
+    }
+
+    fn children<'a>(&'a self, parent: &'a Received) -> impl Iterator<Item = &'a Received> + 'a {
+        let id = parent.span_id();
+        self.spans.iter().filter(move |s| s.parent_id() == id)
+    }
+
+    /// The one child of `parent` named `name`.
+    fn child(&self, parent: &Received, name: &str) -> Received {
+        let c: Vec<_> = self.children(parent).filter(|s| s.name() == name).collect();
+        assert_eq!(
+            c.len(),
+            1,
+            "{name} under {}: {:?}",
+            parent.name(),
+            self.names()
+        );
+        c[0].clone()
+    }
+
+    fn by_id(&self, id: &str) -> Option<&Received> {
+        self.spans.iter().find(|s| s.span_id() == id)
+    }
+
+    fn names(&self) -> Vec<(String, String, String)> {
+        self.spans
+            .iter()
+            .map(|s| (s.name().to_owned(), s.span_id(), s.parent_id()))
+            .collect()
+    }
+}
+
+/// `traceparent` of the span `s` (sampled).
+fn traceparent_of(s: &Received) -> String {
+    format!("00-{}-{}-01", s.trace_id(), s.span_id())
+}
+
+/// The stage spans under a sidecar's `kvmesh.request` span, checked, and its
+/// execute span.
+fn stages(t: &Trace, request: &Received, routed: bool) -> Received {
+    t.child(request, "kvmesh.classify");
+    let schedule = t.child(request, "kvmesh.schedule");
+    assert!(
+        schedule.attr("kvmesh.schedule.reason").is_some(),
+        "{schedule:?}"
+    );
+    if routed {
+        assert_eq!(
+            schedule.attr("kvmesh.schedule.reason").as_deref(),
+            Some("routed_by_peer")
+        );
+        assert_eq!(
+            t.children(request)
+                .filter(|s| s.name() == "kvmesh.prefix")
+                .count(),
+            0
+        );
+    } else {
+        let prefix = t.child(request, "kvmesh.prefix");
+        let blocks: u64 = prefix
+            .attr("kvmesh.prefix.blocks")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(blocks > 0, "{prefix:?}");
+        assert!(
+            prefix.attr("kvmesh.prefix.matched_blocks").is_some(),
+            "{prefix:?}"
+        );
+        assert!(
+            schedule.attr("kvmesh.schedule.pod").is_some(),
+            "{schedule:?}"
+        );
+        let top = schedule.attr("kvmesh.schedule.top_scores").unwrap();
+        assert!(top.contains('='), "{top}");
+    }
+    t.child(request, "kvmesh.execute")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
+    let collector = Collector::start().await;
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let mut engines = Vec::new();
+    let mut sidecars: Vec<SidecarHandle> = Vec::new();
+    for _ in 0..2 {
+        let e = kv_sim().await;
+        let mut c = mesh_config(&e, peers.path());
+        c.tracing = tracing(&collector, OtlpProtocol::Grpc, 1.0);
+        sidecars.push(start_on(c, None).await);
+        engines.push(e);
+    }
+    let addrs: Vec<SocketAddr> = sidecars.iter().map(|s| s.mesh_addr().unwrap()).collect();
+    write_peers(peers.path(), &addrs);
+    for s in &sidecars {
+        eventually("both pods known", || async {
+            (s.fleet().snapshot(tokio::time::Instant::now()).len() == 2).then_some(())
+        })
+        .await;
+    }
+    // As in trace_propagation.rs: prefixes land on some pod through either
+    // sidecar; sent again through the other one, some cross the mesh.
+    let mut sent = HashMap::new();
+    let mut i = 0;
+    for round in 0..3 {
+        for group in 0..6 {
+            let via = sidecars[(round + group) % 2].addr();
+            let id = format!("req-{i}");
+            let (t, s, tp) = client_span(i);
+            complete(via, &shared_prefix_body(group, round), &id, Some(&tp)).await;
+            sent.insert(id, (t, s));
+            i += 1;
+        }
+        eventually("indexes converged", || async {
+            let e: Vec<usize> = sidecars
+                .iter()
+                .map(|s| s.prefix().index().stats().entries)
+                .collect();
+            (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
+        })
+        .await;
+    }
+    let mut forwarded = 0.0;
+    for s in &sidecars {
+        forwarded += metric(s, r#"kvmesh_mesh_requests_total{served="forwarded"}"#)
+            .await
+            .unwrap_or(0.0);
+    }
+    assert!(forwarded > 0.0, "no request crossed the mesh");
+    let received: HashMap<String, ReceivedRequest> = engines
+        .iter()
+        .flat_map(inference)
+        .map(|r| (r.header("x-request-id").unwrap().to_owned(), r))
+        .collect();
+    // Shutdown flushes the span pipelines.
+    for s in sidecars {
+        s.shutdown().await;
+    }
+    let all = collector.spans();
+    assert!(all.iter().all(|s| s.protocol == "grpc"));
+    let mut crossed = 0;
+    for (id, (trace_id, client)) in &sent {
+        let t = Trace::of(&all, trace_id);
+        let entry: Vec<&Received> = t
+            .named("kvmesh.request")
+            .filter(|s| &s.parent_id() == client)
+            .collect();
+        assert_eq!(entry.len(), 1, "{id}: {:?}", t.names());
+        let entry = entry[0];
+        let execute = stages(&t, entry, false);
+        // These pods tokenize (the approximate mode of the P/D test does not).
+        let prefix = t.child(entry, "kvmesh.prefix");
+        assert!(prefix.attr("kvmesh.prefix.tokens").is_some(), "{prefix:?}");
+        let hop = t.child(&execute, "kvmesh.forward");
+        assert_eq!(hop.attr("kvmesh.attempt").as_deref(), Some("1"));
+        let engine_hop = match hop.attr("kvmesh.upstream").as_deref() {
+            Some("engine") => hop,
+            Some("peer") => {
+                crossed += 1;
+                // The peer's server span is the child of the forward span.
+                let far = t.child(&hop, "kvmesh.request");
+                assert_ne!(
+                    far.instance, entry.instance,
+                    "{id}: both spans from one pod"
+                );
+                assert_eq!(far.attr("kvmesh.reason").as_deref(), Some("routed_by_peer"));
+                let execute = stages(&t, &far, true);
+                let hop = t.child(&execute, "kvmesh.forward");
+                assert_eq!(hop.attr("kvmesh.upstream").as_deref(), Some("engine"));
+                hop
+            }
+            other => panic!("{id}: upstream {other:?}"),
+        };
+        let r = &received[id];
+        assert_eq!(
+            r.header("traceparent"),
+            Some(traceparent_of(&engine_hop).as_str()),
+            "{id}"
+        );
+        assert_eq!(r.header("tracestate"), Some(TRACESTATE), "{id}");
+        assert_eq!(
+            engine_hop.attr("http.response.status_code").as_deref(),
+            Some("200")
+        );
+        // Every span of the trace hangs off the client's span.
+        for s in &t.spans {
+            assert!(
+                &s.parent_id() == client || t.by_id(&s.parent_id()).is_some(),
+                "{id}: orphan {:?}",
+                s.name()
+            );
+        }
+    }
+    assert!(crossed > 0, "no trace crossed the mesh");
+    for e in engines {
+        e.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pd_split_is_one_trace_with_a_span_per_leg_over_http() {
+    let collector = Collector::start().await;
+    let engine = |role| {
+        sim_with(
+            SimConfig::new(MODEL)
+                .with_time_scale(10.0)
+                .with_role(role)
+                .with_flavor(Flavor::Vllm),
+        )
+    };
+    let prefill = engine(SimRole::Prefill).await;
+    let decode = engine(SimRole::Decode).await;
+    let mut c = config(&decode, &[], None);
+    c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
+    c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
+    let sidecar = start(c).await;
+    let body = serde_json::json!({
+        "model": MODEL,
+        "prompt": "the quick brown fox jumps over the lazy dog ".repeat(40),
+        "max_tokens": 4,
+        "stream": true,
+    });
+    let (trace_id, client, tp) = client_span(1);
+    let p = prefill.addr().to_string();
+    let req = request(
+        "POST",
+        sidecar.addr(),
+        "/v1/completions",
+        body.to_string(),
+        &[
+            ("content-type", "application/json"),
+            ("x-prefiller-host-port", &p),
+            ("traceparent", &tp),
+            ("tracestate", TRACESTATE),
+        ],
+    );
+    let r = fetch(&http1(), req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    sidecar.shutdown().await;
+    let all = collector.spans();
+    assert!(all.iter().all(|s| s.protocol == "http"));
+    let t = Trace::of(&all, &trace_id);
+    let root: Vec<&Received> = t.named("kvmesh.request").collect();
+    assert_eq!(root.len(), 1, "{:?}", t.names());
+    assert_eq!(root[0].parent_id(), client);
+    assert_eq!(
+        root[0].attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+    let execute = stages(&t, root[0], false);
+    assert_eq!(
+        execute.attr("kvmesh.pd.outcome").as_deref(),
+        Some("disaggregated")
+    );
+    for (name, e) in [
+        ("kvmesh.pd.prefill", &prefill),
+        ("kvmesh.pd.decode", &decode),
+    ] {
+        let leg = t.child(&execute, name);
+        assert_eq!(
+            leg.attr("kvmesh.upstream").as_deref(),
+            Some("engine"),
+            "{name}"
+        );
+        let got = inference(e);
+        assert_eq!(got.len(), 1, "{name}");
+        assert_eq!(
+            got[0].header("traceparent"),
+            Some(traceparent_of(&leg).as_str()),
+            "{name}"
+        );
+        assert_eq!(got[0].header("tracestate"), Some(TRACESTATE), "{name}");
+        // A leg ends after its response: the decode leg when the stream did.
+        assert!(leg.span.end_time_unix_nano >= leg.span.start_time_unix_nano);
+        assert!(
+            leg.span.end_time_unix_nano <= root[0].span.end_time_unix_nano,
+            "{name}"
+        );
+    }
+    let ids: Vec<String> = t.spans.iter().map(Received::span_id).collect();
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "span ids repeat: {:?}", t.names());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_follows_the_parent_and_the_ratio_for_new_traces() {
+    let collector = Collector::start().await;
+    let engine = sim_with(SimConfig::new(MODEL).with_time_scale(10.0)).await;
+    let mut c = config(&engine, &[], None);
+    c.tracing = tracing(&collector, OtlpProtocol::Http, 0.0);
+    let sidecar = start(c).await;
+    let body =
+        serde_json::json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).to_string();
+    // A new trace at ratio 0: not recorded, but the engine still gets this
+    // sidecar's (unsampled) span as its parent.
+    complete(sidecar.addr(), &body, "root", None).await;
+    // A sampled parent is followed whatever the ratio; an unsampled one is not.
+    let (sampled, _, tp) = client_span(7);
+    complete(sidecar.addr(), &body, "sampled", Some(&tp)).await;
+    let (unsampled, _, tp) = client_span(8);
+    let tp = tp.replace("-01", "-00");
+    complete(sidecar.addr(), &body, "unsampled", Some(&tp)).await;
+    sidecar.shutdown().await;
+    let got: HashMap<String, ReceivedRequest> = inference(&engine)
+        .into_iter()
+        .map(|r| (r.header("x-request-id").unwrap().to_owned(), r))
+        .collect();
+    let root_tp = got["root"].header("traceparent").unwrap().to_owned();
+    assert!(
+        root_tp.starts_with("00-") && root_tp.ends_with("-00"),
+        "{root_tp}"
+    );
+    let un_tp = got["unsampled"].header("traceparent").unwrap();
+    assert!(
+        un_tp.starts_with(&format!("00-{unsampled}-")) && un_tp.ends_with("-00"),
+        "{un_tp}"
+    );
+    assert_ne!(
+        un_tp, tp,
+        "the unsampled parent was passed through, not replaced"
+    );
+    let all = collector.spans();
+    let traces: std::collections::HashSet<String> = all.iter().map(Received::trace_id).collect();
+    assert_eq!(
+        traces,
+        [sampled.clone()].into_iter().collect(),
+        "{traces:?}"
+    );
+    let t = Trace::of(&all, &sampled);
+    let hop = t.named("kvmesh.forward").next().unwrap();
+    assert_eq!(
+        got["sampled"].header("traceparent"),
+        Some(traceparent_of(hop).as_str())
+    );
+    engine.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_collector_does_not_affect_requests() {
+    let engine = sim_with(SimConfig::new(MODEL).with_time_scale(10.0)).await;
+    for protocol in [OtlpProtocol::Grpc, OtlpProtocol::Http] {
+        let mut c = config(&engine, &[], None);
+        c.tracing = Some(Tracing {
+            otlp_endpoint: format!("http://{}", refused_addr().await).parse().unwrap(),
+            protocol,
+            sample_ratio: 1.0,
+        });
+        let sidecar = start(c).await;
+        let body = serde_json::json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2})
+            .to_string();
+        for i in 0..3 {
+            let (_, _, tp) = client_span(i);
+            complete(
+                sidecar.addr(),
+                &body,
+                &format!("{protocol:?}-{i}"),
+                Some(&tp),
+            )
+            .await;
+        }
+        // The flush at shutdown fails, bounded, and shutdown still returns.
+        sidecar.shutdown().await;
+    }
+    assert_eq!(inference(&engine).len(), 6);
+    engine.shutdown().await;
+}
