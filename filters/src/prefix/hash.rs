@@ -2,23 +2,23 @@
 //!
 //! Two recipes live here:
 //!
-//! * [`LocalHasher`], kvmesh's own key (protocols.md §2.4 option A): per full
-//!   block of `block_size` tokens, `key_i = xxh3_64(parent_key as LE u64 ‖ the
-//!   block's tokens as LE u32)`. The chain starts from a root derived from the
-//!   hash seed and the model (or LoRA) name, and a request's `cache_salt` is
-//!   mixed into the parent of block 0 only, so it changes every key after it,
-//!   exactly as vLLM's chaining does. Partial tail blocks are never hashed. It
-//!   is on the hot path, so it costs one xxh3 call per block and one allocation
-//!   per call.
-//! * [`VllmCborHasher`], vLLM's own `sha256_cbor` chain (§2.2, checked against
-//!   the digests a real vLLM 0.32 published): root = SHA-256 of the canonical
-//!   CBOR text string of the seed (`PYTHONHASHSEED`, else `vllm-none-hash`),
-//!   block = SHA-256 of canonical CBOR `[parent digest (bstr 32), [token ids],
-//!   extra_keys | null]`, where block 0 of a salted request carries
-//!   `[["cache_salt", SALT]]`; the published u64 is the digest's last 8 bytes
-//!   read big-endian. Use it only to reproduce what an engine publishes (the
-//!   `prefix` debugging command, direct matching): the local key never depends
-//!   on the engine's recipe.
+//! * [`LocalHasher`], kvmesh's own key (docs/wire-formats.md §2.4, option A):
+//!   per full block of `block_size` tokens, `key_i = xxh3_64(parent_key as LE
+//!   u64 ‖ the block's tokens as LE u32)`. The chain starts from a root derived
+//!   from the hash seed and the model (or LoRA) name, and a request's
+//!   `cache_salt` is mixed into the parent of block 0 only, so it changes every
+//!   key after it, exactly as vLLM's chaining does. Partial tail blocks are
+//!   never hashed. It is on the hot path, so it costs one xxh3 call per block
+//!   and one allocation per call.
+//! * [`VllmCborHasher`], vLLM's own `sha256_cbor` chain (docs/wire-formats.md
+//!   §2.2, checked against the digests a real vLLM 0.32 published): root =
+//!   SHA-256 of the canonical CBOR text string of the seed (`PYTHONHASHSEED`,
+//!   else `vllm-none-hash`), block = SHA-256 of canonical CBOR `[parent digest
+//!   (bstr 32), [token ids], extra_keys | null]`, where block 0 of a salted
+//!   request carries `[["cache_salt", SALT]]`; the published u64 is the
+//!   digest's last 8 bytes read big-endian. Use it only to reproduce what an
+//!   engine publishes (the `prefix` debugging command, direct matching): the
+//!   local key never depends on the engine's recipe.
 
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::xxh3_64;

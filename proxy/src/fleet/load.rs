@@ -1,7 +1,7 @@
 //! An engine's load, read from its Prometheus `/metrics` text.
 //!
-//! Only the few series the scheduler uses are read (protocols.md §3.3, the
-//! same set llm-d's EPP scrapes): queue, running, KV usage, and the cache
+//! Only the few series the scheduler uses are read (docs/wire-formats.md §3.3,
+//! the same set llm-d's EPP scrapes): queue, running, KV usage, and the cache
 //! geometry (block size, number of blocks). Values are summed over label sets
 //! (several DP ranks or TP ranks report separately); unknown lines are skipped
 //! and a malformed value is ignored, so a newer engine never breaks the scrape.
@@ -75,7 +75,8 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     Some(load)
 }
 
-/// Before vLLM renamed it (protocols.md §3.1); still served by old engines.
+/// Before vLLM renamed it (docs/wire-formats.md §3.1); still served by old
+/// engines.
 const LEGACY_VLLM_USAGE: &str = "vllm:gpu_cache_usage_perc";
 
 struct Names {

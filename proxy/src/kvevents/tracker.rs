@@ -1,6 +1,6 @@
-//! Sequence tracking of one KV event stream (protocols.md §1.2, §1.5): what
-//! to do with each live batch given what was applied so far. Pure, so every
-//! path is unit-tested without sockets.
+//! Sequence tracking of one KV event stream (docs/wire-formats.md §1.2, §1.5):
+//! what to do with each live batch given what was applied so far. Pure, so
+//! every path is unit-tested without sockets.
 //!
 //! * the next sequence number: apply;
 //! * one already applied (it arrived by replay first): skip;

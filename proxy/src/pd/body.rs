@@ -1,7 +1,7 @@
 //! The request bodies of the P/D legs, derived from the client's body.
 //!
 //! These are the only places where kvmesh re-serializes a client's JSON: each
-//! leg must carry fields the client did not send (protocols.md §4).
+//! leg must carry fields the client did not send (docs/wire-formats.md §4).
 
 use bytes::Bytes;
 use serde_json::{json, Map, Value};

@@ -1,9 +1,9 @@
 //! SGLang's P/D protocol: the same body, with `bootstrap_host`,
 //! `bootstrap_port` and a fresh `bootstrap_room`, goes to the prefill and the
-//! decode pod at once; the decode response is the client's (protocols.md
-//! §4.4). SGLang waits minutes for a missing half, so the sidecar sends both
-//! or neither, and a prefill that fails fails the request at once (dropping
-//! the decode leg cancels it).
+//! decode pod at once; the decode response is the client's
+//! (docs/wire-formats.md §4.4). SGLang waits minutes for a missing half, so the
+//! sidecar sends both or neither, and a prefill that fails fails the request at
+//! once (dropping the decode leg cancels it).
 
 use http::uri::Authority;
 use http::Response;

@@ -1,7 +1,8 @@
 //! The two-leg protocol of vLLM's `NixlConnector` (and of the kvagent
 //! connector, which adds its own parameters): prefill first with
 //! `do_remote_decode`, then decode with the `kv_transfer_params` prefill
-//! returned (protocols.md §4.1). Both legs carry the same `X-Request-Id`.
+//! returned (docs/wire-formats.md §4.1). Both legs carry the same
+//! `X-Request-Id`.
 
 use bytes::Bytes;
 use http::{Response, StatusCode};

@@ -493,7 +493,8 @@ impl EngineMetrics {
             &self.e2e,
         );
         // SGLang 0.5.23 exposes page_size/num_pages gauges only; the info
-        // metric below is the one llm-d's extractor reads (protocols.md §3.3).
+        // metric below is the one llm-d's extractor reads
+        // (docs/wire-formats.md §3.3).
         let _ = writeln!(o, "# HELP sglang:cache_config_info KV cache configuration\n# TYPE sglang:cache_config_info gauge");
         let _ = writeln!(o, "sglang:cache_config_info{{engine_type=\"{engine_type}\",model_name=\"{m}\",num_pages=\"{}\",page_size=\"{}\"}} 1.0", self.num_blocks, self.block_size);
         o

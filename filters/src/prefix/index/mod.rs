@@ -6,7 +6,8 @@
 //!   and each `BlockRemoved` drops one copy).
 //! * Per pod, a map from the engine's block hash to the block key, so that a
 //!   `BlockRemoved` (which names only engine hashes) and a `BlockStored`'s
-//!   `parent_block_hash` can be resolved (protocols.md §2.4 option A).
+//!   `parent_block_hash` can be resolved (docs/wire-formats.md §2.4,
+//!   option A).
 //!
 //! Concurrency: any number of readers ([`PrefixIndex::match_prefix`]) run
 //! alongside one writer per pod feed (each pod's state has its own mutex; a

@@ -1,4 +1,5 @@
-//! Decoding the KV cache events that vLLM and SGLang publish (protocols.md §1).
+//! Decoding the KV cache events that vLLM and SGLang publish
+//! (docs/wire-formats.md §1).
 //!
 //! A live message is 3 ZMQ frames: topic, an 8-byte big-endian sequence number
 //! and a msgpack [`EventBatch`]. Engines disagree on details, so decoding is

@@ -1,5 +1,6 @@
 //! KV-cache events and their msgpack encoding, byte-compatible with vLLM's
-//! `ZmqEventPublisher` (protocols.md §1.3) and SGLang's variant (§1.7).
+//! `ZmqEventPublisher` (docs/wire-formats.md §1.3) and SGLang's variant
+//! (§1.7).
 //!
 //! A batch is the positional array `[ts, [event, ...], dp_rank]`. Events are
 //! tagged maps (vLLM >= 0.26, what vLLM 0.32 sends: keys in declaration order,
