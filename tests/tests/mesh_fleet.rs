@@ -257,6 +257,7 @@ async fn stalled_peer(
                             lora_adapters: vec![],
                             labels: vec![],
                             instance: 1,
+                            kv_agent: String::new(),
                         }),
                     );
                     let end = wire::encode(0, &Msg::SnapshotEnd);

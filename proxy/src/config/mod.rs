@@ -124,6 +124,12 @@ pub struct Pod {
     pub lora_adapters: Vec<String>,
     /// Labels for `label-selector-filter`.
     pub labels: std::collections::BTreeMap<String, String>,
+    /// The IP of the node the pod runs on (the downward API's
+    /// `status.hostIP`): its kvagent listens there, at `pd.kvagent_port`, and
+    /// the mesh announces that address so prefill pods send this pod's KV
+    /// blocks to it (docs/pd.md). Unset: the agent is taken to be on the
+    /// engine's host (one node, or loopback tests).
+    pub node_ip: Option<std::net::IpAddr>,
 }
 
 /// The scheduler's filter config (`filters.yaml`, docs/filters.md).

@@ -39,29 +39,45 @@ pub enum MeshSendError {
     Request { addr: SocketAddr, reason: String },
 }
 
-/// Each followed peer's mesh port, by its sidecar (client) address.
+/// Each followed peer's mesh port, and the KV agent of its node when it
+/// announced one, by its sidecar (client) address.
 #[derive(Debug, Default)]
 pub struct MeshRoutes {
-    by_sidecar: Mutex<HashMap<SocketAddr, SocketAddr>>,
+    by_sidecar: Mutex<HashMap<SocketAddr, Route>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    mesh: SocketAddr,
+    kv_agent: Option<SocketAddr>,
 }
 
 impl MeshRoutes {
-    /// The peer whose sidecar is `sidecar` streams from `mesh` (one entry per
-    /// mesh port: a peer that came back under another identity replaces its
-    /// old one).
-    pub fn set(&self, sidecar: SocketAddr, mesh: SocketAddr) {
+    /// The peer whose sidecar is `sidecar` streams from `mesh` and announced
+    /// `kv_agent` (one entry per mesh port: a peer that came back under
+    /// another identity replaces its old one).
+    pub fn set(&self, sidecar: SocketAddr, mesh: SocketAddr, kv_agent: Option<SocketAddr>) {
         let mut routes = self.by_sidecar.lock();
-        routes.retain(|_, m| *m != mesh);
-        routes.insert(sidecar, mesh);
+        routes.retain(|_, r| r.mesh != mesh);
+        routes.insert(sidecar, Route { mesh, kv_agent });
     }
 
     /// Forgets the routes to the mesh port `mesh` (its subscriber ended).
     pub fn remove_mesh(&self, mesh: SocketAddr) {
-        self.by_sidecar.lock().retain(|_, m| *m != mesh);
+        self.by_sidecar.lock().retain(|_, r| r.mesh != mesh);
     }
 
     pub fn get(&self, sidecar: SocketAddr) -> Option<SocketAddr> {
-        self.by_sidecar.lock().get(&sidecar).copied()
+        self.by_sidecar.lock().get(&sidecar).map(|r| r.mesh)
+    }
+
+    /// The KV agent on the node of the peer whose sidecar is `sidecar`, as it
+    /// announced it (`None`: unknown peer, or it announced none).
+    pub fn kv_agent(&self, sidecar: SocketAddr) -> Option<SocketAddr> {
+        self.by_sidecar
+            .lock()
+            .get(&sidecar)
+            .and_then(|r| r.kv_agent)
     }
 }
 
@@ -234,12 +250,15 @@ mod tests {
     #[test]
     fn routes_keep_one_entry_per_mesh_port() {
         let r = MeshRoutes::default();
-        r.set(addr(8000), addr(7000));
-        r.set(addr(8001), addr(7001));
+        r.set(addr(8000), addr(7000), Some(addr(7600)));
+        r.set(addr(8001), addr(7001), None);
         assert_eq!(r.get(addr(8000)), Some(addr(7000)));
+        assert_eq!(r.kv_agent(addr(8000)), Some(addr(7600)));
+        assert_eq!(r.kv_agent(addr(8001)), None);
         // The peer behind mesh port 7000 came back under another identity.
-        r.set(addr(8002), addr(7000));
+        r.set(addr(8002), addr(7000), None);
         assert_eq!(r.get(addr(8000)), None);
+        assert_eq!(r.kv_agent(addr(8000)), None);
         assert_eq!(r.get(addr(8002)), Some(addr(7000)));
         r.remove_mesh(addr(7001));
         assert_eq!(r.get(addr(8001)), None);

@@ -127,6 +127,10 @@ impl Mesh {
                     .map(|(k, v)| (k.clone(), v.clone()))
                     .collect(),
                 instance: rand::random(),
+                kv_agent: p
+                    .node_ip
+                    .map(|ip| SocketAddr::new(ip, config.pd.kvagent_port).to_string())
+                    .unwrap_or_default(),
             },
             hub: Mutex::new(Hub {
                 seq: 0,

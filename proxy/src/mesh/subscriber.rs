@@ -415,8 +415,18 @@ impl Reader<'_> {
             lora_adapters: a.lora_adapters,
             labels: a.labels.into_iter().collect(),
         };
+        let kv_agent = match a.kv_agent.as_str() {
+            "" => None,
+            agent => {
+                let parsed = agent.parse().ok();
+                if parsed.is_none() {
+                    tracing::warn!(peer = %a.id, kv_agent = agent, "mesh: peer's KV agent is not ip:port; ignored");
+                }
+                parsed
+            }
+        };
         // Known before the peer becomes a target, so no forward finds it missing.
-        app.mesh.routes().set(sidecar_addr, self.addr);
+        app.mesh.routes().set(sidecar_addr, self.addr, kv_agent);
         if let Err(e) = app.fleet.upsert_peer(info) {
             tracing::warn!(peer = %a.id, error = %e, "mesh: peer not added");
             return Err(StreamEnd::BadIdentity(a.id));

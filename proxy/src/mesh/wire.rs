@@ -34,6 +34,10 @@ pub struct Announce {
     pub labels: Vec<(String, String)>,
     /// Random per process: a restarted sidecar is a new stream.
     pub instance: u64,
+    /// The KV agent of the pod's node, `host:port` (`pod.node_ip` and
+    /// `pd.kvagent_port`), where prefill pods send this pod's KV blocks when
+    /// it decodes; empty when the pod did not configure its node IP.
+    pub kv_agent: String,
 }
 
 /// The local engine's load as published.
@@ -126,6 +130,7 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
                 put_str(&mut b, v);
             }
             b.put_u64(a.instance);
+            put_str(&mut b, &a.kv_agent);
         }
         Msg::SnapshotEnd => {}
         Msg::Load(l) => {
@@ -216,6 +221,12 @@ pub fn decode(kind: u8, payload: &[u8]) -> Result<Msg, WireError> {
                 lora_adapters,
                 labels,
                 instance: r.u64()?,
+                // Absent from sidecars older than the field: no agent announced.
+                kv_agent: if r.0.is_empty() {
+                    String::new()
+                } else {
+                    r.str()?
+                },
             })
         }
         kind::SNAPSHOT_END => Msg::SnapshotEnd,
@@ -537,6 +548,7 @@ mod tests {
                 lora_adapters: vec!["a".into(), "b".into()],
                 labels: vec![("zone".into(), "x".into())],
                 instance: 42,
+                kv_agent: "10.1.0.1:7600".into(),
             }),
             Msg::SnapshotEnd,
             Msg::Load(LoadMsg {
@@ -590,6 +602,24 @@ mod tests {
         for (i, m) in msgs.iter().enumerate() {
             assert_eq!(&roundtrip(i as u64, m), m);
         }
+    }
+
+    #[test]
+    fn hello_without_kv_agent_is_from_an_older_sidecar() {
+        let hello = Announce {
+            id: "10.0.0.1:8000".into(),
+            mesh_addr: "10.0.0.1:7000".into(),
+            role: Role::Both,
+            models: vec![],
+            lora_adapters: vec![],
+            labels: vec![],
+            instance: 7,
+            kv_agent: String::new(),
+        };
+        let f = encode(0, &Msg::Hello(hello.clone()));
+        // Before the field, the payload ended after `instance`.
+        let old = &f[HEADER_LEN..f.len() - 4];
+        assert_eq!(decode(f[1], old), Ok(Msg::Hello(hello)));
     }
 
     #[test]

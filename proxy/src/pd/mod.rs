@@ -89,13 +89,8 @@ pub async fn execute(
 
 /// What the kvagent connector adds to the prefill leg: a transfer id both
 /// engines' connectors use, and the decode node's agent that receives the
-/// blocks (the decode pod's host at `pd.kvagent_port`).
+/// blocks ([`decode_agent`]).
 fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
-    let host = match &plan.decode {
-        Upstream::Engine => app.config.engine.url.authority().host().to_owned(),
-        Upstream::Peer(addr) => addr.ip().to_string(),
-        Upstream::Direct(a) => a.host().to_owned(),
-    };
     let mut m = Map::new();
     m.insert(
         "kvmesh_transfer_id".to_owned(),
@@ -103,9 +98,33 @@ fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
     );
     m.insert(
         "kvmesh_dest_agent".to_owned(),
-        json!(format!("{host}:{}", app.config.pd.kvagent_port)),
+        json!(decode_agent(app, &plan.decode)),
     );
     m
+}
+
+/// The kvagent on the decode pod's node, `host:port`. The agents run as a
+/// DaemonSet on the node's IP, not in the pod: a peer decoding is reached at
+/// the agent it announced over the mesh (its `pod.node_ip`), this pod at its
+/// own `pod.node_ip`. A pod that announced none (no node IP configured, or a
+/// sidecar older than the announcement) is taken to share its host with its
+/// agent: the peer's sidecar IP, the local engine's host, or the engine an
+/// llm-d header named, at `pd.kvagent_port`.
+fn decode_agent(app: &App, decode: &Upstream) -> String {
+    let port = app.config.pd.kvagent_port;
+    match decode {
+        Upstream::Engine => match app.config.pod.node_ip {
+            Some(ip) => std::net::SocketAddr::new(ip, port).to_string(),
+            None => format!("{}:{port}", app.config.engine.url.authority().host()),
+        },
+        Upstream::Peer(addr) => app
+            .mesh
+            .routes()
+            .kv_agent(*addr)
+            .unwrap_or_else(|| std::net::SocketAddr::new(addr.ip(), port))
+            .to_string(),
+        Upstream::Direct(a) => format!("{}:{port}", a.host()),
+    }
 }
 
 /// The span names of the two legs (children of `kvmesh.execute`).
