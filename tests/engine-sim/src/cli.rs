@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
+use crate::config::{
+    Flavor, KvEventsConfig, KvEventsFormat, KvagentConfig, Role, SimConfig, TokenizerChoice,
+};
 use crate::profile::LatencyProfile;
 use crate::{Engine, SimError};
 
@@ -80,6 +82,20 @@ pub struct Args {
     /// NixlConnector engine id (default: a fresh UUID).
     #[arg(long)]
     engine_id: Option<String>,
+    /// Speak the kvmesh KV connector through the node agent at this socket
+    /// (`kvmesh-kvagent run --socket`): prefill sends real bytes to the agent
+    /// the proxy names, decode takes them from this one.
+    #[arg(long, value_name = "PATH")]
+    kvagent_socket: Option<PathBuf>,
+    /// Bytes of one KV block moved by the kvagent connector.
+    #[arg(long, default_value_t = 65_536)]
+    kvagent_block_bytes: u64,
+    /// Staging blocks registered with the agent (most blocks one transfer moves).
+    #[arg(long, default_value_t = 256)]
+    kvagent_staging_blocks: u32,
+    /// Real milliseconds a kvagent send or wait may take before it fails.
+    #[arg(long, default_value_t = 30_000)]
+    kvagent_deadline_ms: u64,
 }
 
 /// What the binary does besides serving.
@@ -135,6 +151,14 @@ impl Args {
         }
         if let Some(id) = &self.engine_id {
             cfg = cfg.with_engine_id(id.clone());
+        }
+        if let Some(socket) = &self.kvagent_socket {
+            cfg = cfg.with_kvagent(KvagentConfig {
+                socket: socket.clone(),
+                block_bytes: self.kvagent_block_bytes.max(1),
+                staging_blocks: self.kvagent_staging_blocks.max(1),
+                deadline: std::time::Duration::from_millis(self.kvagent_deadline_ms),
+            });
         }
         if let Some(ep) = &self.kv_events_endpoint {
             let mut k = KvEventsConfig::new(ep.clone());

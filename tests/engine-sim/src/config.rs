@@ -136,6 +136,8 @@ pub struct SimConfig {
     pub bootstrap_port: u16,
     /// Data-parallel rank stamped into event batches and metrics.
     pub dp_rank: u32,
+    /// Speak the kvmesh KV connector through this node agent (`crate::pd::kvagent`).
+    pub kvagent: Option<KvagentConfig>,
     /// Seed of the latency model's spread (the profile's `*_std*` fields).
     pub seed: u64,
 }
@@ -172,6 +174,7 @@ impl SimConfig {
             bootstrap_timeout_s: 300.0,
             bootstrap_port: 8998,
             dp_rank: 0,
+            kvagent: None,
             seed: 0,
         }
     }
@@ -231,6 +234,12 @@ impl SimConfig {
         self
     }
 
+    /// See [`SimConfig::kvagent`].
+    pub fn with_kvagent(mut self, kvagent: KvagentConfig) -> Self {
+        self.kvagent = Some(kvagent);
+        self
+    }
+
     /// See [`SimConfig::pd_in_process`].
     pub fn with_pd_in_process(mut self, on: bool) -> Self {
         self.pd_in_process = on;
@@ -268,4 +277,17 @@ impl SimConfig {
         }
         self.profile.validate()
     }
+}
+
+/// Where an engine's node agent is and how its KV connector uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvagentConfig {
+    /// The agent's local API socket.
+    pub socket: PathBuf,
+    /// Bytes of one KV block (one layer); a transfer moves one per prompt block.
+    pub block_bytes: u64,
+    /// Staging blocks registered with the agent (a transfer uses at most these).
+    pub staging_blocks: u32,
+    /// Real time one send or one wait may take before it fails.
+    pub deadline: Duration,
 }

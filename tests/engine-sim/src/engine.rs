@@ -84,7 +84,14 @@ impl Engine {
             core_tx.downgrade(),
         );
         tasks.push(tokio::spawn(core.run(core_rx, cancel.clone())));
+        let kvagent = config.kvagent.clone().map(crate::pd::kvagent::Link::new);
+        if let Some(link) = &kvagent {
+            if let Err(reason) = link.register().await {
+                tracing::warn!(%reason, "kvagent: no staging region yet (retried at the next transfer)");
+            }
+        }
         let shared = Arc::new(Shared {
+            kvagent,
             cfg: config,
             engine_id,
             tokenizer,

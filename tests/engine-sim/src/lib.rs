@@ -36,7 +36,9 @@ pub mod profile;
 pub mod stats;
 
 pub use calibrate::{fit_ttft, secant, TtftFit, TtftSample};
-pub use config::{Flavor, KvEventsConfig, KvEventsFormat, Role, SimConfig, TokenizerChoice};
+pub use config::{
+    Flavor, KvEventsConfig, KvEventsFormat, KvagentConfig, Role, SimConfig, TokenizerChoice,
+};
 pub use engine::{Engine, SimHandle};
 pub use faults::{FaultScript, Faults};
 pub use kv::client::{replay, DecodedBatch, DecodedEvent, KvMessage, KvSubscriber};

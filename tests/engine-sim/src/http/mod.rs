@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub clock: Clock,
     pub created: u64,
     pub fingerprint: String,
+    /// The node agent, when the engine speaks the kvmesh KV connector.
+    pub kvagent: Option<Arc<crate::pd::kvagent::Link>>,
 }
 
 /// Accepts connections until `cancel`; each connection is a task in a set

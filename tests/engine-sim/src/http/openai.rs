@@ -17,7 +17,7 @@ use crate::core::{Cmd, CoreEvent, CoreRequest, FinishReason, KvMode, Outcome};
 use crate::faults::Verdict;
 use crate::kv::hash::{self, BlockExtras};
 use crate::pd::bootstrap::{self, Bootstrap};
-use crate::pd::{self, nixl, Half};
+use crate::pd::{self, kvagent, nixl, Half};
 use crate::stats::CompletedRequest;
 
 /// A request that failed before reaching the core.
@@ -140,6 +140,14 @@ struct Prepared {
     include_usage: bool,
     sglang: Option<SglangHalf>,
     internal_id: String,
+    /// A kvagent prefill: the blocks go to this agent once computed.
+    kvagent_send: Option<KvagentSend>,
+}
+
+struct KvagentSend {
+    link: Arc<kvagent::Link>,
+    transfer: String,
+    dest: String,
 }
 
 /// This engine's half of an SGLang P/D request.
@@ -227,7 +235,30 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
-    if cfg.flavor == Flavor::Vllm && flag("do_remote_decode") && cfg.role != Role::Decode {
+    let mut kvagent_send = None;
+    let kvagent_leg = shared
+        .kvagent
+        .as_ref()
+        .filter(|_| cfg.flavor == Flavor::Vllm)
+        .and_then(|link| Some((link.clone(), kvagent::Leg::of(params)?)));
+    if let Some((link, leg)) = kvagent_leg {
+        match leg {
+            kvagent::Leg::Send { transfer, dest } => {
+                kvagent_send = Some(KvagentSend {
+                    link,
+                    transfer,
+                    dest,
+                });
+            }
+            kvagent::Leg::Receive { transfer } => match link.receive(transfer.clone()).await {
+                Ok(()) => kv = KvMode::ReceiveKv,
+                Err(reason) => {
+                    tracing::warn!(%transfer, %reason, "KV load failed: recomputing the prompt");
+                    shared.metrics.lock().nixl_failed_transfers += 1;
+                }
+            },
+        }
+    } else if cfg.flavor == Flavor::Vllm && flag("do_remote_decode") && cfg.role != Role::Decode {
         kv = KvMode::HoldForDecode {
             remote_request_id: internal_id.clone(),
         };
@@ -275,6 +306,7 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         include_usage,
         sglang,
         internal_id,
+        kvagent_send,
     })
 }
 
@@ -330,8 +362,25 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         .iter()
         .map(|t| shared.tokenizer.decode_token(*t))
         .collect();
-    let kv_params = match &outcome.held_blocks {
-        Some(ids) => shapes::nixl_params(
+    let kv_params = match (&p.kvagent_send, &outcome.held_blocks) {
+        (Some(s), _) => {
+            let prompt = outcome.prompt_tokens;
+            let sent = s.link.send(
+                s.transfer.clone(),
+                s.dest.clone(),
+                prompt,
+                shared.cfg.block_size,
+            );
+            match sent.await {
+                Ok(bytes) => {
+                    tracing::debug!(transfer = %s.transfer, dest = %s.dest, bytes, "KV sent")
+                }
+                // As the connector: the decode engine waits, then recomputes.
+                Err(reason) => tracing::warn!(transfer = %s.transfer, %reason, "KV send failed"),
+            }
+            kvagent::prefill_params(&s.transfer, prompt)
+        }
+        (None, Some(ids)) => shapes::nixl_params(
             ids,
             &shared.engine_id,
             &p.internal_id,
@@ -340,7 +389,7 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
             outcome.prompt_tokens,
             outcome.cached_tokens,
         ),
-        None => Value::Null,
+        (None, None) => Value::Null,
     };
     let usage = shapes::usage(
         outcome.prompt_tokens,

@@ -17,12 +17,16 @@
 //! `bootstrap_host:bootstrap_port`, and each half waits for the other. A lone
 //! half fails after the bootstrap timeout like SGLang's `KVTransferError`.
 //!
+//! The kvmesh KV connector ([`kvagent`]): real bytes through the node's
+//! `kvmesh-kvagent`, prefill sending to the agent the proxy names.
+//!
 //! Both maps are process-global and bounded (`CAP` entries). A full map first
 //! drops its expired entries, then refuses new ones (the request then
 //! recomputes, or fails as a lone half).
 
 pub(crate) mod bootstrap;
 pub(crate) mod client;
+pub(crate) mod kvagent;
 pub(crate) mod nixl;
 
 use std::collections::HashMap;
