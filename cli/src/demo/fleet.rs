@@ -56,6 +56,9 @@ pub struct FleetSpec {
     /// Simulated seconds per wall second.
     pub time_scale: f64,
     pub profile: LatencyProfile,
+    /// The decode pods' profile when their GPUs differ from the others'
+    /// (heterogeneous pools); `None`: `profile`.
+    pub decode_profile: Option<Box<LatencyProfile>>,
     /// Tokens per KV block.
     pub block_size: usize,
     /// KV blocks per engine: small enough that placement decides what stays cached.
@@ -77,6 +80,7 @@ impl FleetSpec {
             model: "demo-model".to_owned(),
             time_scale: 10.0,
             profile: LatencyProfile::large_gpu(),
+            decode_profile: None,
             block_size: 16,
             num_blocks: 256,
             max_num_seqs: 64,
@@ -100,9 +104,13 @@ impl FleetSpec {
     /// The engine configuration of a pod in `role`.
     pub fn sim_config(&self, role: Role) -> SimConfig {
         let capacity = self.block_size * self.num_blocks;
+        let profile = match (role, &self.decode_profile) {
+            (Role::Decode, Some(p)) => &**p,
+            _ => &self.profile,
+        };
         let mut c = SimConfig::new(self.model.clone())
             .with_time_scale(self.time_scale)
-            .with_profile(self.profile.clone())
+            .with_profile(profile.clone())
             .with_block_size(self.block_size)
             .with_num_blocks(self.num_blocks)
             .with_max_num_seqs(self.max_num_seqs)

@@ -49,6 +49,11 @@ pub enum Router {
     Aggregated,
     /// kvmesh P/D with this many prefill pods (the rest decode).
     KvmeshPd(usize),
+    /// kvmesh P/D with this many prefill pods on the fleet's GPUs and the
+    /// decode pods on [`DECODE_GPU_PROFILE`]'s (heterogeneous pools:
+    /// compute-bound prefill where FLOPs are, memory-bound decode where HBM
+    /// bandwidth is).
+    KvmeshPdHetero(usize),
 }
 
 impl Router {
@@ -73,6 +78,7 @@ impl Router {
             Router::LlmD => "llm-d".into(),
             Router::Aggregated => "aggregated".into(),
             Router::KvmeshPd(p) => format!("kvmesh-pd-{p}p"),
+            Router::KvmeshPdHetero(p) => format!("kvmesh-pd-{p}p-h200-decode"),
         }
     }
 
@@ -92,7 +98,7 @@ impl Router {
             Router::KvmeshApprox => Policy::ApproxPrefix,
             Router::Kvmesh | Router::Aggregated => Policy::Kvmesh,
             Router::LlmD => Policy::LlmD,
-            Router::KvmeshPd(_) => Policy::Pd,
+            Router::KvmeshPd(_) | Router::KvmeshPdHetero(_) => Policy::Pd,
             _ => return None,
         };
         Some(
@@ -231,6 +237,10 @@ pub fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
 
 /// The GPU profile the fleets imitate.
 pub const PROFILE: &str = "gpu:qwen3-32b@h100x2";
+/// The decode pods' GPUs in the heterogeneous P/D fleet: the same model on
+/// two H200s, the H100's compute with 1.43x its HBM bandwidth (4.8 against
+/// 3.35 TB/s), which is what a decode step is bound by.
+pub const DECODE_GPU_PROFILE: &str = "gpu:qwen3-32b@h200x2";
 /// Simulated seconds per wall second: 1, so that the routers' own CPU time
 /// counts as it would beside a GPU (a scale multiplies it).
 pub const TIME_SCALE: f64 = 1.0;
@@ -331,12 +341,13 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
         routers.push(Router::KvmeshPd(opts.engines / 2));
     } else {
         routers.extend((1..opts.engines).map(Router::KvmeshPd));
+        routers.push(Router::KvmeshPdHetero(opts.engines / 2));
     }
     Ok(Bench {
         name: "pd-long-prompt",
         description: format!(
             "a quarter of the requests long ({} tokens in, {} out) among short ones ({} in, {} out); \
-             {} engines ({}, x{} time), aggregated or split P:D; {} requests per run",
+             {} engines ({}, x{} time), aggregated or split P:D; {} requests per run{}",
             p.long_input,
             p.long_output,
             p.short_input,
@@ -345,6 +356,14 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
             spec.profile.name,
             spec.time_scale,
             n,
+            if opts.quick {
+                String::new()
+            } else {
+                format!(
+                    "; heterogeneous pools (`-h200-decode`): the same split with the decode pods on \
+                     {DECODE_GPU_PROFILE}, prefill on the fleet's H100s"
+                )
+            },
         ),
         source: "field.md P5 (llm-d P/D guide: ISL 5000 / OSL 250, prefill and decode pools at equal GPU count), \
                  scaled to 4 simulated engines with short chat requests decoding beside the long prompts",
@@ -460,7 +479,9 @@ fn pd_itl_ratio(points: &[Point], slo: &Slo) -> Option<f64> {
     let best = points
         .iter()
         .filter(at)
-        .filter(|p| p.router.starts_with("kvmesh-pd") && p.errors == 0)
+        // The same pods only: the heterogeneous fleet has other GPUs.
+        .filter(|p| p.router.starts_with("kvmesh-pd") && !p.router.ends_with("-decode"))
+        .filter(|p| p.errors == 0)
         .filter_map(|p| p.itl_p99_ms)
         .reduce(f64::min)?;
     (agg > 0.0).then(|| best / agg)
@@ -529,8 +550,13 @@ async fn stand_up(
             filters = f.clone();
         }
         let mut spec = b.spec.clone();
-        if let Router::KvmeshPd(p) = router {
-            spec.prefill_pods = Some(p);
+        match router {
+            Router::KvmeshPd(p) => spec.prefill_pods = Some(p),
+            Router::KvmeshPdHetero(p) => {
+                spec.prefill_pods = Some(p);
+                spec.decode_profile = Some(Box::new(LatencyProfile::load(DECODE_GPU_PROFILE)?));
+            }
+            _ => {}
         }
         return Ok(Ok(Stand::Kvmesh(
             fleet::start_with(&spec, policy, &filters).await?,
