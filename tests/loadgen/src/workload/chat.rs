@@ -5,11 +5,12 @@
 //! that served it, for as long as that engine keeps it.
 //!
 //! The shape follows the field's multi-turn benchmarks: production-stack's
-//! `benchmarks/multi-round-qa` (a shared system prompt, a per-user history,
-//! short answers, rounds that append the previous question and answer; each
-//! user sends its next round `num_users / qps` seconds after the last) and
-//! the Gateway API Inference Extension's multi-chat prefix-cache variants
-//! (completion API, multi-turn, Poisson rates). Prompts are text sent to
+//! `benchmarks/multi-round-qa` (docs/field-benchmarks.md W13: a shared system
+//! prompt, a per-user history, short answers, rounds that append the previous
+//! question and answer; each user sends its next round `num_users / qps`
+//! seconds after the last) and the Gateway API Inference Extension's
+//! multi-chat prefix-cache variants (W2: completion API, multi-turn, Poisson
+//! rates). Prompts are text sent to
 //! `/v1/completions`, as in those inference-perf configs, so that every
 //! router sees the same tokens.
 //!

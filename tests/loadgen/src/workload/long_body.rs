@@ -1,6 +1,7 @@
-//! Very long bodies at rising concurrency (field.md W6, the router-overhead
-//! case users report): 200 KB prompts, streaming completions, concurrency
-//! ladder. What it shows is how a proxy's per-byte work grows with load.
+//! Very long bodies at rising concurrency (docs/field-benchmarks.md W6, the
+//! router-overhead case users report): 200 KB prompts, streaming completions,
+//! concurrency ladder. What it shows is how a proxy's per-byte work grows with
+//! load.
 
 use std::sync::Arc;
 

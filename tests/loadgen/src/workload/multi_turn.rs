@@ -1,7 +1,7 @@
-//! Multi-turn chat (field.md W13, production-stack's multi-round QA): users
-//! hold conversations; each turn's prompt carries the whole conversation so
-//! far, so a user's previous turn is a cached prefix of the next one — on the
-//! engine that served it.
+//! Multi-turn chat (production-stack's multi-round QA,
+//! docs/field-benchmarks.md W13): users hold conversations; each turn's prompt
+//! carries the whole conversation so far, so a user's previous turn is a
+//! cached prefix of the next one — on the engine that served it.
 //!
 //! The assistant turns in later prompts are synthesized by the generator
 //! (not the engine's actual answers), so the workload is fixed by its seed;

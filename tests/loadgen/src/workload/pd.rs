@@ -1,7 +1,8 @@
 //! Long prompts with short answers beside a steady stream of short requests
-//! (field.md W7, the P/D case: ISL 5000 / OSL 250). In an aggregated engine
-//! every long prefill stalls the decodes running beside it; a disaggregated
-//! set-up keeps the short requests' inter-token latency flat.
+//! (llm-d's P/D benchmark, docs/field-benchmarks.md W7: ISL 5000 / OSL 250).
+//! In an aggregated engine every long prefill stalls the decodes running
+//! beside it; a disaggregated set-up keeps the short requests' inter-token
+//! latency flat.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

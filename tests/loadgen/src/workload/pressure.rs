@@ -7,14 +7,15 @@
 //!
 //! Its *pressure* is its working set over the fleet's KV capacity: every
 //! group's system prompt once (what a router could keep cached and reuse),
-//! over the blocks the engines hold. llm-d's benchmark (field.md P1) states
-//! its "cache demand" with the questions counted too; they are never reused,
-//! so they are left out here.
+//! over the blocks the engines hold. llm-d's benchmark
+//! (docs/field-benchmarks.md P1) states its "cache demand" with the questions
+//! counted too; they are never reused, so they are left out here.
 //!
-//! The shape follows the field's prefix-caching benchmarks (field.md W1 and
-//! the many-groups, skewed-popularity set-ups of llm-d's and SGLang's
-//! routing benchmarks: long shared system prompts, short questions, Zipf
-//! popularity), scaled to a few simulated engines.
+//! The shape follows the field's prefix-caching benchmarks
+//! (docs/field-benchmarks.md W1 and P15: the many-groups, skewed-popularity
+//! set-ups of llm-d's and SGLang's routing benchmarks: long shared system
+//! prompts, short questions, Zipf popularity), scaled to a few simulated
+//! engines.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

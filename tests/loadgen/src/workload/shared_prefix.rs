@@ -1,5 +1,6 @@
-//! Shared prefix ("high system-prompt ratio", field.md W1): groups of users
-//! sharing a long system prompt, each user with their own question. The
+//! Shared prefix ("high system-prompt ratio", docs/field-benchmarks.md W1):
+//! groups of users sharing a long system prompt, each user with their own
+//! question. The
 //! canonical prefix-routing benchmark: a router that keeps a group on the
 //! engine that holds its system prompt wins.
 
@@ -12,7 +13,7 @@ use rand::SeedableRng;
 use super::{text, Api, Prompt, RequestSpec, Size, Workload};
 use crate::load::Load;
 
-/// Parameters (field.md W1 in the full size).
+/// Parameters (docs/field-benchmarks.md W1 in the full size).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedPrefixParams {
     pub groups: usize,
