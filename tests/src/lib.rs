@@ -2,8 +2,9 @@
 //! with builders ([`fake_upstream`]), a fake engine in vLLM's shapes
 //! ([`fake_vllm`]; the real vLLM is driven by `tests/tests/vllm/`), test clients for HTTP/1.1, h2c and TLS ([`client`]), a test
 //! certificate ([`certs`]), sidecar start-up helpers ([`sidecar`]),
-//! simulated engines as separate processes ([`simproc`]), an OTLP trace
-//! receiver ([`otlp`]) and the test venv's Python ([`python`]).
+//! simulated engines as separate processes ([`simproc`]), two "nodes" as
+//! network namespaces ([`netns`]), an OTLP trace receiver ([`otlp`]) and the
+//! test venv's Python ([`python`]).
 //!
 //! Everything listens on `127.0.0.1:0` and waits on readiness, never on sleeps.
 //! This is test support: a failed set-up step panics with its reason, which is
@@ -15,6 +16,7 @@ pub mod client;
 pub mod fake_upstream;
 pub mod fake_vllm;
 pub mod mesh;
+pub mod netns;
 pub mod otlp;
 pub mod prefix;
 pub mod python;
