@@ -417,3 +417,45 @@ fn scheduler_is_shareable_across_tasks() {
         assert!(h.join().unwrap().starts_with("10.0.0."));
     }
 }
+
+/// The heterogeneous-pools example (deploy/examples/heterogeneous/): two
+/// prefill-capable and two decode-capable pods of each GPU type; prefill
+/// goes only to the H100 pool and decode only to the H200 pool, by label,
+/// even where a pod of the other pool has the role and more room.
+#[test]
+fn heterogeneous_pools_split_by_label() {
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/examples/heterogeneous/filters.yaml"),
+    )
+    .unwrap();
+    let sched =
+        Scheduler::new(&FilterConfig::from_yaml(&text, "heterogeneous.yaml").unwrap()).unwrap();
+    let mut eps = pool(8);
+    for (i, e) in eps.iter_mut().enumerate() {
+        // Pods 0-3 are H100s, 4-7 H200s; within each, two prefill, two decode.
+        let gpu = if i < 4 { "h100" } else { "h200" };
+        e.labels.insert("gpu".into(), gpu.into());
+        e.role = if i % 4 < 2 {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+        // The pods the split must avoid are the idle ones.
+        let wrong_pool = (gpu == "h100") == (e.role == Role::Decode);
+        e.load.in_flight = if wrong_pool { 0 } else { 6 };
+    }
+    for seed in 0..20 {
+        let d = sched.schedule(&req(300), &eps, 0, seed).unwrap();
+        let Route::Disaggregated { prefill, decode } = &d.route else {
+            panic!("{:?}", d.trace)
+        };
+        assert_eq!(eps[prefill.index].labels["gpu"], "h100", "{:?}", d.trace);
+        assert_eq!(eps[prefill.index].role, Role::Prefill);
+        assert_eq!(eps[decode.index].labels["gpu"], "h200", "{:?}", d.trace);
+        assert_eq!(eps[decode.index].role, Role::Decode);
+        let gpu_of = |id: &String| eps.iter().find(|e| &e.id == id).unwrap().labels["gpu"].clone();
+        assert!(prefill.fallbacks.iter().all(|f| gpu_of(f) == "h100"));
+        assert!(decode.fallbacks.iter().all(|f| gpu_of(f) == "h200"));
+    }
+}

@@ -472,3 +472,79 @@ fn fnv(bytes: &[u8]) -> u64 {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
 }
+
+/// The heterogeneous-pools example as its README says to deploy it: each
+/// pool injected with its own proxy.yaml (role and GPU labels) and the shared
+/// filters.yaml; the output is valid, keeps each pool's nodeSelector, and the
+/// ConfigMap carries the labels the filters select on.
+#[test]
+fn heterogeneous_pools_inject_to_valid_objects() {
+    let dir = tempfile::tempdir().unwrap();
+    let example = root().join("deploy/examples/heterogeneous");
+    let mut outputs = Vec::new();
+    for (file, role, config, gpu, node) in [
+        (
+            "prefill-h100.yaml",
+            RoleArg::Prefill,
+            "proxy-prefill.yaml",
+            "h100",
+            "NVIDIA-H100-80GB-HBM3",
+        ),
+        (
+            "decode-h200.yaml",
+            RoleArg::Decode,
+            "proxy-decode.yaml",
+            "h200",
+            "NVIDIA-H200",
+        ),
+    ] {
+        let mut args = inject_args(&[role]);
+        args.model = None;
+        args.config = Some(example.join(config));
+        args.filters = Some(example.join("filters.yaml"));
+        let (opts, _) = options(&args).unwrap();
+        let out = inject::inject(read_docs(&example.join(file)), &opts).unwrap();
+        let text = yaml::emit_stream(&out.docs).unwrap();
+        let deployment = out
+            .docs
+            .iter()
+            .find(|d| d["kind"] == "Deployment")
+            .expect("the Deployment");
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["nodeSelector"]["nvidia.com/gpu.product"], node,
+            "{file}"
+        );
+        let args =
+            serde_yaml_ng::to_string(&sidecar_of(&deployment["spec"]["template"])["args"]).unwrap();
+        assert!(
+            args.contains(&format!(
+                "--role={}",
+                if gpu == "h100" { "prefill" } else { "decode" }
+            )),
+            "{args}"
+        );
+        let map = out
+            .docs
+            .iter()
+            .find(|d| d["kind"] == "ConfigMap")
+            .expect("the ConfigMap");
+        let proxy_yaml = map["data"]["proxy.yaml"].as_str().unwrap();
+        assert!(proxy_yaml.contains(&format!("gpu: {gpu}")), "{proxy_yaml}");
+        assert!(map["data"]["filters.yaml"]
+            .as_str()
+            .unwrap()
+            .contains("h200-pool"));
+        let path = dir.path().join(file);
+        std::fs::write(&path, text).unwrap();
+        outputs.push(path);
+    }
+    let checked = assert_valid(&outputs);
+    assert_eq!(
+        checked
+            .iter()
+            .filter(|c| c.kind.as_deref() == Some("Deployment"))
+            .count(),
+        2
+    );
+}
