@@ -226,7 +226,8 @@ fn requests(opts: &PeersOpts) -> usize {
 }
 
 /// The engines of every fleet: Qwen3-32B on two H100s (tensor parallel 2),
-/// llm-d's precise-routing benchmark hardware (field.md P1), in real time.
+/// the hardware of llm-d's precise prefix-cache benchmark
+/// (docs/field-benchmarks.md P1), in real time.
 pub fn peers_spec(engines: usize) -> Result<FleetSpec, DemoError> {
     let mut spec = FleetSpec::demo(engines);
     spec.profile = LatencyProfile::load(PROFILE)?;
@@ -308,7 +309,7 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
             spec.time_scale,
             p.requests,
         ),
-        source: "field.md P1 (llm-d precise prefix-cache benchmark: 150 groups x 5 users, \
+        source: "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 150 groups x 5 users, \
                  6000-token prefix + 1200-token question, 1000-token answers, cache demand above one pod), \
                  scaled to 4 simulated engines; Zipf popularity as in web-cache traces (Breslau et al. 1999, s 0.64-0.83)",
         slo: Slo {
@@ -365,7 +366,8 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
                 )
             },
         ),
-        source: "field.md P5 (llm-d P/D guide: ISL 5000 / OSL 250, prefill and decode pools at equal GPU count), \
+        source: "llm-d P/D disaggregation guide (docs/field-benchmarks.md P5: ISL 5000 / OSL 250, \
+                 prefill and decode pools at equal GPU count), \
                  scaled to 4 simulated engines with short chat requests decoding beside the long prompts",
         slo: Slo {
             ttft_p90_ms: 1000.0,
