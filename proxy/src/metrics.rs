@@ -47,6 +47,64 @@ struct StatusLabels {
     status: u16,
 }
 
+/// Why a listener cut a client before answering it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// The request head did not arrive within `timeouts.request_head`
+    /// (trickled headers, or an idle keep-alive connection past it).
+    HeaderTimeout,
+    /// The request head was larger than the listener accepts (HTTP/1.1: 431).
+    HeaderTooLarge,
+    /// The request body did not arrive within `timeouts.request_body` (408).
+    BodyTimeout,
+    /// The TLS handshake failed or timed out.
+    TlsHandshake,
+}
+
+impl RejectReason {
+    const ALL: [RejectReason; 4] = [
+        Self::HeaderTimeout,
+        Self::HeaderTooLarge,
+        Self::BodyTimeout,
+        Self::TlsHandshake,
+    ];
+}
+
+impl EncodeLabelValue for RejectReason {
+    fn encode(&self, enc: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        enc.write_str(match self {
+            Self::HeaderTimeout => "header_timeout",
+            Self::HeaderTooLarge => "header_too_large",
+            Self::BodyTimeout => "body_timeout",
+            Self::TlsHandshake => "tls_handshake",
+        })
+    }
+}
+
+/// Which listener cut the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Listener {
+    Client,
+    Mesh,
+}
+
+impl EncodeLabelValue for Listener {
+    fn encode(&self, enc: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        enc.write_str(match self {
+            Self::Client => "client",
+            Self::Mesh => "mesh",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RejectLabels {
+    listener: Listener,
+    reason: RejectReason,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
     route: Route,
@@ -101,6 +159,8 @@ pub struct Metrics {
     bytes_out: PerRoute<Counter<u64, AtomicU64>>,
     /// Targets that refused a request before any byte was sent.
     fallbacks: Counter,
+    /// Connections or requests cut for a slow or oversize client.
+    rejected: Family<RejectLabels, Counter>,
     /// 1 while the local engine answers its health check (set at each scrape).
     pub engine_ready: Gauge,
     /// Scheduling decisions, filter reloads, engine scrapes.
@@ -202,9 +262,22 @@ impl Metrics {
             Unit::Bytes,
             bytes_out.clone(),
         );
+        let rejected = Family::<RejectLabels, Counter>::default();
+        registry.register(
+            "client_connections_rejected",
+            "Clients cut before an answer, by listener and reason (slow or oversize request heads, slow bodies, failed TLS handshakes)",
+            rejected.clone(),
+        );
+        for listener in [Listener::Client, Listener::Mesh] {
+            for reason in RejectReason::ALL {
+                // Closed sets start at 0, so a rate() sees the first one.
+                let _ = rejected.get_or_create(&RejectLabels { listener, reason });
+            }
+        }
         Self {
             registry,
             requests,
+            rejected,
             requests_ok: Default::default(),
             in_flight,
             upstream_latency: PerRoute::new(upstream_latency),
@@ -272,6 +345,13 @@ impl Metrics {
     /// A target refused the request before any byte was sent.
     pub fn fallback(&self) {
         self.fallbacks.inc();
+    }
+
+    /// A listener cut a client (slow or oversize request, failed handshake).
+    pub fn rejected(&self, listener: Listener, reason: RejectReason) {
+        self.rejected
+            .get_or_create(&RejectLabels { listener, reason })
+            .inc();
     }
 }
 

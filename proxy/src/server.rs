@@ -3,9 +3,15 @@
 //! connections, and graceful shutdown: stop accepting, let each connection
 //! finish its in-flight requests up to the drain deadline, then cut the rest.
 //! Every connection task is owned by the [`JoinSet`] of its listener.
+//!
+//! Slow clients are bounded: a connection whose first request has not begun
+//! within `timeouts.request_head` is closed (hyper's HTTP/1.1 header timeout
+//! covers later heads, and its size limit answers oversize heads with 431),
+//! and each cut is counted in `kvmesh_client_connections_rejected_total`.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +27,7 @@ use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use crate::body::ResponseBody;
+use crate::metrics::{Listener, Metrics, RejectReason};
 use crate::shutdown::Shutdown;
 
 /// Answers requests of one listener.
@@ -39,6 +46,10 @@ pub struct ServeOpts {
     pub tls_handshake: Duration,
     pub max_connections: usize,
     pub drain: Duration,
+    /// How long a request head may take (`timeouts.request_head`).
+    pub request_head: Duration,
+    /// Where cut clients are counted (`None`: not counted, the admin port).
+    pub rejected: Option<Arc<Metrics>>,
 }
 
 /// Accepts until `shutdown`, then drains. Returns when every connection is gone.
@@ -50,7 +61,10 @@ pub async fn serve<H: Handler>(
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // The timer bounds how long a client may take to send its request head.
-    builder.http1().timer(TokioTimer::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(opts.request_head);
     builder.http2().timer(TokioTimer::new());
     let slots = Arc::new(Semaphore::new(opts.max_connections));
     let mut conns = JoinSet::new();
@@ -87,17 +101,25 @@ pub async fn serve<H: Handler>(
         let tls = opts.tls.clone();
         let handshake = opts.tls_handshake;
         let name = opts.name;
+        let limits = ConnLimits {
+            request_head: opts.request_head,
+            rejected: opts.rejected.clone(),
+        };
         conns.spawn(async move {
             let _permit = permit;
             match tls {
-                None => serve_conn(&builder, tcp, handler, &shutdown).await,
+                None => serve_conn(&builder, tcp, handler, &shutdown, &limits).await,
                 Some(acceptor) => match tokio::time::timeout(handshake, acceptor.accept(tcp)).await
                 {
-                    Ok(Ok(tls)) => serve_conn(&builder, tls, handler, &shutdown).await,
+                    Ok(Ok(tls)) => serve_conn(&builder, tls, handler, &shutdown, &limits).await,
                     Ok(Err(e)) => {
+                        limits.reject(RejectReason::TlsHandshake);
                         tracing::debug!(listener = name, %peer, error = %e, "TLS handshake failed")
                     }
-                    Err(_) => tracing::debug!(listener = name, %peer, "TLS handshake timed out"),
+                    Err(_) => {
+                        limits.reject(RejectReason::TlsHandshake);
+                        tracing::debug!(listener = name, %peer, "TLS handshake timed out")
+                    }
                 },
             }
         });
@@ -122,31 +144,86 @@ pub async fn serve<H: Handler>(
     }
 }
 
+/// The per-connection bounds on slow clients, and where cuts are counted.
+struct ConnLimits {
+    request_head: Duration,
+    rejected: Option<Arc<Metrics>>,
+}
+
+impl ConnLimits {
+    fn reject(&self, reason: RejectReason) {
+        if let Some(m) = &self.rejected {
+            m.rejected(Listener::Client, reason);
+        }
+    }
+}
+
+/// How the first wait on a connection ended.
+enum First<R> {
+    Ended(R),
+    Shutdown,
+    HeadDeadline,
+}
+
 async fn serve_conn<I, H>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
     handler: H,
     shutdown: &Shutdown,
+    limits: &ConnLimits,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Handler,
 {
+    // Set when the first request head is complete. Until then nothing but
+    // the head deadline bounds the connection: hyper's own HTTP/1.1 header
+    // timeout does not cover the protocol sniffing of the auto builder nor
+    // an HTTP/2 preface, and a client may send nothing at all.
+    let started = Arc::new(AtomicBool::new(false));
+    let seen = started.clone();
     let service = service_fn(move |req| {
+        seen.store(true, Ordering::Relaxed);
         let fut = handler.clone().handle(req);
         async move { Ok::<_, Infallible>(fut.await) }
     });
     let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        _ = shutdown.triggered() => {
-            // Finish in-flight requests (h1: the current one; h2: GOAWAY, then
-            // the open streams); the listener's drain deadline bounds this.
+    let first = tokio::select! {
+        r = conn.as_mut() => First::Ended(r),
+        _ = shutdown.triggered() => First::Shutdown,
+        _ = tokio::time::sleep(limits.request_head) => First::HeadDeadline,
+    };
+    let first = match first {
+        First::HeadDeadline if !started.load(Ordering::Relaxed) => {
+            limits.reject(RejectReason::HeaderTimeout);
+            tracing::debug!("no request head within timeouts.request_head; closing");
+            return; // dropping the connection closes the socket
+        }
+        First::HeadDeadline => tokio::select! {
+            r = conn.as_mut() => First::Ended(r),
+            _ = shutdown.triggered() => First::Shutdown,
+        },
+        other => other,
+    };
+    let result = match first {
+        First::Ended(r) => r,
+        // Finish in-flight requests (h1: the current one; h2: GOAWAY, then
+        // the open streams); the listener's drain deadline bounds this.
+        _ => {
             conn.as_mut().graceful_shutdown();
             conn.await
         }
     };
     if let Err(e) = result {
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            // A header timeout after the first request is also how an idle
+            // keep-alive connection ends: only a first head is counted.
+            if h.is_timeout() && !started.load(Ordering::Relaxed) {
+                limits.reject(RejectReason::HeaderTimeout);
+            } else if h.is_parse_too_large() {
+                limits.reject(RejectReason::HeaderTooLarge);
+            }
+        }
         tracing::debug!(error = %e, "connection ended with an error");
     }
 }

@@ -155,6 +155,8 @@ impl Sidecar {
                 tls_handshake: t.tls_handshake.get(),
                 max_connections: config.limits.max_connections,
                 drain: t.shutdown_drain.get(),
+                request_head: t.request_head.get(),
+                rejected: Some(app.metrics.clone()),
             },
             shutdown.clone(),
         ));
@@ -168,6 +170,8 @@ impl Sidecar {
                 // Scrapers and probes only; a small bound keeps them from crowding out clients.
                 max_connections: 64,
                 drain: t.shutdown_drain.get(),
+                request_head: t.request_head.get(),
+                rejected: None,
             },
             shutdown.clone(),
         ));

@@ -168,6 +168,13 @@ pub struct Timeouts {
     pub overall: Duration,
     /// TLS handshake with a client.
     pub tls_handshake: Duration,
+    /// A client's request head, from when the connection waits for one
+    /// until its last header byte (HTTP/1.1; on the mesh port, a new
+    /// connection's first request): a client trickling its headers is cut.
+    pub request_head: Duration,
+    /// Reading a request's whole body (capped by `overall`): a client
+    /// trickling its body gets 408.
+    pub request_body: Duration,
     /// How long shutdown waits for in-flight requests before cutting them.
     pub shutdown_drain: Duration,
 }
@@ -255,6 +262,8 @@ impl Default for Timeouts {
             stream_idle: Duration::from_secs(60),
             overall: Duration::from_secs(1800),
             tls_handshake: Duration::from_secs(10),
+            request_head: Duration::from_secs(30),
+            request_body: Duration::from_secs(60),
             shutdown_drain: Duration::from_secs(30),
         }
     }

@@ -6,11 +6,14 @@
 //! when the sender drops the subscriber (slow) or shuts down; the subscriber
 //! then reconnects and resyncs. With `mesh.tls` every other request is one a
 //! peer forwarded ([`super::client`]) and goes down the request path as on
-//! the client port; without it, anything else is `404`.
+//! the client port; without it, anything else is `404`. A connection whose
+//! first request has not arrived within `timeouts.request_head` is closed
+//! and counted (`kvmesh_client_connections_rejected_total{listener="mesh"}`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -29,6 +32,7 @@ use tokio::task::JoinSet;
 
 use crate::app::App;
 use crate::body::ResponseBody;
+use crate::metrics::{Listener, RejectReason};
 use crate::shutdown::Shutdown;
 
 /// The stream's path on the mesh port.
@@ -143,7 +147,14 @@ where
         Duration::from_secs(1)
     };
     let app_limit = app.config.limits.max_connections;
+    let (metrics, head) = (app.metrics.clone(), app.config.timeouts.request_head.get());
+    // Set at the first request: until then only the head deadline bounds a
+    // connection (a preface trickled or never sent), and h2 keep-alive
+    // pings do not start before the handshake.
+    let started = Arc::new(AtomicBool::new(false));
+    let seen = started.clone();
     let svc = service_fn(move |req| {
+        seen.store(true, Ordering::Relaxed);
         let app = app.clone();
         async move { Ok::<_, Infallible>(respond(app, req).await) }
     });
@@ -158,13 +169,25 @@ where
         .adaptive_window(true);
     let conn = b.serve_connection(TokioIo::new(io), svc);
     tokio::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        _ = shutdown.triggered() => {
-            conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(drain, conn).await;
+    let deadline = tokio::time::sleep(head);
+    tokio::pin!(deadline);
+    let mut head_pending = true;
+    loop {
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = shutdown.triggered() => break,
+            _ = deadline.as_mut(), if head_pending => {
+                if !started.load(Ordering::Relaxed) {
+                    metrics.rejected(Listener::Mesh, RejectReason::HeaderTimeout);
+                    tracing::debug!("mesh: no request within timeouts.request_head; closing");
+                    return; // dropping the connection closes the socket
+                }
+                head_pending = false;
+            }
         }
     }
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(drain, conn).await;
 }
 
 /// A mesh-port response body: the state stream, or a forwarded request's.

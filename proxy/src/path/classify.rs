@@ -116,8 +116,9 @@ fn check_method(ctx: &RequestCtx) -> Result<(), ProxyError> {
     }
 }
 
-/// Reads the whole body, refusing more than `limit` bytes and giving up at the
-/// request's overall deadline (a client that stalls mid-upload).
+/// Reads the whole body, refusing more than `limit` bytes and giving up after
+/// `timeouts.request_body` (or the overall deadline, if sooner): a client
+/// that stalls or trickles its upload is cut and counted.
 async fn read_body(
     app: &App,
     ctx: &RequestCtx,
@@ -125,13 +126,20 @@ async fn read_body(
     limit: u64,
 ) -> Result<Bytes, ProxyError> {
     let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-    let deadline = ctx.started + app.config.timeouts.overall.get();
-    let collected =
-        tokio::time::timeout_at(deadline, Limited::new(body, limit_usize).collect()).await;
+    let t = &app.config.timeouts;
+    let after = t.request_body.get().min(t.overall.get());
+    let collected = tokio::time::timeout_at(
+        ctx.started + after,
+        Limited::new(body, limit_usize).collect(),
+    )
+    .await;
     match collected {
-        Err(_) => Err(ProxyError::ClientTimeout {
-            after: app.config.timeouts.overall.get(),
-        }),
+        Err(_) => {
+            let reason = crate::metrics::RejectReason::BodyTimeout;
+            app.metrics
+                .rejected(crate::metrics::Listener::Client, reason);
+            Err(ProxyError::ClientTimeout { after })
+        }
         Ok(Ok(c)) => Ok(c.to_bytes()),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
             Err(ProxyError::BodyTooLarge { limit })
