@@ -33,6 +33,25 @@ fn health_deadline() -> Duration {
         .map(Duration::from_secs)
         .unwrap_or(HEALTH_DEADLINE)
 }
+/// Waits for this process's turn to start engines and returns the held lock (released on drop).
+///
+/// The groups (tests) run in parallel, and three vLLM engines starting at once on 2 cores made an
+/// engine core fail to initialize (then abort at shutdown); two starting together is what the
+/// deadline above was measured with. The lock is a file lock, so it also orders test binaries run
+/// side by side.
+fn start_turn() -> Result<std::fs::File> {
+    let path = std::env::temp_dir().join("kvmesh-vllm-start.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    file.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
+    Ok(file)
+}
+
 /// How long a stopped engine gets to exit on SIGTERM before the group is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
@@ -117,9 +136,11 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts every engine at once (their start-ups overlap) and waits until all are healthy. On any
+    /// Starts every engine of one group at once (their start-ups overlap) and waits until all are
+    /// healthy. Groups take turns: the start holds a machine-wide lock ([`start_turn`]). On any
     /// failure the engines already started are stopped before the error returns.
     pub fn start_all(venv: &Venv, work: &Path, specs: &[EngineSpec]) -> Result<Vec<Engine>> {
+        let _turn = start_turn()?;
         let mut pending = Vec::with_capacity(specs.len());
         for spec in specs {
             pending.push((spec, Engine::spawn(venv, work, spec)?));
