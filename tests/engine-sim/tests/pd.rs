@@ -188,6 +188,35 @@ async fn sglang_bootstrap_needs_both_halves() {
     p.shutdown().await;
 }
 
+#[tokio::test]
+async fn sglang_decode_half_streams_token_by_token() {
+    let (p, d) = pair(Flavor::Sglang, 480.0).await;
+    let body = json!({"model": "sim", "prompt": words("st", 40), "max_tokens": 6, "stream": true,
+                      "stream_options": {"include_usage": true},
+                      "bootstrap_host": "127.0.0.1", "bootstrap_port": p.addr().port(), "bootstrap_room": 99});
+    let (pa, da) = (p.addr(), d.addr());
+    let ((ps, _), (ds, db)) = tokio::join!(
+        request(pa, "POST", "/v1/completions", Some(&body)),
+        request(da, "POST", "/v1/completions", Some(&body))
+    );
+    assert_eq!((ps, ds), (200, 200));
+    let events = sse_events(&db);
+    let tokens = events
+        .iter()
+        .filter(|e| {
+            e["choices"][0]["text"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count();
+    assert_eq!(tokens, 6, "one chunk per token: {events:?}");
+    assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+    let usage = events.iter().find(|e| e["usage"].is_object()).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+    p.shutdown().await;
+    d.shutdown().await;
+}
+
 /// A port nothing listens on.
 fn refused_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -332,7 +332,9 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         let e = shapes::error(503, "the engine's waiting queue is full", None);
         return json_response(503, &e, &verdict);
     }
-    if stream && p.sglang.is_none() {
+    // SGLang's decode half streams to its client like an ordinary request;
+    // the prefill half answers once, after the rendezvous below.
+    if stream && !matches!(p.sglang, Some(SglangHalf::Prefill(_))) {
         return sse_response(
             stream_body(shared, p.meta, p.rx, p.include_usage, p.internal_id),
             &verdict,
