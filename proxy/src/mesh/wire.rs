@@ -130,7 +130,11 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
                 put_str(&mut b, v);
             }
             b.put_u64(a.instance);
-            put_str(&mut b, &a.kv_agent);
+            // Written only when set: a sidecar older than the field refuses
+            // trailing bytes, and still reads a Hello without it.
+            if !a.kv_agent.is_empty() {
+                put_str(&mut b, &a.kv_agent);
+            }
         }
         Msg::SnapshotEnd => {}
         Msg::Load(l) => {
@@ -616,10 +620,16 @@ mod tests {
             instance: 7,
             kv_agent: String::new(),
         };
+        // Before the field, the payload ended after `instance`; without an
+        // agent it still does, so older sidecars read it.
         let f = encode(0, &Msg::Hello(hello.clone()));
-        // Before the field, the payload ended after `instance`.
-        let old = &f[HEADER_LEN..f.len() - 4];
-        assert_eq!(decode(f[1], old), Ok(Msg::Hello(hello)));
+        let with = Announce {
+            kv_agent: "10.1.0.1:7600".into(),
+            ..hello.clone()
+        };
+        let g = encode(0, &Msg::Hello(with));
+        assert_eq!(g.len(), f.len() + 4 + "10.1.0.1:7600".len());
+        assert_eq!(decode(f[1], &f[HEADER_LEN..]), Ok(Msg::Hello(hello)));
     }
 
     #[test]
