@@ -71,6 +71,9 @@ impl InjectOptions {
             "run".to_owned(),
             format!("--config={MOUNT}/proxy.yaml"),
             format!("--advertise=$(POD_IP):{}", p.client),
+            // The node's kvagent (a hostNetwork DaemonSet), announced over
+            // the mesh as where this pod's KV blocks go (docs/pd.md).
+            "--node-ip=$(NODE_IP)".to_owned(),
         ];
         if self.filters_yaml.is_some() {
             args.push(format!("--filters={MOUNT}/filters.yaml"));

@@ -104,6 +104,7 @@ fn the_sidecar_is_a_native_sidecar_with_ports_probes_env_and_config() {
             "run",
             "--config=/etc/kvmesh/proxy.yaml",
             "--advertise=$(POD_IP):8100",
+            "--node-ip=$(NODE_IP)",
             "--model=m"
         ]
     );
