@@ -192,6 +192,21 @@ async fn nixl_legs_carry_exactly_the_protocol_fields() {
         .await,
         Some(1.0)
     );
+    // The EPP decided: the sidecar neither tokenized nor scheduled it, and
+    // counts it under its own reason.
+    assert_eq!(
+        metric(
+            &sidecar,
+            r#"kvmesh_routing_decisions_total{decision="disaggregated",reason="prefiller_header"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&sidecar, "kvmesh_scheduling_latency_seconds_count").await,
+        Some(0.0),
+        "no scheduling cycle ran"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

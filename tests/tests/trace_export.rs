@@ -114,17 +114,20 @@ fn traceparent_of(s: &Received) -> String {
 
 /// The stage spans under a sidecar's `kvmesh.request` span, checked, and its
 /// execute span.
-fn stages(t: &Trace, request: &Received, routed: bool) -> Received {
+/// `decided`: the reason of a request whose route came with it (a peer's
+/// `routed_by_peer`, an llm-d EPP's `prefiller_header`), which skips the
+/// prefix stage; `None` for a request this sidecar schedules.
+fn stages(t: &Trace, request: &Received, decided: Option<&str>) -> Received {
     t.child(request, "kvmesh.classify");
     let schedule = t.child(request, "kvmesh.schedule");
     assert!(
         schedule.attr("kvmesh.schedule.reason").is_some(),
         "{schedule:?}"
     );
-    if routed {
+    if let Some(reason) = decided {
         assert_eq!(
             schedule.attr("kvmesh.schedule.reason").as_deref(),
-            Some("routed_by_peer")
+            Some(reason)
         );
         assert_eq!(
             t.children(request)
@@ -224,7 +227,7 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
             .collect();
         assert_eq!(entry.len(), 1, "{id}: {:?}", t.names());
         let entry = entry[0];
-        let execute = stages(&t, entry, false);
+        let execute = stages(&t, entry, None);
         // These pods tokenize (the approximate mode of the P/D test does not).
         let prefix = t.child(entry, "kvmesh.prefix");
         assert!(prefix.attr("kvmesh.prefix.tokens").is_some(), "{prefix:?}");
@@ -241,7 +244,7 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
                     "{id}: both spans from one pod"
                 );
                 assert_eq!(far.attr("kvmesh.reason").as_deref(), Some("routed_by_peer"));
-                let execute = stages(&t, &far, true);
+                let execute = stages(&t, &far, Some("routed_by_peer"));
                 let hop = t.child(&execute, "kvmesh.forward");
                 assert_eq!(hop.attr("kvmesh.upstream").as_deref(), Some("engine"));
                 hop
@@ -324,7 +327,7 @@ async fn a_pd_split_is_one_trace_with_a_span_per_leg_over_http() {
         root[0].attr("http.response.status_code").as_deref(),
         Some("200")
     );
-    let execute = stages(&t, root[0], false);
+    let execute = stages(&t, root[0], Some("prefiller_header"));
     assert_eq!(
         execute.attr("kvmesh.pd.outcome").as_deref(),
         Some("disaggregated")

@@ -1,6 +1,8 @@
-//! Stage 1, classify: check the method, read an inference body (bounded in size
-//! and time) and parse it once into the request view. Other paths pass through
-//! with their body streamed untouched.
+//! Stage 1, classify: check the method, decide whether the request's route
+//! came with it (a peer's `x-kvmesh-routed`, read when the context is made;
+//! llm-d's `x-prefiller-host-port`, checked here), read an inference body
+//! (bounded in size and time) and parse it once into the request view. Other
+//! paths pass through with their body streamed untouched.
 
 use bytes::Bytes;
 use http::{header, Method, Request};
@@ -80,6 +82,8 @@ async fn read(
             })
         }
     };
+    // Refused (403) before the body is read or any connection made.
+    ctx.epp_prefiller = crate::pd::llmd::prefiller(app, &head.headers)?;
     let bytes = read_body(app, ctx, body, limit).await?;
     app.metrics.bytes_in(ctx.route, bytes.len() as u64);
     let view =

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use http::{HeaderValue, Method, Request};
 use tokio::time::Instant;
 
+use super::schedule::Leg;
 use super::view::RequestView;
 use crate::headers::{self, ROUTED, SESSION_ID};
 use crate::metrics::{InFlight, Route};
@@ -25,8 +26,13 @@ pub struct RequestCtx {
     pub view: Option<RequestView>,
     /// `x-session-id`, for session affinity.
     pub session: Option<HeaderValue>,
-    /// Another sidecar already routed this request here: execute locally.
+    /// Another sidecar already routed this request here (`x-kvmesh-routed`):
+    /// execute locally, skipping prefix and schedule.
     pub already_routed: bool,
+    /// An llm-d EPP already split this request (`x-prefiller-host-port`,
+    /// checked against the fleet): prefill on this leg, decode here, skipping
+    /// prefix and schedule.
+    pub epp_prefiller: Option<Leg>,
     // ---- prefix ----
     /// Chained block keys of the prompt (token blocks in precise mode, text
     /// chunks in approximate mode; empty when not computed).
@@ -34,8 +40,8 @@ pub struct RequestCtx {
     /// Prompt tokens, when the prompt was tokenized (estimated past the cap).
     pub prompt_tokens: Option<u32>,
     // ---- schedule ----
-    /// Why the scheduler chose its target, for logs and metrics.
-    pub decision: &'static str,
+    /// Why the request goes where it goes ([`super::Plan::reason`]), for logs and metrics.
+    pub route_reason: &'static str,
     // ---- execute ----
     /// Where the response finally came from.
     pub served_by: Option<Served>,
@@ -66,9 +72,10 @@ impl RequestCtx {
             view: None,
             session: h.get(&SESSION_ID).cloned(),
             already_routed: h.contains_key(&ROUTED),
+            epp_prefiller: None,
             block_keys: Vec::new(),
             prompt_tokens: None,
-            decision: "",
+            route_reason: "",
             served_by: None,
             attempts: 0,
             access: None,

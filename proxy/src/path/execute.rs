@@ -34,24 +34,6 @@ pub async fn execute(
     if let Some(t) = ctx.trace.as_mut() {
         t.begin_execute();
     }
-    if let Some(prefiller) = crate::pd::llmd::prefiller(app, &req.head.headers)? {
-        let mut access = ctx.access.take();
-        if let Some(a) = access.as_mut() {
-            a.legs(
-                upstream_pod(app, &prefiller),
-                app.fleet.local_id().to_owned(),
-            );
-        }
-        let pd = Box::pin(crate::pd::execute(
-            app,
-            ctx,
-            crate::pd::PdPlan::llmd(prefiller),
-            &req,
-        ));
-        let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
-        ctx.access = access;
-        return r;
-    }
     let mut prefill_fallbacks = plan.prefill_fallbacks;
     let targets = std::iter::once(plan.target)
         .chain(plan.fallbacks)
@@ -143,6 +125,7 @@ pub(crate) fn leg_upstream(leg: &Leg) -> Upstream {
     match leg {
         Leg::LocalEngine => Upstream::Engine,
         Leg::Peer { sidecar_addr } => Upstream::Peer(*sidecar_addr),
+        Leg::Direct(a) => Upstream::Direct(a.clone()),
     }
 }
 

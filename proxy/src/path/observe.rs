@@ -34,7 +34,7 @@ pub fn observe(
         request_id = ctx.id(),
         route = ctx.route.as_str(),
         status,
-        decision = ctx.decision,
+        decision = ctx.route_reason,
         served_by = ?ctx.served_by,
         attempts = ctx.attempts,
         head_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
@@ -45,7 +45,7 @@ pub fn observe(
             crate::otel::request::finish(
                 &trace,
                 status,
-                ctx.decision,
+                ctx.route_reason,
                 ctx.attempts,
                 ctx.served_by.is_some(),
             );
@@ -62,7 +62,7 @@ pub fn observe(
                 }
             });
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
-            log.head(status, model, ctx.decision, pod, ctx.attempts);
+            log.head(status, model, ctx.route_reason, pod, ctx.attempts);
             resp.map(|b| b.with_access(log))
         }
         None => resp,

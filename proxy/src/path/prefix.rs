@@ -2,8 +2,9 @@
 //! can match cached prefixes (`ctx.block_keys`, `ctx.prompt_tokens`).
 //!
 //! Only inference calls that this sidecar will route are tokenized: a
-//! pass-through path has no view, and a request another sidecar already
-//! routed runs here whatever its prefix. The work is in [`crate::prefix`];
+//! pass-through path has no view, and a request whose route came with it (a
+//! peer routed it here, or an llm-d EPP split it) runs where it says whatever
+//! its prefix. The work is in [`crate::prefix`];
 //! it reads `ctx.view` and never re-serializes the body. It never fails the
 //! request: an untokenizable prompt is routed without prefix information.
 
@@ -14,7 +15,7 @@ use crate::otel::Stage;
 use opentelemetry::KeyValue;
 
 pub async fn prefix(app: &App, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
-    if ctx.view.is_none() || ctx.already_routed {
+    if ctx.view.is_none() || ctx.already_routed || ctx.epp_prefiller.is_some() {
         return Ok(());
     }
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.prefix");

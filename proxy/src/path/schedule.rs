@@ -5,11 +5,15 @@
 //! request view from `ctx.view` (and the prefix stage's block keys), run the
 //! active scheduler over the fleet's endpoint views, and map its picks to
 //! [`Target`]s (the local pod to `LocalEngine`, another pod to `Peer`, a
-//! prefill/decode pair to `Disaggregated`). A request another sidecar already
-//! routed here (`ctx.already_routed`) always runs locally, so routing never
-//! loops; so do non-inference calls.
+//! prefill/decode pair to `Disaggregated`). A request whose route came with
+//! it is not scheduled: one another sidecar already routed here
+//! (`ctx.already_routed`) runs locally, so routing never loops; one an llm-d
+//! EPP split (`ctx.epp_prefiller`) runs the split it names. Non-inference
+//! calls run locally.
 
 use std::net::SocketAddr;
+
+use http::uri::Authority;
 
 use super::context::RequestCtx;
 use crate::app::App;
@@ -35,14 +39,21 @@ pub enum Target {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Leg {
     LocalEngine,
-    Peer { sidecar_addr: SocketAddr },
+    Peer {
+        sidecar_addr: SocketAddr,
+    },
+    /// An engine outside the mesh that an llm-d EPP named and
+    /// `pd.allowed_prefillers` lists (prefill legs only).
+    Direct(Authority),
 }
 
 impl Leg {
     /// The whole request on this leg's pod.
     pub fn whole(&self) -> Target {
         match self {
-            Self::LocalEngine => Target::LocalEngine,
+            // An engine outside the mesh is only ever a prefill leg; the
+            // decode leg (where a whole request would go) is ours or a peer.
+            Self::LocalEngine | Self::Direct(_) => Target::LocalEngine,
             Self::Peer { sidecar_addr } => Target::Peer {
                 sidecar_addr: *sidecar_addr,
             },
@@ -65,6 +76,20 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// An llm-d EPP's split: prefill on `prefiller`, decode on the local
+    /// engine, no fallbacks (the EPP chose both pods).
+    pub fn epp(prefiller: Leg) -> Self {
+        Self {
+            target: Target::Disaggregated {
+                prefill: prefiller,
+                decode: Leg::LocalEngine,
+            },
+            fallbacks: Vec::new(),
+            prefill_fallbacks: Vec::new(),
+            reason: "prefiller_header",
+        }
+    }
+
     /// Everything on the local engine, no fallbacks.
     pub fn local(reason: &'static str) -> Self {
         Self {
@@ -100,6 +125,6 @@ pub fn schedule(app: &App, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
         }
     }
     let plan = plan?;
-    ctx.decision = plan.reason;
+    ctx.route_reason = plan.reason;
     Ok(plan)
 }

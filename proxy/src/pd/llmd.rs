@@ -1,8 +1,10 @@
 //! Interop with an llm-d EPP: a request that arrives with
 //! `x-prefiller-host-port` was already split by the EPP, which chose this pod
-//! to decode and names the prefill engine. The sidecar runs the P/D protocol
-//! with that prefiller and its local engine, as llm-d's own P/D sidecar does;
-//! the header never reaches the engine (the execute stage strips it).
+//! to decode and names the prefill engine. The classify stage checks the
+//! header ([`prefiller`]); the request skips prefix and schedule, and the
+//! sidecar runs the P/D protocol with that prefiller and its local engine, as
+//! llm-d's own P/D sidecar does; the header never reaches the engine (the
+//! execute stage strips it).
 //!
 //! No open relay: the header names a target, so it is followed only to a pod
 //! the fleet knows or to an entry of `pd.allowed_prefillers`; anything else
@@ -20,7 +22,7 @@ use http::{HeaderMap, HeaderName};
 
 use crate::app::App;
 use crate::error::ProxyError;
-use crate::path::execute::Upstream;
+use crate::path::Leg;
 
 /// Set by llm-d's `disagg-profile-handler`: `host:port` of the prefill engine
 /// (a comma list is allowed; the first entry is used).
@@ -29,7 +31,7 @@ pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port
 /// Where the prefill leg goes for the prefiller the header names, when the
 /// sidecar accepts the header; refused unless the fleet knows the pod or
 /// `pd.allowed_prefillers` lists it.
-pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Upstream>, ProxyError> {
+pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Leg>, ProxyError> {
     let pd = &app.config.pd;
     let Some(value) = headers.get(&PREFILLER) else {
         return Ok(None);
@@ -51,10 +53,10 @@ pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Upstrea
         return Err(refused("not host:port"));
     }
     if pd.allowed_prefillers.iter().any(|a| a == first) {
-        return Ok(Some(Upstream::Direct(authority)));
+        return Ok(Some(Leg::Direct(authority)));
     }
     known_peer(app, &authority)
-        .map(|addr| Some(Upstream::Peer(addr)))
+        .map(|sidecar_addr| Some(Leg::Peer { sidecar_addr }))
         .ok_or(refused(
             "not a pod the fleet knows, nor in pd.allowed_prefillers",
         ))

@@ -14,8 +14,9 @@
 //! `pd.on_prefill_failure` says; a client that disconnects drops both legs,
 //! which cancels them; every leg has a deadline.
 //!
-//! A request carrying llm-d's `x-prefiller-host-port` ([`llmd`]) runs the same
-//! protocol with the prefiller the header names and the local engine.
+//! A request carrying llm-d's `x-prefiller-host-port` ([`llmd`], checked by
+//! the classify stage) is planned as such a split without scheduling: the
+//! prefiller the header names, and the local engine decoding.
 
 mod body;
 pub mod llmd;
@@ -51,15 +52,6 @@ impl PdPlan {
                 .map(|leg| leg_upstream(&leg))
                 .collect(),
             decode: leg_upstream(&decode),
-        }
-    }
-
-    /// An llm-d EPP's split: its prefiller (a known peer's sidecar or an
-    /// allow-listed engine, [`llmd::prefiller`]), and this pod's engine decoding.
-    pub(crate) fn llmd(prefiller: Upstream) -> Self {
-        Self {
-            prefill: vec![prefiller],
-            decode: Upstream::Engine,
         }
     }
 }

@@ -142,6 +142,16 @@ async fn route(app: &App, req: Request<Incoming>) -> Result<Value, ProxyError> {
 /// One dry-run scheduling cycle, as JSON.
 pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
     let active = app.routing.active();
+    if let Some(prefiller) = &ctx.epp_prefiller {
+        let plan = crate::path::Plan::epp(prefiller.clone());
+        return json!({
+            "filters": active.origin,
+            "decision": plan.decision(),
+            "reason": "prefiller_header: an llm-d EPP split this request (x-prefiller-host-port), so this sidecar decodes it with that prefiller without scheduling",
+            "target": describe(&plan.target),
+            "fallbacks": [],
+        });
+    }
     if ctx.already_routed {
         return json!({
             "filters": active.origin,
@@ -229,6 +239,7 @@ fn describe(t: &Target) -> Value {
         crate::path::Leg::Peer { sidecar_addr } => {
             json!({"kind": "peer", "sidecar_addr": sidecar_addr.to_string()})
         }
+        crate::path::Leg::Direct(a) => json!({"kind": "engine", "authority": a.to_string()}),
     };
     match t {
         Target::LocalEngine => json!({"kind": "local"}),

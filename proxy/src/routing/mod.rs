@@ -170,6 +170,11 @@ impl Routing {
     /// pods, the top scores and the reason ([`record`]).
     pub fn plan(&self, app: &App, ctx: &RequestCtx, span: &Stage) -> Result<Plan, ProxyError> {
         let m = &app.metrics.routing;
+        if let Some(prefiller) = &ctx.epp_prefiller {
+            let plan = Plan::epp(prefiller.clone());
+            m.decision(plan.decision(), plan.reason);
+            return Ok(plan);
+        }
         if ctx.already_routed {
             m.decision("local", "routed_by_peer");
             return Ok(Plan::local("routed_by_peer"));
@@ -325,6 +330,8 @@ fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
     match leg {
         Leg::LocalEngine => Some(fleet.local_id().to_owned()),
         Leg::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
+        // An engine outside the mesh: no pod of the fleet.
+        Leg::Direct(_) => None,
     }
 }
 
