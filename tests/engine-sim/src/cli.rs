@@ -82,6 +82,15 @@ pub struct Args {
     /// NixlConnector engine id (default: a fresh UUID).
     #[arg(long)]
     engine_id: Option<String>,
+    /// Simulated seconds a prefill engine holds blocks for a decode that
+    /// never fetches them (vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480).
+    #[arg(long, default_value_t = 480.0)]
+    pd_hold_timeout_s: f64,
+    /// vLLM's `--data-parallel-size`: this many independent engine ranks
+    /// behind the one HTTP port, chosen by `X-data-parallel-rank` or, without
+    /// it, the least loaded; rank r publishes KV events on the endpoint's port + r.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
     /// Speak the kvmesh KV connector through the node agent at this socket
     /// (`kvmesh-kvagent run --socket`): prefill sends real bytes to the agent
     /// the proxy names, decode takes them from this one.
@@ -134,6 +143,7 @@ impl Args {
             .with_num_blocks(num_blocks)
             .with_max_num_seqs(max_num_seqs)
             .with_max_model_len(self.max_model_len)
+            .with_data_parallel_size(self.data_parallel_size)
             .with_profile(profile)
             .with_time_scale(self.time_scale)
             .with_seed(self.seed)
@@ -152,6 +162,7 @@ impl Args {
         if let Some(id) = &self.engine_id {
             cfg = cfg.with_engine_id(id.clone());
         }
+        cfg.pd_hold_timeout_s = self.pd_hold_timeout_s.max(0.0);
         if let Some(socket) = &self.kvagent_socket {
             cfg = cfg.with_kvagent(KvagentConfig {
                 socket: socket.clone(),

@@ -134,8 +134,13 @@ pub struct SimConfig {
     pub bootstrap_timeout_s: f64,
     /// SGLang `--disaggregation-bootstrap-port` (8998).
     pub bootstrap_port: u16,
-    /// Data-parallel rank stamped into event batches and metrics.
+    /// Data-parallel rank stamped into event batches and metrics (set per
+    /// rank by the engine when `data_parallel_size` > 1).
     pub dp_rank: u32,
+    /// vLLM `--data-parallel-size`: independent engine ranks (each its own
+    /// KV cache, queue, KV-event stream and `engine="rank"` metrics) behind
+    /// the one HTTP port (`crate::http::dp`).
+    pub data_parallel_size: usize,
     /// Speak the kvmesh KV connector through this node agent (`crate::pd::kvagent`).
     pub kvagent: Option<KvagentConfig>,
     /// Seed of the latency model's spread (the profile's `*_std*` fields).
@@ -174,6 +179,7 @@ impl SimConfig {
             bootstrap_timeout_s: 300.0,
             bootstrap_port: 8998,
             dp_rank: 0,
+            data_parallel_size: 1,
             kvagent: None,
             seed: 0,
         }
@@ -234,6 +240,12 @@ impl SimConfig {
         self
     }
 
+    /// See [`SimConfig::data_parallel_size`].
+    pub fn with_data_parallel_size(mut self, n: usize) -> Self {
+        self.data_parallel_size = n;
+        self
+    }
+
     /// See [`SimConfig::kvagent`].
     pub fn with_kvagent(mut self, kvagent: KvagentConfig) -> Self {
         self.kvagent = Some(kvagent);
@@ -256,6 +268,9 @@ impl SimConfig {
         let bad = |what: &str| Err(crate::SimError::Config(what.to_string()));
         if self.model.is_empty() {
             return bad("model name is empty");
+        }
+        if self.data_parallel_size == 0 || self.data_parallel_size > 64 {
+            return bad("data_parallel_size must be in 1..=64");
         }
         if self.block_size == 0 || self.block_size > 4096 {
             return bad("block_size must be in 1..=4096");

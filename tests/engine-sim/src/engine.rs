@@ -30,6 +30,8 @@ pub struct SimHandle {
     addr: SocketAddr,
     shared: Arc<Shared>,
     kv: Option<KvEndpoints>,
+    /// Every rank's KV-event endpoints, rank order.
+    kv_all: Vec<KvEndpoints>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -64,59 +66,35 @@ impl Engine {
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
         let mut tasks = Vec::new();
-        let (pubtx, kv) = match &config.kv_events {
-            Some(k) => {
-                let (tx, eps, task) = publisher::start(k, cancel.clone()).await?;
-                tasks.push(task);
-                (Some(tx), Some(eps))
+        let mut ranks = Vec::with_capacity(config.data_parallel_size);
+        let mut kv_all = Vec::with_capacity(config.data_parallel_size);
+        for rank in 0..config.data_parallel_size {
+            let mut c = config.clone();
+            c.dp_rank = u32::try_from(rank).unwrap_or(u32::MAX);
+            if let Some(k) = &mut c.kv_events {
+                k.endpoint = crate::http::dp::offset_port(&k.endpoint, rank);
+                k.replay_endpoint = k
+                    .replay_endpoint
+                    .as_deref()
+                    .map(|e| crate::http::dp::offset_port(e, rank));
             }
-            None => (None, None),
-        };
-        let metrics = Arc::new(Mutex::new(EngineMetrics::new(&config)));
-        let clock = Clock::new(config.time_scale);
-        let (core_tx, core_rx) = mpsc::channel(config.max_waiting);
-        let core = Core::new(
-            config.clone(),
-            engine_id.clone(),
-            clock,
-            metrics.clone(),
-            pubtx,
-            core_tx.downgrade(),
-        );
-        tasks.push(tokio::spawn(core.run(core_rx, cancel.clone())));
-        let kvagent = config.kvagent.clone().map(crate::pd::kvagent::Link::new);
-        if let Some(link) = &kvagent {
-            if let Err(reason) = link.register().await {
-                tracing::warn!(%reason, "kvagent: no staging region yet (retried at the next transfer)");
-            }
+            let (shared, kv) =
+                start_rank(c, &engine_id, tokenizer.clone(), &cancel, &mut tasks).await?;
+            ranks.push(shared);
+            kv_all.extend(kv);
         }
-        let shared = Arc::new(Shared {
-            kvagent,
-            cfg: config,
-            engine_id,
-            tokenizer,
-            core_tx,
-            metrics,
-            faults: Arc::new(Faults::default()),
-            recorder: Arc::new(Recorder::default()),
-            clock,
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            fingerprint: format!(
-                "vllm-0.32.0-sim{}",
-                &uuid::Uuid::new_v4().simple().to_string()[..4]
-            ),
-        });
+        let shared = ranks[0].clone();
+        let kv = kv_all.first().cloned();
         tasks.push(tokio::spawn(http::serve(
             listener,
-            shared.clone(),
+            Arc::new(http::dp::Ranks::new(ranks)),
             cancel.clone(),
         )));
         Ok(SimHandle {
             addr,
             shared,
             kv,
+            kv_all,
             cancel,
             tasks,
         })
@@ -129,6 +107,62 @@ impl Engine {
             .map_err(SimError::Io)?;
         Self::start(config, listener).await
     }
+}
+
+/// One data-parallel rank: its core, metrics and KV publisher (see
+/// [`SimConfig::data_parallel_size`]).
+async fn start_rank(
+    config: SimConfig,
+    engine_id: &str,
+    tokenizer: Arc<dyn Tokenizer>,
+    cancel: &CancellationToken,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<(Arc<Shared>, Option<KvEndpoints>), SimError> {
+    let (pubtx, kv) = match &config.kv_events {
+        Some(k) => {
+            let (tx, eps, task) = publisher::start(k, cancel.clone()).await?;
+            tasks.push(task);
+            (Some(tx), Some(eps))
+        }
+        None => (None, None),
+    };
+    let metrics = Arc::new(Mutex::new(EngineMetrics::new(&config)));
+    let clock = Clock::new(config.time_scale);
+    let (core_tx, core_rx) = mpsc::channel(config.max_waiting);
+    let core = Core::new(
+        config.clone(),
+        engine_id.to_owned(),
+        clock,
+        metrics.clone(),
+        pubtx,
+        core_tx.downgrade(),
+    );
+    tasks.push(tokio::spawn(core.run(core_rx, cancel.clone())));
+    let kvagent = config.kvagent.clone().map(crate::pd::kvagent::Link::new);
+    if let Some(link) = &kvagent {
+        if let Err(reason) = link.register().await {
+            tracing::warn!(%reason, "kvagent: no staging region yet (retried at the next transfer)");
+        }
+    }
+    let shared = Arc::new(Shared {
+        kvagent,
+        cfg: config,
+        engine_id: engine_id.to_owned(),
+        tokenizer,
+        core_tx,
+        metrics,
+        faults: Arc::new(Faults::default()),
+        recorder: Arc::new(Recorder::default()),
+        clock,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        fingerprint: format!(
+            "vllm-0.32.0-sim{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..4]
+        ),
+    });
+    Ok((shared, kv))
 }
 
 /// The side channel is served on the HTTP listener (`crate::pd::nixl`): an
@@ -182,9 +216,15 @@ impl SimHandle {
         &self.shared.engine_id
     }
 
-    /// The KV-event endpoints, resolved (`None` without KV events).
+    /// The KV-event endpoints, resolved (`None` without KV events); rank
+    /// 0's with data parallelism.
     pub fn kv_endpoints(&self) -> Option<&KvEndpoints> {
         self.kv.as_ref()
+    }
+
+    /// Every data-parallel rank's KV-event endpoints, in rank order.
+    pub fn kv_endpoints_by_rank(&self) -> &[KvEndpoints] {
+        &self.kv_all
     }
 
     /// The fault script; changes apply to the next requests.

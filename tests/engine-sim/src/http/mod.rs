@@ -2,6 +2,7 @@
 //! fault application, request recording, the admin routes `/sim/*`, and the
 //! P/D side channels `/kvmesh-sim/*` other engines call (`crate::pd`).
 
+pub(crate) mod dp;
 mod openai;
 pub(crate) mod shapes;
 
@@ -53,7 +54,7 @@ pub(crate) struct Shared {
 
 /// Accepts connections until `cancel`; each connection is a task in a set
 /// owned here, so shutting down ends them all.
-pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: CancellationToken) {
+pub(crate) async fn serve(listener: TcpListener, ranks: Arc<dp::Ranks>, cancel: CancellationToken) {
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {
@@ -61,17 +62,17 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: Ca
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
             acc = listener.accept() => match acc {
                 Ok((stream, _)) => {
-                    if shared.faults.refusing() {
+                    if ranks.first().faults.refusing() {
                         drop(stream);
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
-                    let shared = shared.clone();
+                    let ranks = ranks.clone();
                     let cancel = cancel.clone();
                     conns.spawn(async move {
                         let svc = hyper::service::service_fn(move |req| {
-                            let shared = shared.clone();
-                            async move { Ok::<_, Infallible>(route(shared, req).await) }
+                            let ranks = ranks.clone();
+                            async move { Ok::<_, Infallible>(dispatch(&ranks, req).await) }
                         });
                         let conn = hyper::server::conn::http1::Builder::new()
                             .keep_alive(true)
@@ -161,6 +162,25 @@ fn detail(status: StatusCode, msg: &str) -> Reply {
         "application/json",
         json!({ "detail": msg }).to_string(),
     )
+}
+
+/// Runs a request on its data-parallel rank ([`dp`]); `/metrics` without a
+/// rank header is every rank's.
+async fn dispatch(ranks: &dp::Ranks, req: Request<Incoming>) -> Reply {
+    let path = req.uri().path();
+    let named = req.headers().contains_key(dp::RANK_HEADER);
+    if req.method() == Method::GET && path == "/metrics" && !named && ranks.len() > 1 {
+        return plain(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            ranks.metrics(),
+        );
+    }
+    let inference = req.method() == Method::POST && path.starts_with("/v1/");
+    match ranks.pick(req.headers(), inference) {
+        Ok(shared) => route(shared.clone(), req).await,
+        Err(msg) => dp::bad_rank(&msg),
+    }
 }
 
 async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
