@@ -1,6 +1,7 @@
 //! Proxy overhead (issue 2's measurement): in one run, the fast fake engine
-//! reached directly, through kvmesh (the `kvmesh-proxy` binary) and through
-//! nginx as a plain reverse proxy, for small non-streaming completions, for
+//! reached directly, through kvmesh (the `kvmesh-proxy` binary; a second
+//! kvmesh leg, `kvmesh+otel`, has OTLP tracing configured at `sample_ratio:
+//! 0`) and through nginx as a plain reverse proxy, for small non-streaming completions, for
 //! 200 KB bodies and for small streams: requests/s, latency percentiles and
 //! CPU microseconds per request of each proxy, with the ratios the targets
 //! are stated in (kvmesh ≥ 0.6× nginx's throughput, ≤ 2× its CPU per
@@ -156,7 +157,11 @@ pub async fn measure(cfg: &OverheadConfig) -> Result<OverheadReport, LoadgenErro
     // Each leg: name, base URL, the process whose CPU is charged.
     let mut legs: Vec<(String, String, Option<Proc>)> = vec![("direct".into(), engine.url(), None)];
     match find_binary(cfg.proxy_bin.as_deref(), "kvmesh-proxy", &[]) {
-        Some(bin) => legs.push(start_kvmesh(cfg, &bin, engine.addr().port(), &probe).await?),
+        Some(bin) => {
+            let port = engine.addr().port();
+            legs.push(start_kvmesh(cfg, &bin, port, &probe, Tracing::Off).await?);
+            legs.push(start_kvmesh(cfg, &bin, port, &probe, Tracing::Unsampled).await?);
+        }
         None => skipped.push("kvmesh: no kvmesh-proxy binary (pass --proxy)".into()),
     }
     let sbin = std::path::Path::new("/usr/sbin");
@@ -314,32 +319,61 @@ fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
     }
 }
 
+/// The kvmesh legs: `kvmesh` as deployed by default (no `tracing` section),
+/// and `kvmesh+otel` with OTLP tracing configured at `sample_ratio: 0`, so
+/// every request (none carries a `traceparent`) gets its unsampled spans and
+/// a `traceparent` of its own, and nothing is exported: what configuring
+/// tracing costs a request that is not sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tracing {
+    Off,
+    Unsampled,
+}
+
+/// The leg name of the kvmesh run with tracing configured at ratio 0.
+pub const KVMESH_OTEL: &str = "kvmesh+otel";
+
 async fn start_kvmesh(
     cfg: &OverheadConfig,
     bin: &std::path::Path,
     engine_port: u16,
     probe: &Client,
+    tracing: Tracing,
 ) -> Result<(String, String, Option<Proc>), LoadgenError> {
     let (listen, admin) = (free_port()?, free_port()?);
     let mut cmd = Command::new(bin);
-    cmd.arg("run")
-        .args(["--listen", &format!("127.0.0.1:{listen}")])
+    cmd.arg("run");
+    let (name, log) = match tracing {
+        Tracing::Off => ("kvmesh", "kvmesh.log"),
+        Tracing::Unsampled => {
+            // A collector address nothing listens on: at ratio 0 no span
+            // is ever exported to it.
+            let file = cfg.work_dir.join("kvmesh-otel.yaml");
+            let text = format!(
+                "tracing:\n  otlp_endpoint: http://127.0.0.1:{}\n  protocol: grpc\n  sample_ratio: 0.0\n",
+                free_port()?
+            );
+            std::fs::write(&file, text).map_err(|source| LoadgenError::Io {
+                path: file.clone(),
+                source,
+            })?;
+            cmd.arg("--config").arg(&file);
+            (KVMESH_OTEL, "kvmesh-otel.log")
+        }
+    };
+    cmd.args(["--listen", &format!("127.0.0.1:{listen}")])
         .args(["--admin", &format!("127.0.0.1:{admin}")])
         .args(["--engine", &format!("http://127.0.0.1:{engine_port}")])
         // Per-request logging would measure the logger, not the proxy.
         .env("RUST_LOG", "warn");
-    let mut p = Proc::spawn("kvmesh-proxy", cmd, &cfg.work_dir.join("kvmesh.log"))?;
+    let mut p = Proc::spawn("kvmesh-proxy", cmd, &cfg.work_dir.join(log))?;
     p.wait_ready(
         probe,
         &format!("http://127.0.0.1:{admin}/ready"),
         Duration::from_secs(30),
     )
     .await?;
-    Ok((
-        "kvmesh".into(),
-        format!("http://127.0.0.1:{listen}"),
-        Some(p),
-    ))
+    Ok((name.into(), format!("http://127.0.0.1:{listen}"), Some(p)))
 }
 
 async fn start_nginx(
@@ -442,7 +476,7 @@ impl OverheadReport {
         let _ = writeln!(out, "median of {rounds} round(s) per leg");
         let _ = writeln!(
             out,
-            "{:<7} {:<7} {:>9} {:>8} {:>9} {:>9} {:>9} {:>10} {:>17} {:>6}",
+            "{:<7} {:<11} {:>9} {:>8} {:>9} {:>9} {:>9} {:>10} {:>17} {:>6}",
             "case",
             "leg",
             "req/s",
@@ -461,7 +495,7 @@ impl OverheadReport {
                 .map_or_else(|| "-".into(), |(lo, hi)| format!("{lo:.3}..{hi:.3}"));
             let _ = writeln!(
                 out,
-                "{:<7} {:<7} {:>9.0} {:>8} {:>9} {:>9} {:>9} {:>10} {:>17} {:>6}",
+                "{:<7} {:<11} {:>9.0} {:>8} {:>9} {:>9} {:>9} {:>10} {:>17} {:>6}",
                 l.case,
                 l.leg,
                 l.req_per_s,
@@ -497,6 +531,24 @@ impl OverheadReport {
                 opt(k.added_p99_ms, 3),
                 opt(n.added_p99_ms, 3),
                 if paced { " (target kvmesh < 1 ms)" } else { "" }
+            );
+        }
+        for case in ["small", "200KB", "stream", "paced"] {
+            let (Some(k), Some(t)) = (self.get(case, "kvmesh"), self.get(case, KVMESH_OTEL)) else {
+                continue;
+            };
+            let cpu = match (t.cpu_us_per_req, k.cpu_us_per_req) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                _ => None,
+            };
+            let _ = writeln!(
+                out,
+                "{case}: tracing configured at sample_ratio 0 vs off: throughput {:.2}x, \
+                 CPU/request {}x, added p99 {} ms vs {} ms",
+                t.req_per_s / k.req_per_s.max(f64::MIN_POSITIVE),
+                opt(cpu, 2),
+                opt(t.added_p99_ms, 3),
+                opt(k.added_p99_ms, 3),
             );
         }
         for s in &self.skipped {
