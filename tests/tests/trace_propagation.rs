@@ -1,9 +1,11 @@
 //! W3C trace context through the mesh: a client's `traceparent` and
 //! `tracestate` reach the engine unchanged, whether the request runs on the
 //! local engine, crosses to a peer's sidecar first, or is split into prefill
-//! and decode legs. The sidecar exports no spans of its own (yet), so it must
-//! not invent parents: the engines' spans (vLLM `--otlp-traces-endpoint`)
-//! join the client's trace directly under the client's span.
+//! and decode legs. These sidecars have no `tracing` section, so they record
+//! no spans and must not invent parents: the engines' spans (vLLM
+//! `--otlp-traces-endpoint`) join the client's trace directly under the
+//! client's span. With `tracing` configured each call carries the sidecar's
+//! own span instead: `trace_export.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
