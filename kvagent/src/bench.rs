@@ -258,8 +258,17 @@ pub fn run(json: bool, total: u64) -> Result<()> {
         let mut ca2 = LocalClient::connect(&a.socket, Duration::from_secs(60))?;
         let mut cb = LocalClient::connect(&b.socket, Duration::from_secs(60))?;
         let mut results = Vec::new();
+        // kvagent's own figures are the best of three trials too, so that both
+        // sides of each ratio are measured the same way.
+        let best = |f: &mut dyn FnMut() -> Result<f64>| -> Result<f64> {
+            let mut best: f64 = 0.0;
+            for _ in 0..3 {
+                best = best.max(f()?);
+            }
+            Ok(best)
+        };
         for block in BLOCK_SIZES {
-            let r = measure(&mut ca, &mut cb, &b.peer, block, total, "tcp")?;
+            let r = best(&mut || measure(&mut ca, &mut cb, &b.peer, block, total, "tcp"))?;
             results.push(BenchRow {
                 path: "tcp",
                 block_bytes: block,
@@ -267,7 +276,7 @@ pub fn run(json: bool, total: u64) -> Result<()> {
                 ceiling_bytes_per_s: tcp,
                 ratio: r / tcp,
             });
-            let r = measure(&mut ca, &mut ca2, "local", block, total, "shm")?;
+            let r = best(&mut || measure(&mut ca, &mut ca2, "local", block, total, "shm"))?;
             results.push(BenchRow {
                 path: "shm",
                 block_bytes: block,
