@@ -177,3 +177,16 @@ impl ProxyError {
         }
     }
 }
+
+/// Whether the next fallback may take a request that failed with `e` before
+/// anything reached the client: the upstream refused the connection (nothing
+/// was sent), or the connection broke before a response head (a pooled
+/// connection to a process that just died; at worst the dead upstream had
+/// started work the client will never see). A deadline is not: a slow
+/// upstream is not a dead one, and a second try would double its load.
+pub fn next_target_may_serve(e: &ProxyError) -> bool {
+    matches!(
+        e,
+        ProxyError::Connect { .. } | ProxyError::UpstreamFailed { .. }
+    )
+}

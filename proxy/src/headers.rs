@@ -13,6 +13,13 @@ pub const ROUTED: HeaderName = HeaderName::from_static("x-kvmesh-routed");
 /// Sidecar hops a forwarded request took (set with [`ROUTED`]); over the
 /// mesh's limit the request is refused, so forwarding can never loop.
 pub const HOPS: HeaderName = HeaderName::from_static("x-kvmesh-hops");
+/// On a peer sidecar's error response to a forwarded request: this pod did
+/// not serve it and sent nothing before failing (its engine refused the
+/// connection, or the connection broke before a response head), so the
+/// forwarding sidecar may give the request to its next fallback. Never
+/// reaches a client: forwarding is one hop, and the forwarder turns a marked
+/// response into a refusal.
+pub const UNSERVED: HeaderName = HeaderName::from_static("x-kvmesh-unserved");
 
 /// Longest client request id we keep; longer ones are replaced.
 const MAX_REQUEST_ID: usize = 128;

@@ -1,9 +1,14 @@
 //! Stage 4, execute: send the request to the plan's target and relay the
-//! response. A target that refuses the connection (nothing was sent) hands the
-//! request to the next fallback; any later failure is final, because the
-//! upstream may already be working on it. So does a disaggregated target whose
-//! decode pod refuses the connection: the client has no byte yet, and the next
-//! fallback serves the request whole (the prefill pod frees the blocks it held
+//! response. A target that refuses the connection (nothing was sent), whose
+//! connection breaks before a response head, an engine that answers 500, 502,
+//! 503 or 504 before any byte, or a peer sidecar that answers with the
+//! `x-kvmesh-unserved` mark (its own engine did one of these) hands the
+//! request to the next fallback; when none serves it, the last 5xx answer is
+//! relayed. Any later failure (a body that breaks, a deadline) is final,
+//! because the upstream may be working on it. So does a
+//! disaggregated target whose decode pod fails before any byte (refuses, or
+//! answers 5xx): the client has no byte yet, and the next fallback serves the
+//! request whole (the prefill pod frees the blocks it held
 //! for that decode when its own hold timeout expires).
 
 use std::net::SocketAddr;
@@ -18,8 +23,8 @@ use super::context::{RequestCtx, Served};
 use super::schedule::{Leg, Plan, Target, MAX_ATTEMPTS};
 use crate::app::App;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
-use crate::error::{ProxyError, Retry, UpstreamName};
-use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
+use crate::error::{ProxyError, UpstreamName};
+use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED, UNSERVED};
 use crate::mesh::client::MeshSendError;
 use crate::otel::Hop;
 use crate::upstream::{EngineError, ReplyBody};
@@ -39,7 +44,8 @@ pub async fn execute(
         .chain(plan.fallbacks)
         .take(MAX_ATTEMPTS);
     let mut last = None;
-    // A decode pod that refused the connection: not tried again whole.
+    let mut last_reply: Option<(Upstream, Unserved)> = None;
+    // A decode pod that failed before any byte: not tried again whole.
     let mut refused_decode = None;
     for target in targets {
         if refused_decode.as_ref() == Some(&target) {
@@ -63,8 +69,8 @@ pub async fn execute(
                 let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
                 ctx.access = access;
                 match r {
-                    Err(e) if refused_by(&e, &decode_name) => {
-                        tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod refused the connection; trying the next fallback whole");
+                    Err(e) if failed_before_any_byte(&e, &decode_name) => {
+                        tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
                         last = Some(e);
                         continue;
@@ -75,13 +81,14 @@ pub async fn execute(
         };
         // A streamed body can be sent once; after a refusal it is still unread,
         // but only a buffered body may go to a second target.
-        if last.is_some() && matches!(req.body, ClientBody::Streaming(_)) {
+        let tried = last.is_some() || last_reply.is_some();
+        if tried && matches!(req.body, ClientBody::Streaming(_)) {
             break;
         }
         ctx.attempts += 1;
         crate::routing::track(app, ctx, &target);
         match forward(app, ctx, upstream.clone(), &mut req).await {
-            Ok(resp) => {
+            Ok(Forwarded::Served(resp)) => {
                 let peer = match &upstream {
                     Upstream::Peer(a) => Some(*a),
                     _ => None,
@@ -90,7 +97,12 @@ pub async fn execute(
                 ctx.served_by = Some(upstream.served());
                 return Ok(resp);
             }
-            Err(e) if e.retry() == Retry::Safe => {
+            Ok(Forwarded::Unserved(reply)) => {
+                app.metrics.fallback();
+                tracing::debug!(request_id = ctx.id(), status = %reply.resp.status(), "target answered 5xx before any byte; trying the next fallback");
+                last_reply = Some((upstream, reply));
+            }
+            Err(e) if crate::error::next_target_may_serve(&e) => {
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
@@ -98,12 +110,53 @@ pub async fn execute(
             Err(e) => return Err(e),
         }
     }
+    // Every target failed before any byte. The last 5xx answer, if one came,
+    // says more than a refusal; a request a peer routed here carries the mark
+    // that lets that peer try its own next fallback.
+    if let Some((upstream, reply)) = last_reply {
+        let Unserved {
+            mut resp,
+            name,
+            hop,
+        } = reply;
+        if ctx.already_routed {
+            resp.headers_mut()
+                .insert(UNSERVED, HeaderValue::from_static("1"));
+        }
+        ctx.served_by = Some(upstream.served());
+        return Ok(relay(app, ctx, name, resp, hop));
+    }
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
 }
 
-/// Whether `e` is `upstream` refusing the connection.
-fn refused_by(e: &ProxyError, upstream: &UpstreamName) -> bool {
-    matches!(e, ProxyError::Connect { upstream: u, .. } if u == upstream)
+/// How one attempt ended, short of an error.
+enum Forwarded {
+    /// A response to relay.
+    Served(Response<ResponseBody>),
+    /// A 5xx head before any byte (the engine's own, or a peer's marked
+    /// [`UNSERVED`]): the next fallback may serve the request; kept to
+    /// answer with when none does.
+    Unserved(Unserved),
+}
+
+struct Unserved {
+    resp: Response<ReplyBody>,
+    name: UpstreamName,
+    hop: Hop,
+}
+
+/// Engine statuses a fallback may do better than: a server error, overload
+/// or a gateway's failure, all answered before any byte of a completion.
+fn unserved_status(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
+/// Whether `e` is `upstream` failing before any byte reached the client, so
+/// that another pod may serve the request (a refusal, a connection broken
+/// before the head, a decode leg's 5xx).
+fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
+    crate::error::next_target_may_serve(e)
+        && matches!(e, ProxyError::Connect { upstream: u, .. } | ProxyError::UpstreamFailed { upstream: u, .. } if u == upstream)
 }
 
 /// The pod a P/D leg goes to, for the access line.
@@ -181,11 +234,20 @@ async fn forward(
     ctx: &RequestCtx,
     upstream: Upstream,
     req: &mut ClientRequest,
-) -> Result<Response<ResponseBody>, ProxyError> {
+) -> Result<Forwarded, ProxyError> {
     let body = client_body(app, req)?;
-    let (resp, name, hop) =
+    let (mut resp, name, hop) =
         send(app, ctx, &upstream, &req.head, body, FORWARD, ctx.attempts).await?;
-    Ok(relay(app, ctx, name, resp, hop))
+    let unserved = match upstream {
+        // The peer did not serve it and sent nothing: its engine refused or
+        // failed before any byte, as if that engine were ours.
+        Upstream::Peer(_) => resp.headers_mut().remove(UNSERVED).is_some(),
+        Upstream::Engine | Upstream::Direct(_) => unserved_status(resp.status()),
+    };
+    if unserved {
+        return Ok(Forwarded::Unserved(Unserved { resp, name, hop }));
+    }
+    Ok(Forwarded::Served(relay(app, ctx, name, resp, hop)))
 }
 
 /// The span of a whole request sent to one target (`send`'s `leg`).
@@ -232,6 +294,9 @@ async fn send_as(
     hop: &Hop,
 ) -> Result<Response<ReplyBody>, ProxyError> {
     let mut out = build_request(app, ctx, upstream, authority, head, body)?;
+    if matches!(upstream, Upstream::Engine) {
+        crate::fleet::ranks::stamp(app, ctx, out.headers_mut());
+    }
     hop.inject(out.headers_mut());
     let timeouts = &app.config.timeouts;
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());

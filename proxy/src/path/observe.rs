@@ -25,7 +25,15 @@ pub fn observe(
             } else {
                 tracing::warn!(request_id = ctx.id(), route = ctx.route.as_str(), ?culprit, retry = ?e.retry(), error = %e, "request failed");
             }
-            error_response(&e, &ctx.request_id)
+            let mut resp = error_response(&e, &ctx.request_id);
+            if ctx.already_routed && crate::error::next_target_may_serve(&e) {
+                // The forwarding sidecar walks its fallbacks on this mark.
+                resp.headers_mut().insert(
+                    crate::headers::UNSERVED,
+                    http::HeaderValue::from_static("1"),
+                );
+            }
+            resp
         }
     };
     let status = resp.status().as_u16();

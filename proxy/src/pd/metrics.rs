@@ -19,8 +19,9 @@ pub enum Outcome {
     Recompute,
     /// Prefill failed for good: the decode pod served the request whole.
     FallbackAggregated,
-    /// The decode pod refused the connection (nothing reached it): the request went on to the
-    /// plan's next fallback pod, served whole.
+    /// The decode pod failed before any byte reached the client (it refused the connection, the
+    /// connection broke before a response head, or it answered 5xx): the request went on to the
+    /// plan's next fallback pod, served whole (the prompt recomputed there).
     DecodeRefused,
     /// The request failed.
     Failed,
@@ -30,9 +31,10 @@ impl Outcome {
     /// How a request whose decode leg failed with `e` ended: refused (the execute stage tries the
     /// next pod) or failed.
     pub fn of_decode_error(e: &crate::error::ProxyError) -> Self {
-        match e {
-            crate::error::ProxyError::Connect { .. } => Self::DecodeRefused,
-            _ => Self::Failed,
+        if crate::error::next_target_may_serve(e) {
+            Self::DecodeRefused
+        } else {
+            Self::Failed
         }
     }
 
@@ -54,6 +56,11 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConnectorLabels {
+    connector: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct LegLabels {
     leg: &'static str,
 }
@@ -62,6 +69,7 @@ struct LegLabels {
 pub struct PdMetrics {
     requests: Family<RequestLabels, Counter>,
     prefill_retries: Counter,
+    abandoned: Family<ConnectorLabels, Counter>,
     leg_latency: Family<LegLabels, Histogram, fn() -> Histogram>,
     /// Split requests and, of them, those not served disaggregated or by
     /// recompute (fallback, refused, failed), for `stat`.
@@ -80,6 +88,7 @@ impl PdMetrics {
         let m = Self {
             requests: Family::default(),
             prefill_retries: Counter::default(),
+            abandoned: Family::default(),
             leg_latency: Family::new_with_constructor(leg_histogram as fn() -> Histogram),
             splits: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -94,6 +103,11 @@ impl PdMetrics {
             "Prefill legs sent again after a connect error or a retryable status",
             m.prefill_retries.clone(),
         );
+        r.register(
+            "pd_abandoned_transfers",
+            "Prefill KV handed to a decode leg that failed before serving it: the prefill engine holds those blocks until its own abort timeout (vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+            m.abandoned.clone(),
+        );
         r.register_with_unit(
             "pd_leg_latency",
             "Time from sending a P/D leg to its response head (prefill: its whole response)",
@@ -103,6 +117,7 @@ impl PdMetrics {
         // Every outcome and leg starts at 0, so the failure ratio and the
         // alerts on it exist before the first split.
         for connector in ["nixl", "sglang", "kvagent"] {
+            let _ = m.abandoned.get_or_create(&ConnectorLabels { connector });
             for outcome in [
                 Outcome::Disaggregated,
                 Outcome::Recompute,
@@ -142,6 +157,13 @@ impl PdMetrics {
             self.splits.load(Ordering::Relaxed),
             self.failures.load(Ordering::Relaxed),
         )
+    }
+
+    /// A decode leg given prefill's transfer parameters failed before it served them.
+    pub fn abandoned(&self, connector: &'static str) {
+        self.abandoned
+            .get_or_create(&ConnectorLabels { connector })
+            .inc();
     }
 
     pub fn prefill_retry(&self) {

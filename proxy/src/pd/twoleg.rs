@@ -77,6 +77,18 @@ pub async fn run(
         ctx.attempts,
     )
     .await;
+    let decode = match decode {
+        // A 5xx head, before any byte reached the client: the decode pod
+        // failed after accepting. The execute stage gives the request to its
+        // next fallback whole, as for a refusal.
+        Ok((resp, name, _hop)) if resp.status().is_server_error() => {
+            Err(ProxyError::UpstreamFailed {
+                upstream: name,
+                reason: format!("the decode leg answered {} before any byte", resp.status()),
+            })
+        }
+        other => other,
+    };
     match decode {
         Ok((resp, name, hop)) => {
             metrics.leg("decode", sent.elapsed().as_secs_f64());
@@ -85,6 +97,10 @@ pub async fn run(
             Ok(relay(app, ctx, name, resp, hop))
         }
         Err(e) => {
+            if outcome == Outcome::Disaggregated {
+                // Prefill holds blocks for this decode; nobody fetches them now.
+                metrics.abandoned(connector);
+            }
             let outcome = Outcome::of_decode_error(&e);
             metrics.outcome(connector, outcome);
             super::traced(ctx, connector, outcome);
