@@ -152,6 +152,12 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
             );
         }
     }
+    if !(1..=64).contains(&c.engine.data_parallel_size) {
+        return err(
+            "engine.data_parallel_size",
+            format!("{} is not in 1..=64", c.engine.data_parallel_size),
+        );
+    }
     if c.upstream.max_idle_per_host == 0 {
         // Zero would disable pooling and cost a TCP handshake per request.
         return err(

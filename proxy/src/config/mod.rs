@@ -100,6 +100,12 @@ pub struct Engine {
     /// The engine's KV cache event sockets; absent: no events (approximate
     /// prefix routing, or the engine's `/tokenize` with an empty index).
     pub kv_events: Option<KvEvents>,
+    /// vLLM's `--data-parallel-size`: engine ranks behind `url`, each with its
+    /// own KV cache and queue. Above 1, the sidecar picks the rank of every
+    /// request it runs on its engine (`X-data-parallel-rank`), reads each
+    /// rank's load (`engine="rank"` series) and KV events (`dp_rank`, on
+    /// `kv_events.endpoint`'s port + rank); docs/mesh.md.
+    pub data_parallel_size: u32,
 }
 
 /// Which engine speaks on `engine.url`; it decides metric names and P/D protocol.
@@ -231,6 +237,7 @@ impl Default for Engine {
             metrics_interval: Duration::from_millis(250),
             metrics_timeout: Duration::from_millis(1000),
             kv_events: None,
+            data_parallel_size: 1,
         }
     }
 }

@@ -75,6 +75,31 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     Some(load)
 }
 
+/// Each data-parallel rank's load, from the series labelled `engine="<rank>"`
+/// (vLLM labels its per-engine series so), in rank order; empty when no
+/// series carries the label.
+pub fn parse_rank_loads(kind: EngineKind, text: &str) -> Vec<(u32, EngineLoad)> {
+    let mut ranks: Vec<u32> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| label_u32(&l[l.find('{')?..], "engine"))
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+        .into_iter()
+        .filter_map(|rank| {
+            let label = format!("engine=\"{rank}\"");
+            let own: String = text
+                .lines()
+                .filter(|l| l.contains(&label))
+                .flat_map(|l| [l, "\n"])
+                .collect();
+            Some((rank, parse_engine_metrics(kind, &own)?))
+        })
+        .collect()
+}
+
 /// Before vLLM renamed it (docs/wire-formats.md §3.1); still served by old
 /// engines.
 const LEGACY_VLLM_USAGE: &str = "vllm:gpu_cache_usage_perc";
@@ -153,6 +178,24 @@ mod tests {
         assert_eq!(load.block_size, 128);
         assert_eq!(load.num_blocks, 4096);
         assert_eq!((load.waiting, load.running), (0, 0));
+    }
+
+    #[test]
+    fn reads_each_data_parallel_rank() {
+        let text = "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n\
+                    vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 5\n\
+                    vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n\
+                    vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 3\n\
+                    vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n";
+        let r = parse_rank_loads(EngineKind::Vllm, text);
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].0, r[0].1.waiting, r[0].1.running), (0, 2, 1));
+        assert_eq!((r[1].0, r[1].1.waiting, r[1].1.running), (1, 5, 3));
+        assert_eq!(r[1].1.kv_usage, 0.5);
+        let all = parse_engine_metrics(EngineKind::Vllm, text).unwrap();
+        assert_eq!((all.waiting, all.running), (7, 4));
+        // A real single-engine scrape: one rank, engine="0".
+        assert_eq!(parse_rank_loads(EngineKind::Vllm, VLLM).len(), 1);
     }
 
     #[test]

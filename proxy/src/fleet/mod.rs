@@ -11,6 +11,7 @@
 //! [`Fleet::endpoints`]; nothing here does I/O.
 
 mod load;
+pub mod ranks;
 pub mod scrape;
 
 use std::collections::{BTreeMap, HashMap};
@@ -23,7 +24,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
 
-pub use load::{parse_engine_metrics, EngineLoad};
+pub use load::{parse_engine_metrics, parse_rank_loads, EngineLoad};
 
 /// Most pods one sidecar tracks (local included); further peers are refused.
 pub const MAX_PODS: usize = 4096;
@@ -73,6 +74,8 @@ pub struct Fleet {
     /// Of the local pod's in-flight requests, those a peer forwarded here
     /// (the forwarder already publishes them; see [`Fleet::published_in_flight`]).
     received: Arc<AtomicU32>,
+    /// The local engine's data-parallel ranks ([`ranks`]).
+    ranks: ranks::Ranks,
 }
 
 /// Counts one request in flight towards a pod until dropped.
@@ -108,7 +111,13 @@ impl Fleet {
             pods: RwLock::new(pods),
             remote_in_flight: RwLock::new(HashMap::new()),
             received: Arc::new(AtomicU32::new(0)),
+            ranks: ranks::Ranks::default(),
         }
+    }
+
+    /// The local engine's data-parallel ranks (empty without).
+    pub fn ranks(&self) -> &ranks::Ranks {
+        &self.ranks
     }
 
     pub fn local_id(&self) -> &str {

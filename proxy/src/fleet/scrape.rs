@@ -58,6 +58,7 @@ pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
         }
     };
     let local = app.fleet.local_id().to_owned();
+    app.fleet.ranks().set_size(engine.data_parallel_size);
     let mut last = EngineLoad::default();
     let mut unreachable_since: Option<Instant> = None;
     let mut warned_no_load = false;
@@ -136,6 +137,10 @@ async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
                 s.prefix_queries = queries;
                 s.prefix_hits = hits;
             });
+        }
+        if app.config.engine.data_parallel_size > 1 {
+            let ranks = super::parse_rank_loads(app.config.engine.kind, &text);
+            app.fleet.ranks().set_loads(&ranks);
         }
         match parse_engine_metrics(app.config.engine.kind, &text) {
             Some(load) => Outcome::Load(load),

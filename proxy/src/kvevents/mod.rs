@@ -21,6 +21,14 @@
 //! A socket error drops the socket and reopens it after a backoff that doubles
 //! up to `engine.kv_events.reconnect_max`.
 //!
+//! With data parallelism (`engine.data_parallel_size` N > 1) there is one
+//! such feed per rank, each its own socket, sequence and replay: rank r
+//! publishes on the endpoints' port + r, as vLLM offsets them. A rank's
+//! batches are applied to the pod (the union the fleet and the mesh see) and
+//! to the rank's own entry, `<pod>#dp<rank>` (the batch's `dp_rank`, else the
+//! feed's rank), which the sidecar's rank choice reads
+//! ([`crate::fleet::ranks`]).
+//!
 //! Every applied local batch is also sent, in order, on the bounded broadcast
 //! channel of [`crate::prefix::PrefixState::subscribe_local`] (the mesh
 //! forwards it to peers). A receiver that lags loses updates and must resync
@@ -68,20 +76,60 @@ struct Feed {
     replay: Option<String>,
     tracker: Tracker,
     last_stats: std::time::Instant,
+    /// With data parallelism: this feed's rank, and each rank's index entry.
+    rank: Option<u32>,
+    rank_pods: Vec<Option<kvmesh_filters::prefix::index::PodId>>,
 }
 
-/// The ingestion task (see the module docs). Returns on shutdown.
+/// The ingestion task (see the module docs): one feed, or one per
+/// data-parallel rank, all in this task. Returns on shutdown.
 pub async fn run(app: Arc<App>, shutdown: Shutdown) {
-    let Some(cfg) = app.config.engine.kv_events.clone() else {
+    let n = app.config.engine.data_parallel_size;
+    if n <= 1 {
+        return feed(app, shutdown, None).await;
+    }
+    let feeds = (0..n).map(|rank| feed(app.clone(), shutdown.clone(), Some(rank)));
+    futures_util::future::join_all(feeds).await;
+}
+
+/// `endpoint` with its port raised by `rank`, as vLLM offsets a DP rank's
+/// KV-event endpoints; endpoints without a numeric port are unchanged.
+fn rank_endpoint(endpoint: &str, rank: u32) -> String {
+    let Some((head, port)) = endpoint.rsplit_once(':') else {
+        return endpoint.to_owned();
+    };
+    match port.parse::<u32>() {
+        Ok(p) if p > 0 => format!("{head}:{}", p + rank),
+        _ => endpoint.to_owned(),
+    }
+}
+
+async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
+    let Some(mut cfg) = app.config.engine.kv_events.clone() else {
         return;
     };
+    if let Some(r) = rank {
+        cfg.endpoint = rank_endpoint(&cfg.endpoint, r);
+        cfg.replay_endpoint = cfg.replay_endpoint.map(|e| rank_endpoint(&e, r));
+    }
     let (endpoint, bind) = consumer_endpoint(&cfg.endpoint, cfg.socket);
+    let rank_pods = match rank {
+        None => Vec::new(),
+        Some(_) => (0..app.config.engine.data_parallel_size)
+            .map(|r| {
+                let (_, local) = app.prefix.local_pod();
+                app.prefix.pod_id(&crate::fleet::ranks::rank_pod(local, r))
+            })
+            .collect(),
+    };
     let mut feed = Feed {
         replay: cfg.replay_endpoint.as_deref().map(dial),
         app,
         cfg,
         tracker: Tracker::default(),
         last_stats: std::time::Instant::now(),
+        rank,
+        rank_pods,
     };
     let mut backoff = BACKOFF_START;
     let mut first_join = true;
@@ -168,6 +216,9 @@ impl Feed {
                 tracing::info!(seq = m.seq, "KV events: engine restarted; clearing the pod");
                 self.app.metrics.prefix.restart();
                 prefix.index().clear_pod(prefix.local_pod().0);
+                for id in self.rank_pods.iter().flatten() {
+                    prefix.index().clear_pod(*id);
+                }
                 prefix.publish_local(LocalKvUpdate::Cleared);
                 if self.replay.is_some() {
                     self.resync(shutdown, 0).await;
@@ -224,6 +275,17 @@ impl Feed {
         let prefix = &self.app.prefix;
         let model: Arc<str> = Arc::from(prefix.event_model(parse_topic(&m.topic).map(|t| t.model)));
         let stats = prefix.index().apply(prefix.local_pod().0, &model, &m.batch);
+        if let Some(feed_rank) = self.rank {
+            let rank = m
+                .batch
+                .dp_rank
+                .and_then(|r| usize::try_from(r).ok())
+                .filter(|&r| r < self.rank_pods.len())
+                .unwrap_or(feed_rank as usize);
+            if let Some(Some(id)) = self.rank_pods.get(rank) {
+                prefix.index().apply(*id, &model, &m.batch);
+            }
+        }
         self.tracker.applied(m.seq);
         let metrics = &self.app.metrics.prefix;
         metrics.batch();
@@ -246,5 +308,21 @@ impl Feed {
             self.last_stats = std::time::Instant::now();
             metrics.index(prefix.index().stats());
         }
+    }
+}
+
+#[cfg(test)]
+mod dp_tests {
+    use super::rank_endpoint;
+
+    #[test]
+    fn a_ranks_endpoint_is_offset_by_its_rank() {
+        assert_eq!(rank_endpoint("tcp://*:5557", 0), "tcp://*:5557");
+        assert_eq!(rank_endpoint("tcp://*:5557", 3), "tcp://*:5560");
+        assert_eq!(
+            rank_endpoint("tcp://10.0.0.1:5557", 1),
+            "tcp://10.0.0.1:5558"
+        );
+        assert_eq!(rank_endpoint("ipc:///run/kv", 1), "ipc:///run/kv");
     }
 }

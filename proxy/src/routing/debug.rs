@@ -153,13 +153,17 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
         });
     }
     if ctx.already_routed {
-        return json!({
+        let mut out = json!({
             "filters": active.origin,
             "decision": "local",
             "reason": "routed_by_peer: x-kvmesh-routed is set, so this sidecar serves it locally without scheduling",
             "target": describe(&Target::LocalEngine),
             "fallbacks": [],
         });
+        if let Some(dp) = crate::fleet::ranks::explain(app, ctx) {
+            out["data_parallel"] = dp;
+        }
+        return out;
     }
     let Some(view) = &ctx.view else {
         return json!({"decision": "local", "reason": "passthrough"});
@@ -187,6 +191,12 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             out["fallbacks"] = json!(route.primary().fallbacks);
             out["route"] = json!(route);
             if let Some(plan) = plan {
+                // The rank the local engine's run gets (a peer picks its own).
+                if plan.target == Target::LocalEngine {
+                    if let Some(dp) = crate::fleet::ranks::explain(app, ctx) {
+                        out["data_parallel"] = dp;
+                    }
+                }
                 out["target"] = describe(&plan.target);
                 out["fallback_targets"] = plan.fallbacks.iter().map(describe).collect();
             }
