@@ -26,6 +26,9 @@ pub enum BenchCmd {
     Overhead(OverheadArgs),
     /// Serve the fast fake engine until interrupted.
     FakeEngine(FakeArgs),
+    /// Soak: 1M requests through a sidecar (alone, with /metrics scrapes, in
+    /// a mesh of 4 whose peers restart), its RSS and open fds sampled.
+    Soak(SoakArgs),
     /// kvmesh against the routers users would pick instead (round-robin,
     /// SMG, llm-d's config), each on its own simulated fleet, swept over rates.
     Peers(PeersArgs),
@@ -159,6 +162,30 @@ pub fn main(cmd: BenchCmd) -> Result<()> {
         .build()
         .context("cannot start the runtime")?;
     rt.block_on(async move {
+#[derive(Debug, clap::Args)]
+pub struct SoakArgs {
+    /// kvmesh-proxy binary (default: next to this binary, then PATH).
+    #[arg(long)]
+    proxy: Option<PathBuf>,
+    /// 20k requests (5k warm-up) instead of 1M (100k).
+    #[arg(long)]
+    quick: bool,
+    /// Requests after the warm-up, instead of the size's.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Modes to run: single, scrapes, mesh.
+    #[arg(long, value_delimiter = ',', default_value = "single,scrapes,mesh")]
+    modes: Vec<String>,
+    /// Fail (exit 1) when RSS or fds grow by this many percent or more.
+    #[arg(long, default_value_t = 5.0)]
+    max_growth_pct: f64,
+    /// Directory for the children's logs (default: a temp dir).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
         match cmd {
             BenchCmd::Run(a) => run_cmd(a).await,
             BenchCmd::Overhead(a) => overhead_cmd(a).await,
@@ -170,6 +197,7 @@ pub fn main(cmd: BenchCmd) -> Result<()> {
 
 fn load_from(a: &RunArgs, default: Load) -> Load {
     let stage = a.stage_secs.map(Duration::from_secs_f64);
+            BenchCmd::Soak(a) => soak_cmd(a).await,
     let n = a.requests;
     let load = if !a.rate.is_empty() {
         let mut l = Load::poisson_ladder(
@@ -291,6 +319,52 @@ async fn peers_cmd(a: PeersArgs) -> Result<()> {
     opts.engines = a.engines;
     opts.pd = !a.no_pd;
     opts.progress = true;
+async fn soak_cmd(a: SoakArgs) -> Result<()> {
+    use kvmesh_loadgen::soak::{self, SoakConfig, SoakMode};
+    let proxy = a
+        .proxy
+        .or_else(|| {
+            let exe = std::env::current_exe().ok()?;
+            let beside = exe.parent()?.join("kvmesh-proxy");
+            beside.is_file().then_some(beside)
+        })
+        .or_else(|| kvmesh_loadgen::overhead::procs::find_binary(None, "kvmesh-proxy", &[]))
+        .context("no kvmesh-proxy binary (pass --proxy)")?;
+    let work_dir = a.work_dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvmesh-soak-{}", std::process::id()))
+    });
+    let mut cfg = SoakConfig::sized(a.quick, proxy, work_dir.clone());
+    if let Some(n) = a.requests {
+        cfg.requests = n;
+    }
+    let modes = a
+        .modes
+        .iter()
+        .map(|m| SoakMode::parse(m).with_context(|| format!("unknown mode {m:?}")))
+        .collect::<Result<Vec<_>>>()?;
+    let report = soak::soak(&cfg, &modes).await?;
+    print!("{}", report.text());
+    eprintln!("logs: {}", work_dir.display());
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    let over: Vec<&str> = report
+        .runs
+        .iter()
+        .filter(|r| !r.within(a.max_growth_pct))
+        .map(|r| r.mode.name())
+        .collect();
+    if !over.is_empty() {
+        bail!(
+            "RSS or fds grew by {}% or more in: {}",
+            a.max_growth_pct,
+            over.join(", ")
+        );
+    }
+    Ok(())
+}
+
     opts.rates = (!a.rates.is_empty()).then_some(a.rates);
     opts.requests = a.requests;
     if a.no_shared_prefix {

@@ -37,6 +37,7 @@ pub mod progress;
 pub mod record;
 pub mod report;
 pub mod runner;
+pub mod soak;
 pub mod sse;
 pub mod stats;
 pub mod workload;

@@ -1,0 +1,421 @@
+//! Soak (issue 19): many requests through a `kvmesh-proxy` child in front
+//! of the fast fake engine, sampling the sidecar's resident memory
+//! (`/proc/PID/status` VmRSS) and open file descriptors (`/proc/PID/fd`)
+//! after a warm-up and then after each slice of the run. A leak shows as
+//! growth from the warm-up sample to the last one; the target is under 5%.
+//!
+//! Three modes, each on fresh processes:
+//! * `single`: one sidecar, nothing else touching it;
+//! * `scrapes`: the same with `GET /metrics` on its admin port every
+//!   `scrape_every` (peer routers have shown memory creeping with and
+//!   without scrapes, so both are measured);
+//! * `mesh`: four meshed sidecars, each in front of its own fake engine,
+//!   load on the first (it forwards to the pod each prompt's prefix calls
+//!   home) and scrapes on it, while the other three are restarted in turn
+//!   every `restart_every` (peers leaving and joining). Only the first,
+//!   never restarted, is measured.
+//!
+//! Samples are taken between slices, when the closed loop has drained and
+//! the sidecar's descriptor count has settled, so connection counts are
+//! alike at every sample.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::process::Command;
+
+use crate::client::{Client, ClientConfig};
+use crate::error::LoadgenError;
+use crate::fake::{FastEngine, FastEngineConfig};
+use crate::load::Load;
+use crate::overhead::procs::{free_port, Proc};
+use crate::runner::{run, RunConfig};
+use crate::workload::tiny;
+
+/// Which soak to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SoakMode {
+    Single,
+    Scrapes,
+    Mesh,
+}
+
+impl SoakMode {
+    pub const ALL: [SoakMode; 3] = [SoakMode::Single, SoakMode::Scrapes, SoakMode::Mesh];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Single => "single",
+            Self::Scrapes => "scrapes",
+            Self::Mesh => "mesh",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SoakMode> {
+        Self::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+/// Sizes and binaries of a soak.
+#[derive(Debug, Clone)]
+pub struct SoakConfig {
+    pub proxy_bin: PathBuf,
+    /// Requests after the warm-up.
+    pub requests: usize,
+    /// Requests before the first sample.
+    pub warmup: usize,
+    pub concurrency: usize,
+    /// Samples after the warm-up one (the run is cut into this many slices).
+    pub slices: usize,
+    pub scrape_every: Duration,
+    /// Mesh mode: one peer restarted this often, in turn.
+    pub restart_every: Duration,
+    pub work_dir: PathBuf,
+}
+
+impl SoakConfig {
+    /// 1M requests (a 100k warm-up first), or 20k (5k) with `quick`.
+    pub fn sized(quick: bool, proxy_bin: PathBuf, work_dir: PathBuf) -> SoakConfig {
+        SoakConfig {
+            proxy_bin,
+            requests: if quick { 20_000 } else { 1_000_000 },
+            warmup: if quick { 5_000 } else { 100_000 },
+            concurrency: 32,
+            slices: 10,
+            scrape_every: Duration::from_millis(100),
+            restart_every: Duration::from_secs(if quick { 2 } else { 10 }),
+            work_dir,
+        }
+    }
+}
+
+/// One reading of the measured sidecar.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Requests sent so far, warm-up included.
+    pub requests: usize,
+    pub elapsed_s: f64,
+    pub rss_kib: u64,
+    pub fds: u64,
+}
+
+/// One mode's run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SoakRun {
+    pub mode: SoakMode,
+    pub requests: usize,
+    pub warmup: usize,
+    pub errors: u64,
+    pub req_per_s: f64,
+    pub scrapes: u64,
+    pub restarts: u64,
+    /// The warm-up sample first, then one per slice.
+    pub samples: Vec<Sample>,
+    /// Last sample against the warm-up one, percent.
+    pub rss_growth_pct: f64,
+    pub fd_growth_pct: f64,
+}
+
+/// Every mode run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SoakReport {
+    pub runs: Vec<SoakRun>,
+}
+
+impl SoakRun {
+    /// Whether both growths stay under `pct`.
+    pub fn within(&self, pct: f64) -> bool {
+        self.rss_growth_pct < pct && self.fd_growth_pct < pct
+    }
+}
+
+impl SoakReport {
+    /// One line per mode.
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "{:<8} {:>9} {:>7} {:>8} {:>11} {:>11} {:>8} {:>6} {:>6} {:>7} {:>8}\n",
+            "mode",
+            "requests",
+            "errors",
+            "req/s",
+            "rss warm KiB",
+            "rss end KiB",
+            "rss %",
+            "fd w",
+            "fd end",
+            "fd %",
+            "restarts"
+        );
+        for r in &self.runs {
+            let (first, last) = match (r.samples.first(), r.samples.last()) {
+                (Some(f), Some(l)) => (f, l),
+                _ => continue,
+            };
+            out.push_str(&format!(
+                "{:<8} {:>9} {:>7} {:>8.0} {:>11} {:>11} {:>+8.1} {:>6} {:>6} {:>+7.1} {:>8}\n",
+                r.mode.name(),
+                r.requests,
+                r.errors,
+                r.req_per_s,
+                first.rss_kib,
+                last.rss_kib,
+                r.rss_growth_pct,
+                first.fds,
+                last.fds,
+                r.fd_growth_pct,
+                r.restarts
+            ));
+        }
+        out
+    }
+}
+
+/// Runs each of `modes` on fresh processes.
+pub async fn soak(cfg: &SoakConfig, modes: &[SoakMode]) -> Result<SoakReport, LoadgenError> {
+    std::fs::create_dir_all(&cfg.work_dir).map_err(|source| LoadgenError::Io {
+        path: cfg.work_dir.clone(),
+        source,
+    })?;
+    let mut runs = Vec::new();
+    for &mode in modes {
+        runs.push(soak_one(cfg, mode).await?);
+    }
+    Ok(SoakReport { runs })
+}
+
+/// How to start one sidecar (again, for restarts).
+struct Pod {
+    name: String,
+    listen: u16,
+    admin: u16,
+    mesh: Option<u16>,
+    engine: u16,
+    peers: Vec<u16>,
+}
+
+impl Pod {
+    async fn start(&self, cfg: &SoakConfig, probe: &Client) -> Result<Proc, LoadgenError> {
+        let mut cmd = Command::new(&cfg.proxy_bin);
+        cmd.arg("run")
+            .args(["--listen", &format!("127.0.0.1:{}", self.listen)])
+            .args(["--admin", &format!("127.0.0.1:{}", self.admin)])
+            .args(["--engine", &format!("http://127.0.0.1:{}", self.engine)])
+            .env("RUST_LOG", "warn");
+        if let Some(m) = self.mesh {
+            cmd.args(["--mesh-listen", &format!("127.0.0.1:{m}")]);
+            let peers: Vec<String> = self
+                .peers
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect();
+            cmd.args(["--peers", &peers.join(",")]);
+        }
+        let log = cfg.work_dir.join(format!("{}.log", self.name));
+        let mut p = Proc::spawn(&self.name, cmd, &log)?;
+        let ready = format!("http://127.0.0.1:{}/ready", self.admin);
+        p.wait_ready(probe, &ready, Duration::from_secs(30)).await?;
+        Ok(p)
+    }
+}
+
+async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenError> {
+    let pods = if mode == SoakMode::Mesh { 4 } else { 1 };
+    let mut engines = Vec::new();
+    for _ in 0..pods {
+        engines.push(FastEngine::bind("127.0.0.1:0", FastEngineConfig::default()).await?);
+    }
+    let mesh_ports: Vec<u16> = (0..pods).map(|_| free_port()).collect::<Result<_, _>>()?;
+    let mut specs = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        specs.push(Pod {
+            name: format!("soak-{}-{i}", mode.name()),
+            listen: free_port()?,
+            admin: free_port()?,
+            mesh: (mode == SoakMode::Mesh).then_some(mesh_ports[i]),
+            engine: e.addr().port(),
+            peers: mesh_ports
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, p)| *p)
+                .collect(),
+        });
+    }
+    let probe = Client::new(ClientConfig::default());
+    let mut procs = Vec::new();
+    for s in &specs {
+        procs.push(s.start(cfg, &probe).await?);
+    }
+    let measured = procs.remove(0);
+    let pid = measured.pid();
+    let url = format!("http://127.0.0.1:{}", specs[0].listen);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let scrapes = Arc::new(AtomicU64::new(0));
+    let scraper = (mode != SoakMode::Single).then(|| {
+        let (stop, scrapes) = (stop.clone(), scrapes.clone());
+        let uri: Option<http::Uri> = format!("http://127.0.0.1:{}/metrics", specs[0].admin)
+            .parse()
+            .ok();
+        let every = cfg.scrape_every;
+        tokio::spawn(async move {
+            let client = Client::new(ClientConfig::default());
+            let Some(uri) = uri else { return };
+            while !stop.load(Ordering::Relaxed) {
+                if client.get_status(uri.clone(), Duration::from_secs(5)).await == Some(200) {
+                    scrapes.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    });
+    // Mesh mode: the peers, restarted in turn on their own ports.
+    let restarts = Arc::new(AtomicU64::new(0));
+    let restarter = (mode == SoakMode::Mesh).then(|| {
+        let (stop, restarts) = (stop.clone(), restarts.clone());
+        let cfg = cfg.clone();
+        let peers: Vec<Pod> = specs.drain(1..).collect();
+        let mut running: Vec<Option<Proc>> = procs.drain(..).map(Some).collect();
+        tokio::spawn(async move {
+            let probe = Client::new(ClientConfig::default());
+            let mut next = 0usize;
+            let mut failed = None;
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(cfg.restart_every).await;
+                if stop.load(Ordering::Relaxed) || peers.is_empty() {
+                    break;
+                }
+                let i = next % peers.len();
+                next += 1;
+                if let Some(p) = running[i].take() {
+                    p.stop().await;
+                }
+                match peers[i].start(&cfg, &probe).await {
+                    Ok(p) => {
+                        running[i] = Some(p);
+                        restarts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            for p in running.into_iter().flatten() {
+                p.stop().await;
+            }
+            failed
+        })
+    });
+
+    let rc = RunConfig::new(std::slice::from_ref(&url), "fake")?;
+    let started = Instant::now();
+    let mut errors = 0u64;
+    let mut samples = Vec::new();
+    let mut sent = 0usize;
+    let res = run(
+        &rc,
+        &tiny(cfg.warmup, 0),
+        &Load::closed(cfg.concurrency, cfg.warmup),
+    )
+    .await?;
+    errors += res.summary().errors;
+    sent += cfg.warmup;
+    samples.push(sample(pid, sent, started).await?);
+    let slices = cfg.slices.max(1);
+    for k in 0..slices {
+        let n = cfg.requests * (k + 1) / slices - cfg.requests * k / slices;
+        let res = run(
+            &rc,
+            &tiny(n, k as u64 + 1),
+            &Load::closed(cfg.concurrency, n),
+        )
+        .await?;
+        errors += res.summary().errors;
+        sent += n;
+        samples.push(sample(pid, sent, started).await?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    if let Some(t) = scraper {
+        let _ = t.await;
+    }
+    let restart_failure = match restarter {
+        Some(t) => t.await.ok().flatten(),
+        None => None,
+    };
+    measured.stop().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+    if let Some(e) = restart_failure {
+        return Err(e);
+    }
+    let growth = |f: fn(&Sample) -> u64| match (samples.first(), samples.last()) {
+        (Some(a), Some(b)) if f(a) > 0 => (f(b) as f64 - f(a) as f64) * 100.0 / f(a) as f64,
+        _ => 0.0,
+    };
+    Ok(SoakRun {
+        mode,
+        requests: cfg.requests,
+        warmup: cfg.warmup,
+        errors,
+        req_per_s: (cfg.requests + cfg.warmup) as f64 / elapsed.max(1e-9),
+        scrapes: scrapes.load(Ordering::Relaxed),
+        restarts: restarts.load(Ordering::Relaxed),
+        rss_growth_pct: growth(|s| s.rss_kib),
+        fd_growth_pct: growth(|s| s.fds),
+        samples,
+    })
+}
+
+/// Reads the sidecar once its descriptor count has settled: the load
+/// generator's connections of the slice just run are closing (the sidecar
+/// sees their EOF a moment later), and a sample taken in between would count
+/// them. Two equal readings 100 ms apart, or the last of 30.
+async fn sample(pid: u32, requests: usize, started: Instant) -> Result<Sample, LoadgenError> {
+    let mut fds = open_fds(pid)?;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = open_fds(pid)?;
+        if now == fds {
+            break;
+        }
+        fds = now;
+    }
+    Ok(Sample {
+        requests,
+        elapsed_s: started.elapsed().as_secs_f64(),
+        rss_kib: rss_kib(pid)?,
+        fds,
+    })
+}
+
+/// VmRSS of a process, KiB.
+pub fn rss_kib(pid: u32) -> Result<u64, LoadgenError> {
+    let path = PathBuf::from(format!("/proc/{pid}/status"));
+    let text = std::fs::read_to_string(&path).map_err(|source| LoadgenError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0))
+}
+
+/// Open file descriptors of a process.
+pub fn open_fds(pid: u32) -> Result<u64, LoadgenError> {
+    let path = Path::new("/proc").join(pid.to_string()).join("fd");
+    let dir = std::fs::read_dir(&path).map_err(|source| LoadgenError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(dir.count() as u64)
+}
