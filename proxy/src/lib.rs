@@ -16,6 +16,7 @@ pub mod access;
 mod admin;
 mod app;
 pub mod autoscale;
+pub mod backoff;
 pub mod body;
 pub mod cli;
 pub mod config;

@@ -19,7 +19,7 @@
 //!   applied; the stream itself is intact, so no replay is needed.
 //!
 //! A socket error drops the socket and reopens it after a backoff that doubles
-//! up to `engine.kv_events.reconnect_max`.
+//! up to `engine.kv_events.reconnect_max`, with jitter ([`crate::backoff`]).
 //!
 //! With data parallelism (`engine.data_parallel_size` N > 1) there is one
 //! such feed per rank, each its own socket, sequence and replay: rank r
@@ -46,6 +46,7 @@ use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, EventBatch, 
 use zeromq::SocketRecv;
 
 use crate::app::App;
+use crate::backoff::Backoff;
 use crate::config::prefix::{consumer_endpoint, dial};
 use crate::config::KvEvents;
 use crate::shutdown::Shutdown;
@@ -131,7 +132,7 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
         rank,
         rank_pods,
     };
-    let mut backoff = BACKOFF_START;
+    let mut backoff = Backoff::new(BACKOFF_START, feed.cfg.reconnect_max.get());
     let mut first_join = true;
     loop {
         let opened = tokio::select! {
@@ -142,16 +143,15 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
             Ok((sub, resolved)) => {
                 tracing::info!(endpoint = %resolved, bind, "KV events: subscribed");
                 feed.app.metrics.prefix.connected(true);
-                backoff = BACKOFF_START;
+                backoff.reset();
                 sub
             }
             Err(e) => {
                 tracing::warn!(error = %e, "KV events: cannot open the socket; retrying");
                 tokio::select! {
                     _ = shutdown.triggered() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
                 }
-                backoff = (backoff * 2).min(feed.cfg.reconnect_max.get());
                 continue;
             }
         };
@@ -190,9 +190,8 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
         drop(sub);
         tokio::select! {
             _ = shutdown.triggered() => return,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
-        backoff = (backoff * 2).min(feed.cfg.reconnect_max.get());
     }
 }
 

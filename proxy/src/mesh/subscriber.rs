@@ -8,7 +8,8 @@
 //! the peer (its index entries are cleared first); deltas must come with
 //! consecutive sequence numbers. A gap, a malformed frame, a silent or ended
 //! stream: the connection is dropped and re-made after a backoff that
-//! doubles up to `reconnect_max`, and the next snapshot resyncs. A peer that
+//! doubles up to `reconnect_max`, with jitter ([`crate::backoff`]), and the
+//! next snapshot resyncs. A peer that
 //! stays unreachable past `stale_after` leaves the fleet and the index; it
 //! comes back with its next snapshot. A stream announcing this sidecar's own
 //! identity (DNS lists every pod, this one included) is not followed. With
@@ -38,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_STATS};
 use super::wire::{self, Announce, Msg, WireError};
 use crate::app::App;
+use crate::backoff::Backoff;
 use crate::config::mesh::Follow;
 use crate::fleet::PodInfo;
 
@@ -96,7 +98,7 @@ pub async fn run(
     status: watch::Sender<PeerStatus>,
 ) {
     let cfg = app.config.mesh.clone();
-    let mut backoff = BACKOFF_START;
+    let mut backoff = Backoff::new(BACKOFF_START, cfg.reconnect_max.get());
     let mut known: Option<String> = None;
     let mut lost_at: Option<Instant> = None;
     let mut reason: &'static str = "connect";
@@ -125,7 +127,7 @@ pub async fn run(
                     _ = stop.cancelled() => break,
                     _ = tokio::time::sleep(OTHER_MODELS_RECHECK) => {}
                 }
-                backoff = BACKOFF_START;
+                backoff.reset();
                 reason = "connect";
                 continue;
             }
@@ -134,7 +136,7 @@ pub async fn run(
             }
             _ => {
                 tracing::info!(%addr, reason = %ended, "mesh: peer stream lost; resyncing");
-                backoff = BACKOFF_START;
+                backoff.reset();
             }
         }
         reason = match ended {
@@ -158,9 +160,8 @@ pub async fn run(
         }
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
-        backoff = (backoff * 2).min(cfg.reconnect_max.get());
         if known.is_none() {
             lost_at = None;
         }

@@ -15,6 +15,7 @@ use super::metrics::Outcome;
 use super::PdPlan;
 use super::{DECODE, PREFILL};
 use crate::app::App;
+use crate::backoff::Backoff;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
@@ -120,13 +121,15 @@ async fn prefill(
 ) -> Result<Option<Value>, ProxyError> {
     let pd = &app.config.pd;
     let attempts = pd.prefill_retries as usize + 1;
-    let mut backoff = pd.retry_backoff.get();
+    // Doubling from `retry_backoff` with jitter; the cap only bounds a
+    // configuration with many retries (each attempt has its own deadline).
+    let start = pd.retry_backoff.get();
+    let mut backoff = Backoff::new(start, start.saturating_mul(1 << attempts.min(16)));
     let mut last = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             app.metrics.pd.prefill_retry();
-            tokio::time::sleep(backoff).await;
-            backoff = backoff.saturating_mul(2);
+            tokio::time::sleep(backoff.next_delay()).await;
         }
         let upstream = &plan.prefill[attempt % plan.prefill.len()];
         let leg = tokio::time::timeout(
