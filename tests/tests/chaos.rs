@@ -1,0 +1,508 @@
+//! Chaos with accounting: a meshed fleet of processes (four aggregated pods,
+//! a prefill pod and a decode pod, each a `kvmesh-engine-sim` with its
+//! `kvmesh-proxy` sidecar) under steady load spread over four sidecars,
+//! while faults are injected one at a time, then overlapped. Every request
+//! is accounted for:
+//! - it ends within its deadline, complete or with an OpenAI-style error
+//!   (an SSE error event once streaming began); none hangs;
+//! - per fault, the failures number at most the requests in flight on the
+//!   component that died, measured just before it died; drains, rolling
+//!   restarts and faults that kill nothing lose none;
+//! - afterwards every sidecar's in-flight gauges are 0, the prefill engine
+//!   holds no KV for a decode that never came, and every sidecar's
+//!   `/debug/fleet` agrees.
+//!
+//! Figures (per fault: requests, failures, the bound, time to converge) are
+//! printed and, with `KVMESH_CHAOS_JSON=PATH`, written as JSON.
+//! `KVMESH_CHAOS_ROUNDS` repeats the fault sequence (default 1),
+//! `KVMESH_CHAOS_RATE` sets the request rate (default 30/s);
+//! `scripts/chaos` runs the long mode.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "chaos/fleet.rs"]
+mod fleet;
+#[path = "chaos/load.rs"]
+mod load;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet::{Fleet, Role};
+use load::{Control, Outcome};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+/// Aggregated pods 0-3, the prefill pod, the decode pod.
+const ROLES: [Role; 6] = [
+    Role::Both,
+    Role::Both,
+    Role::Both,
+    Role::Both,
+    Role::Prefill,
+    Role::Decode,
+];
+const PREFILL: usize = 4;
+const DECODE: usize = 5;
+
+/// How long load runs with a fault in place.
+const UNDER_FAULT: Duration = Duration::from_millis(1500);
+
+/// One fault's figures.
+#[derive(Debug, Clone)]
+struct Figure {
+    fault: String,
+    /// Failures allowed: the requests in flight on what died (0: nothing died).
+    bound: u64,
+    converge_ms: u128,
+    note: String,
+    /// Whether a failure may be a cut connection with no error said: only
+    /// when the client's own sidecar died under it.
+    cut_allowed: bool,
+}
+
+fn env_num(name: &str, default: f64) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A pod's termination as Kubernetes runs it: out of the Service's
+/// endpoints first (the clients stop picking it; a preStop hook's sleep lets
+/// requests already on their way arrive), then SIGTERM, and the sidecar
+/// drains what it has.
+async fn drain(control: &Control, fleet: &mut Fleet, i: usize) {
+    control.exclude(i);
+    tokio::time::sleep(PRE_STOP).await;
+    fleet.pods[i].term_sidecar().await;
+}
+
+/// The preStop hook's sleep in [`drain`].
+const PRE_STOP: Duration = Duration::from_millis(100);
+
+/// Lets the load run for `d` (real time; the load is what is measured).
+async fn under_load(d: Duration) {
+    tokio::time::sleep(d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
+    let sim_bin = kvmesh_tests::simproc::engine_sim_bin();
+    let proxy_bin = fleet::proxy_bin();
+    let rounds = env_num("KVMESH_CHAOS_ROUNDS", 1.0).max(1.0) as usize;
+    let rate = env_num("KVMESH_CHAOS_RATE", 30.0);
+    let started = Instant::now();
+    let mut fleet = Fleet::start(&ROLES, sim_bin, proxy_bin).await;
+    let startup_ms = started.elapsed().as_millis();
+
+    let fronts: Vec<_> = (0..4).map(|i| fleet.pods[i].client_addr()).collect();
+    let control = Arc::new(Control::default());
+    let workers = load::start(fronts, 12, rate, 19, control.clone());
+    let mut figures: Vec<Figure> = Vec::new();
+    // Phase 0: the fleet healthy under load.
+    under_load(UNDER_FAULT).await;
+    figures.push(Figure {
+        fault: "none (baseline)".into(),
+        bound: 0,
+        converge_ms: 0,
+        note: String::new(),
+        cut_allowed: false,
+    });
+
+    for round in 0..rounds {
+        let tag = |s: &str| {
+            if rounds > 1 {
+                format!("{s} (round {})", round + 1)
+            } else {
+                s.to_owned()
+            }
+        };
+        let next_phase = |figures: &Vec<Figure>| {
+            control.phase.store(figures.len(), Ordering::Release);
+        };
+
+        // 1. SIGKILL an engine mid-stream, then start it again.
+        next_phase(&figures);
+        under_load(Duration::from_millis(500)).await;
+        let victim = 1 + round % 3;
+        let bound = fleet.pods[victim].engine_in_flight().await.unwrap_or(0);
+        fleet.pods[victim].kill_engine().await;
+        under_load(UNDER_FAULT).await;
+        fleet.pods[victim].start_engine().await;
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag(&format!("engine SIGKILL mid-stream (pod{victim})")),
+            bound,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 2. Restart an engine in place: its KV events start again at seq 0.
+        next_phase(&figures);
+        under_load(Duration::from_millis(500)).await;
+        let victim = 2;
+        let bound = fleet.pods[victim].engine_in_flight().await.unwrap_or(0);
+        fleet.pods[victim].faults(json!({"restart": true})).await;
+        under_load(UNDER_FAULT).await;
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag("engine restart (KV events from seq 0)"),
+            bound,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 3. KV event batches lost on the way: the sidecar sees the gap and replays.
+        next_phase(&figures);
+        let victim = 3;
+        let gaps = fleet.pods[victim]
+            .metric_sum("kvmesh_kv_event_gaps_total")
+            .await;
+        let replays = fleet.pods[victim]
+            .metric_sum("kvmesh_kv_event_replays_total{outcome=\"ok\"}")
+            .await;
+        fleet.pods[victim].drop_batches.store(3, Ordering::Release);
+        under_load(UNDER_FAULT).await;
+        let t0 = Instant::now();
+        let mut replayed = false;
+        while t0.elapsed() < Duration::from_secs(20) {
+            let g = fleet.pods[victim]
+                .metric_sum("kvmesh_kv_event_gaps_total")
+                .await;
+            let r = fleet.pods[victim]
+                .metric_sum("kvmesh_kv_event_replays_total{outcome=\"ok\"}")
+                .await;
+            if fleet.pods[victim].drop_batches.load(Ordering::Acquire) == 0
+                && g > gaps
+                && r > replays
+            {
+                replayed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            replayed,
+            "pod{victim}'s sidecar saw no gap or replayed nothing after dropped batches"
+        );
+        figures.push(Figure {
+            fault: tag("KV event batches dropped (gap, replay)"),
+            bound: 0,
+            converge_ms: t0.elapsed().as_millis(),
+            note: format!(
+                "{} batches dropped in all",
+                fleet.pods[victim].dropped.load(Ordering::Acquire)
+            ),
+            cut_allowed: false,
+        });
+
+        // 4. SIGTERM a sidecar: it drains; nothing is lost.
+        next_phase(&figures);
+        let victim = round % 4;
+        drain(&control, &mut fleet, victim).await;
+        under_load(Duration::from_millis(500)).await;
+        fleet.pods[victim].start_sidecar().await;
+        control.include(victim);
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag(&format!("sidecar SIGTERM, drained (pod{victim})")),
+            bound: 0,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 5. SIGKILL a sidecar: what it had in flight may fail, nothing more.
+        next_phase(&figures);
+        under_load(Duration::from_millis(500)).await;
+        let victim = (round + 1) % 4;
+        let bound = fleet.pods[victim]
+            .metric_sum("kvmesh_requests_in_flight")
+            .await as u64;
+        fleet.pods[victim].kill_sidecar().await;
+        under_load(Duration::from_millis(500)).await;
+        fleet.pods[victim].start_sidecar().await;
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag(&format!("sidecar SIGKILL (pod{victim})")),
+            bound,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: true,
+        });
+
+        // 6. Rolling restart of every sidecar (SIGTERM, start, converge).
+        next_phase(&figures);
+        let t0 = Instant::now();
+        let mut worst = Duration::ZERO;
+        for i in 0..fleet.pods.len() {
+            drain(&control, &mut fleet, i).await;
+            fleet.pods[i].start_sidecar().await;
+            control.include(i);
+            worst = worst.max(fleet.converged(Duration::from_secs(30)).await);
+        }
+        figures.push(Figure {
+            fault: tag("rolling restart of every sidecar"),
+            bound: 0,
+            converge_ms: worst.as_millis(),
+            note: format!("{} ms for the whole roll", t0.elapsed().as_millis()),
+            cut_allowed: false,
+        });
+
+        // 7. A peer that accepts and never answers joins the peers file.
+        next_phase(&figures);
+        let silent = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let silent_addr = silent.local_addr().expect("addr");
+        let holder = tokio::spawn(async move {
+            let mut held = Vec::new();
+            // Bounded: aborted at the end of the phase.
+            for _ in 0..10_000 {
+                match silent.accept().await {
+                    Ok((s, _)) => held.push(s),
+                    Err(_) => return,
+                }
+            }
+        });
+        let peers = fleet.peers_file();
+        let original = std::fs::read_to_string(&peers).expect("peers");
+        std::fs::write(&peers, format!("{original}{silent_addr}\n")).expect("peers");
+        under_load(UNDER_FAULT * 2).await;
+        std::fs::write(&peers, &original).expect("peers");
+        holder.abort();
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag("a peer that accepts and never answers"),
+            bound: 0,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 8. A prefill 5xx storm: P/D requests fall back to serving whole.
+        next_phase(&figures);
+        fleet.pods[PREFILL].faults(json!({"fail_all": 503})).await;
+        under_load(UNDER_FAULT).await;
+        fleet.pods[PREFILL].faults(json!({"clear": true})).await;
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag("prefill 5xx storm"),
+            bound: 0,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 9. A decode pod that fails after accepting, before any byte.
+        next_phase(&figures);
+        fleet.pods[DECODE].faults(json!({"fail_all": 500})).await;
+        under_load(UNDER_FAULT).await;
+        fleet.pods[DECODE].faults(json!({"clear": true})).await;
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag("decode pod fails after accepting (500 before any byte)"),
+            bound: 0,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 10. Clients that disconnect at random points (seeded).
+        next_phase(&figures);
+        control.disconnect_pct.store(30, Ordering::Release);
+        under_load(UNDER_FAULT).await;
+        control.disconnect_pct.store(0, Ordering::Release);
+        figures.push(Figure {
+            fault: tag("clients disconnect at random points"),
+            bound: 0,
+            converge_ms: 0,
+            note: String::new(),
+            cut_allowed: false,
+        });
+
+        // 11. Overlapped: an engine SIGKILLed while a sidecar drains, KV
+        // batches are lost and prefill fails.
+        next_phase(&figures);
+        under_load(Duration::from_millis(500)).await;
+        let killed = 1 + (round + 1) % 3;
+        let drained = if killed == 2 { 3 } else { 2 };
+        let bound = fleet.pods[killed].engine_in_flight().await.unwrap_or(0);
+        fleet.pods[killed].kill_engine().await;
+        fleet.pods[PREFILL].faults(json!({"fail_all": 503})).await;
+        fleet.pods[0].drop_batches.store(3, Ordering::Release);
+        drain(&control, &mut fleet, drained).await;
+        under_load(UNDER_FAULT).await;
+        fleet.pods[PREFILL].faults(json!({"clear": true})).await;
+        fleet.pods[killed].start_engine().await;
+        fleet.pods[drained].start_sidecar().await;
+        control.include(drained);
+        let t = fleet.converged(Duration::from_secs(30)).await;
+        figures.push(Figure {
+            fault: tag(&format!(
+                "overlapped: engine SIGKILL (pod{killed}) + sidecar drain (pod{drained}) + KV drops (pod0) + prefill 5xx"
+            )),
+            bound,
+            converge_ms: t.as_millis(),
+            note: String::new(),
+            cut_allowed: false,
+        });
+    }
+
+    // Stop the load; every request ends (bounded by its deadline).
+    control.stop.store(true, Ordering::Release);
+    for w in workers {
+        tokio::time::timeout(load::DEADLINE * 2, w)
+            .await
+            .expect("every worker stops")
+            .expect("worker");
+    }
+    let records = control.records.lock().expect("records").clone();
+
+    // Afterwards: in-flight gauges back to 0 everywhere (bodies end as the
+    // clients' last responses do; bounded wait).
+    let mut stuck = Vec::new();
+    for _ in 0..200 {
+        stuck.clear();
+        for p in &fleet.pods {
+            for (series, v) in p.in_flight_gauges().await.expect("metrics") {
+                if v != 0.0 {
+                    stuck.push(format!("{}: {series} = {v}", p.name));
+                }
+            }
+        }
+        if stuck.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Prefill engines hold no KV once their hold timeout passed.
+    let mut held = None;
+    for _ in 0..400 {
+        held = fleet.pods[PREFILL].held_transfers().await;
+        if held == Some(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let engines_idle = {
+        let mut all = true;
+        for p in &fleet.pods {
+            all &= p.engine_in_flight().await == Some(0);
+        }
+        all
+    };
+    let final_converge = fleet.converged(Duration::from_secs(30)).await;
+
+    // Accounting per fault.
+    let mut table = Vec::new();
+    let mut violations = Vec::new();
+    for (i, f) in figures.iter().enumerate() {
+        let mine: Vec<_> = records.iter().filter(|r| r.phase == i).collect();
+        let failed: Vec<_> = mine.iter().filter(|r| r.outcome.failed()).collect();
+        let hung = mine.iter().filter(|r| r.outcome == Outcome::Hung).count();
+        let abandoned = mine
+            .iter()
+            .filter(|r| r.outcome == Outcome::Abandoned)
+            .count();
+        let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+        for r in &failed {
+            let k = match &r.outcome {
+                Outcome::CleanError(m) | Outcome::Cut(m) => {
+                    let short: String = m.chars().take(90).collect();
+                    format!("{:?}: {short}", std::mem::discriminant(&r.outcome))
+                        .replace("Discriminant", "")
+                }
+                o => format!("{o:?}"),
+            };
+            *kinds.entry(k).or_default() += 1;
+        }
+        let lost = failed.len() as u64;
+        println!(
+            "chaos | {:<95} | requests {:>5} | lost {:>3} | in flight on what died {:>3} | abandoned {:>3} | converged in {:>5} ms {}",
+            f.fault,
+            mine.len(),
+            lost,
+            f.bound,
+            abandoned,
+            f.converge_ms,
+            f.note
+        );
+        for (k, n) in &kinds {
+            println!("chaos |   {n} x {k}");
+        }
+        let cut = failed
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Cut(_)))
+            .count();
+        if cut > 0 && !f.cut_allowed {
+            violations.push(format!(
+                "{}: {cut} requests ended without a response or an error event (no sidecar died)",
+                f.fault
+            ));
+        }
+        if hung > 0 {
+            violations.push(format!("{}: {hung} requests hung", f.fault));
+        }
+        if lost > f.bound {
+            violations.push(format!(
+                "{}: {lost} requests lost, more than the {} in flight on what died: {kinds:?}",
+                f.fault, f.bound
+            ));
+        }
+        table.push(json!({
+            "fault": f.fault, "requests": mine.len(), "lost": lost,
+            "in_flight_on_what_died": f.bound, "abandoned": abandoned,
+            "converge_ms": f.converge_ms, "note": f.note,
+            "failures": kinds,
+        }));
+    }
+    let total = records.len();
+    let complete = records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Complete)
+        .count();
+    println!(
+        "chaos | {total} requests, {complete} complete; fleet of {} pods up in {startup_ms} ms; final convergence {} ms",
+        fleet.pods.len(),
+        final_converge.as_millis()
+    );
+    if let Ok(path) = std::env::var("KVMESH_CHAOS_JSON") {
+        let report: Value = json!({
+            "pods": fleet.pods.len(), "rounds": rounds, "rate_per_s": rate,
+            "requests": total, "complete": complete,
+            "faults_survived": figures.len() - 1,
+            "final_converge_ms": final_converge.as_millis(),
+            "faults": table,
+        });
+        std::fs::write(&path, serde_json::to_vec_pretty(&report).expect("json"))
+            .expect("write the chaos JSON");
+    }
+    fleet.shutdown().await;
+
+    assert!(
+        stuck.is_empty(),
+        "in-flight gauges not back to 0: {stuck:?}"
+    );
+    assert_eq!(
+        held,
+        Some(0),
+        "the prefill engine still holds KV for decodes that never came"
+    );
+    assert!(
+        engines_idle,
+        "an engine still runs requests after the load stopped"
+    );
+    assert!(
+        complete > total / 2,
+        "most requests complete: {complete} of {total}"
+    );
+    assert!(
+        violations.is_empty(),
+        "accounting failed:\n{}",
+        violations.join("\n")
+    );
+}

@@ -1,0 +1,598 @@
+//! The chaos suite's fleet: every engine a `kvmesh-engine-sim` process and
+//! every sidecar a `kvmesh-proxy` process (so SIGKILL and SIGTERM are real),
+//! each on ports fixed at the start so a killed process comes back where its
+//! peers and clients expect it. Helpers scrape what the accounting needs:
+//! the sims' running counts, the sidecars' in-flight gauges and their
+//! `/debug/fleet`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvmesh_engine_sim::KvSubscriber;
+use kvmesh_tests::route::MODEL;
+use serde_json::Value;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+/// Simulated seconds per real second: streams last long enough to be cut
+/// mid-way, short enough for a few thousand requests in a couple of minutes.
+pub const TIME_SCALE: &str = "5";
+
+/// How long a process may take to become ready.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// Ports the OS had free a moment ago, all distinct: each listener is held
+/// until every port is chosen.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind port 0"))
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().expect("local addr").port())
+        .collect()
+}
+
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+}
+
+/// The `kvmesh-proxy` binary beside this test's own, brought up to date the
+/// way `kvmesh_tests::simproc::engine_sim_bin` does for the simulator.
+pub fn proxy_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary sits in target/<profile>/deps");
+    let bin = dir.join("kvmesh-proxy");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut build = std::process::Command::new(cargo);
+    build
+        .args(["build", "-q", "-p", "kvmesh-proxy", "--bin", "kvmesh-proxy"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    if dir.file_name().is_some_and(|n| n == "release") {
+        build.arg("--release");
+    }
+    let status = build.status().expect("cargo runs");
+    assert!(status.success(), "cargo build -p kvmesh-proxy failed");
+    assert!(bin.is_file(), "{} missing after the build", bin.display());
+    bin
+}
+
+/// What a pod's engine does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    fn arg(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+/// The ports of one pod, fixed for the run.
+#[derive(Debug, Clone)]
+pub struct Ports {
+    pub engine: u16,
+    pub kv: u16,
+    pub replay: u16,
+    pub client: u16,
+    pub admin: u16,
+    pub mesh: u16,
+}
+
+impl Ports {
+    fn from(p: &[u16]) -> Self {
+        Self {
+            engine: p[0],
+            kv: p[1],
+            replay: p[2],
+            client: p[3],
+            admin: p[4],
+            mesh: p[5],
+        }
+    }
+}
+
+/// One pod: its engine process, a KV-event relay that can drop batches, and
+/// its sidecar process.
+pub struct Pod {
+    pub name: String,
+    pub role: Role,
+    pub ports: Ports,
+    engine: Option<Child>,
+    sidecar: Option<Child>,
+    engine_id: String,
+    config: PathBuf,
+    log: PathBuf,
+    sim_bin: PathBuf,
+    proxy_bin: PathBuf,
+    /// KV-event batches the relay still has to drop.
+    pub drop_batches: Arc<AtomicUsize>,
+    /// Batches the relay dropped.
+    pub dropped: Arc<AtomicUsize>,
+    relay: Option<JoinHandle<()>>,
+}
+
+impl Pod {
+    pub fn client_addr(&self) -> SocketAddr {
+        local(self.ports.client)
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        local(self.ports.admin)
+    }
+
+    pub fn engine_addr(&self) -> SocketAddr {
+        local(self.ports.engine)
+    }
+
+    /// Starts the engine (again) on its ports and waits until it answers
+    /// with its engine id. Retries while a port is still held by the
+    /// process it replaces.
+    pub async fn start_engine(&mut self) {
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            let mut cmd = Command::new(&self.sim_bin);
+            cmd.args([
+                "--model",
+                MODEL,
+                "--time-scale",
+                TIME_SCALE,
+                "--max-num-seqs",
+                "64",
+                "--role",
+                self.role.arg(),
+                "--engine-id",
+                &self.engine_id,
+                "--listen",
+                &format!("127.0.0.1:{}", self.ports.engine),
+                "--kv-events-endpoint",
+                &format!("tcp://*:{}", self.ports.kv),
+                "--kv-events-replay",
+                &format!("tcp://*:{}", self.ports.replay),
+                "--kv-events-topic",
+                &format!("kv@{}@{MODEL}", self.name),
+            ])
+            // A decode that never fetches frees its blocks after 10 simulated
+            // seconds (2 s real), as vLLM's NIXL abort timeout does in 480.
+            .args(["--pd-hold-timeout-s", "10"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+            let mut child = cmd.spawn().expect("the simulator starts");
+            if self.wait_engine(&mut child, deadline).await {
+                self.engine = Some(child);
+                return;
+            }
+            let _ = child.kill().await;
+            assert!(
+                Instant::now() < deadline,
+                "engine of {} not ready within {READY_WITHIN:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn wait_engine(&self, child: &mut Child, deadline: Instant) -> bool {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false;
+            }
+            if let Some(v) = get_json(self.engine_addr(), "/sim/stats").await {
+                if v["engine_id"].as_str() == Some(self.engine_id.as_str()) {
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    /// SIGKILL the engine (an OOM kill).
+    pub async fn kill_engine(&mut self) {
+        if let Some(mut c) = self.engine.take() {
+            let _ = c.kill().await;
+        }
+    }
+
+    /// Starts the sidecar (again) and waits until it is ready.
+    pub async fn start_sidecar(&mut self) {
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .expect("sidecar log");
+            let mut child = Command::new(&self.proxy_bin)
+                .args(["--config"])
+                .arg(&self.config)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(log))
+                .kill_on_drop(true)
+                .spawn()
+                .expect("the sidecar starts");
+            let mut up = false;
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if admin_status(self.admin_addr(), "/ready").await == Some(200) {
+                    up = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if up {
+                self.sidecar = Some(child);
+                return;
+            }
+            let _ = child.kill().await;
+            assert!(
+                Instant::now() < deadline,
+                "sidecar of {} not ready within {READY_WITHIN:?}; its log ends:\n{}",
+                self.name,
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The last lines of the sidecar's log.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// SIGKILL the sidecar.
+    pub async fn kill_sidecar(&mut self) {
+        if let Some(mut c) = self.sidecar.take() {
+            let _ = c.kill().await;
+        }
+    }
+
+    /// SIGTERM the sidecar (what Kubernetes sends) and wait until it exits
+    /// (bounded by its drain deadline plus a margin).
+    pub async fn term_sidecar(&mut self) {
+        let Some(mut c) = self.sidecar.take() else {
+            return;
+        };
+        if let Some(pid) = c.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        let exited = tokio::time::timeout(Duration::from_secs(30), c.wait()).await;
+        assert!(
+            exited.is_ok(),
+            "sidecar of {} did not exit within 30 s of SIGTERM",
+            self.name
+        );
+    }
+
+    /// The engine's running + waiting requests (`None`: it did not answer).
+    pub async fn engine_in_flight(&self) -> Option<u64> {
+        let v = get_json(self.engine_addr(), "/sim/stats").await?;
+        Some(v["running"].as_u64()? + v["waiting"].as_u64()?)
+    }
+
+    /// Transfers a prefill engine still holds for a decode.
+    pub async fn held_transfers(&self) -> Option<u64> {
+        get_json(self.engine_addr(), "/sim/stats").await?["held_transfers"].as_u64()
+    }
+
+    /// Sets the engine's fault script (`POST /sim/faults`).
+    pub async fn faults(&self, script: Value) {
+        let ok = post_json(self.engine_addr(), "/sim/faults", &script).await;
+        assert_eq!(ok, Some(200), "fault script {script} on {}", self.name);
+    }
+
+    /// The sidecar's in-flight gauges, by series.
+    pub async fn in_flight_gauges(&self) -> Option<Vec<(String, f64)>> {
+        let text = get_text(self.admin_addr(), "/metrics").await?;
+        Some(
+            text.lines()
+                .filter(|l| !l.starts_with('#') && l.contains("in_flight"))
+                .filter_map(|l| {
+                    let (name, v) = l.rsplit_once(' ')?;
+                    Some((name.to_owned(), v.parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+
+    /// One counter or gauge from the sidecar's `/metrics` (summed over
+    /// series whose name starts with `prefix`).
+    pub async fn metric_sum(&self, prefix: &str) -> f64 {
+        let Some(text) = get_text(self.admin_addr(), "/metrics").await else {
+            return 0.0;
+        };
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// The pods this sidecar knows, as `(id, healthy)`, sorted.
+    pub async fn fleet_view(&self) -> Option<Vec<(String, bool)>> {
+        let v = get_json(self.admin_addr(), "/debug/fleet").await?;
+        let mut pods: Vec<(String, bool)> = v["pods"]
+            .as_array()?
+            .iter()
+            .filter_map(|p| {
+                Some((
+                    p["info"]["id"].as_str()?.to_owned(),
+                    p["healthy"].as_bool()?,
+                ))
+            })
+            .collect();
+        pods.sort();
+        Some(pods)
+    }
+}
+
+/// The fleet: its pods and the peers file they follow.
+pub struct Fleet {
+    pub pods: Vec<Pod>,
+    pub dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    /// Starts `roles.len()` pods, engines first, then sidecars meshed over a
+    /// peers file listing every mesh port; waits until every sidecar sees
+    /// every pod healthy.
+    pub async fn start(roles: &[Role], sim_bin: PathBuf, proxy_bin: PathBuf) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let peers = dir.path().join("peers");
+        let mut pods = Vec::new();
+        let ports = free_ports(6 * roles.len());
+        for (i, role) in roles.iter().enumerate() {
+            let name = format!("pod{i}");
+            let ports = Ports::from(&ports[6 * i..6 * i + 6]);
+            let config = dir.path().join(format!("{name}.yaml"));
+            let log = dir.path().join(format!("{name}.log"));
+            pods.push(Pod {
+                name,
+                role: *role,
+                ports,
+                engine: None,
+                sidecar: None,
+                engine_id: format!("chaos-engine-{i}"),
+                config,
+                log,
+                sim_bin: sim_bin.clone(),
+                proxy_bin: proxy_bin.clone(),
+                drop_batches: Arc::new(AtomicUsize::new(0)),
+                dropped: Arc::new(AtomicUsize::new(0)),
+                relay: None,
+            });
+        }
+        let text: String = pods
+            .iter()
+            .map(|p| format!("127.0.0.1:{}\n", p.ports.mesh))
+            .collect();
+        std::fs::write(&peers, text).expect("peers file");
+        for p in &mut pods {
+            p.start_engine().await;
+            // The sidecar reads KV events through a relay that can drop batches.
+            let (relayed, task) = relay(
+                &format!("tcp://127.0.0.1:{}", p.ports.kv),
+                p.drop_batches.clone(),
+                p.dropped.clone(),
+            )
+            .await;
+            p.relay = Some(task);
+            std::fs::write(&p.config, sidecar_yaml(p, &relayed, &peers)).expect("config");
+        }
+        for p in &mut pods {
+            p.start_sidecar().await;
+        }
+        let fleet = Self { pods, dir };
+        fleet.converged(Duration::from_secs(60)).await;
+        fleet
+    }
+
+    /// The peers file.
+    pub fn peers_file(&self) -> PathBuf {
+        self.dir.path().join("peers")
+    }
+
+    /// Waits (bounded) until every sidecar answers `/debug/fleet` with the
+    /// same pods, all of them, all healthy; returns how long that took.
+    pub async fn converged(&self, within: Duration) -> Duration {
+        let start = Instant::now();
+        let want: Vec<(String, bool)> = {
+            let mut v: Vec<_> = self
+                .pods
+                .iter()
+                .map(|p| (format!("127.0.0.1:{}", p.ports.client), true))
+                .collect();
+            v.sort();
+            v
+        };
+        let mut last = Vec::new();
+        while start.elapsed() < within {
+            let mut views = Vec::new();
+            for p in &self.pods {
+                views.push(p.fleet_view().await);
+            }
+            if views.iter().all(|v| v.as_ref() == Some(&want)) {
+                return start.elapsed();
+            }
+            last = views;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the mesh did not converge within {within:?}: want {want:?}, views {last:?}");
+    }
+
+    /// Stops every process.
+    pub async fn shutdown(mut self) {
+        for p in &mut self.pods {
+            p.kill_sidecar().await;
+            p.kill_engine().await;
+            if let Some(t) = p.relay.take() {
+                t.abort();
+            }
+        }
+    }
+}
+
+fn sidecar_yaml(p: &Pod, kv_events: &str, peers: &Path) -> String {
+    let role = p.role.arg();
+    format!(
+        "listeners:
+  client: 127.0.0.1:{client}
+  admin: 127.0.0.1:{admin}
+engine:
+  url: http://127.0.0.1:{engine}
+  health_interval: 100ms
+  metrics_interval: 100ms
+  kv_events:
+    endpoint: {kv_events}
+    replay_endpoint: tcp://127.0.0.1:{replay}
+    topic: \"\"
+    socket: connect
+    replay_timeout: 1s
+    reconnect_max: 300ms
+timeouts:
+  connect: 1s
+  first_byte: 10s
+  stream_idle: 5s
+  overall: 15s
+  shutdown_drain: 15s
+logging:
+  level: warn
+pod:
+  role: {role}
+  models: [{MODEL}]
+prefix:
+  tokenizer: builtin
+  block_size: 16
+mesh:
+  listen: 127.0.0.1:{mesh}
+  file: {peers}
+  refresh_interval: 100ms
+  stale_after: 1s
+  load_interval: 100ms
+  connect_timeout: 1s
+  reconnect_max: 300ms
+pd:
+  min_uncached_tokens: 256
+  prefill_timeout: 5s
+",
+        client = p.ports.client,
+        admin = p.ports.admin,
+        engine = p.ports.engine,
+        replay = p.ports.replay,
+        mesh = p.ports.mesh,
+        peers = peers.display(),
+    )
+}
+
+/// A PUB on `127.0.0.1:0` forwarding the engine's KV events, dropping the
+/// next `drop` batches whenever a test sets it. The SUB side reconnects by
+/// itself when the engine comes back.
+async fn relay(
+    events: &str,
+    drop: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+) -> (String, JoinHandle<()>) {
+    let mut from = KvSubscriber::connect(events).await.expect("relay connects");
+    let mut publ = PubSocket::new();
+    let ep = publ
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("relay binds")
+        .to_string();
+    let task = tokio::spawn(async move {
+        // Bounded: aborted when the fleet stops.
+        for _ in 0..10_000_000u64 {
+            let Some(m) = from.recv(Duration::from_secs(600)).await else {
+                return;
+            };
+            let take = drop
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok();
+            if take {
+                dropped.fetch_add(1, Ordering::AcqRel);
+                continue;
+            }
+            let frames = vec![
+                m.topic,
+                Bytes::copy_from_slice(&m.seq.to_be_bytes()),
+                m.payload,
+            ];
+            if let Ok(msg) = ZmqMessage::try_from(frames) {
+                let _ = publ.send(msg).await;
+            }
+        }
+    });
+    (ep, task)
+}
+
+async fn raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Option<(u16, Bytes)> {
+    use http_body_util::{BodyExt, Full};
+    let client = kvmesh_tests::client::http1();
+    let mut b = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    let body = match body {
+        Some(v) => {
+            b = b.header("content-type", "application/json");
+            Bytes::from(v.to_string())
+        }
+        None => Bytes::new(),
+    };
+    let req = b.body(Full::new(body)).ok()?;
+    let fut = async {
+        let resp = client.request(req).await.ok()?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+        Some((status, bytes))
+    };
+    tokio::time::timeout(Duration::from_secs(3), fut)
+        .await
+        .ok()?
+}
+
+pub async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
+    let (status, body) = raw(addr, "GET", path, None).await?;
+    (status == 200).then(|| serde_json::from_slice(&body).ok())?
+}
+
+async fn get_text(addr: SocketAddr, path: &str) -> Option<String> {
+    let (status, body) = raw(addr, "GET", path, None).await?;
+    (status == 200).then(|| String::from_utf8_lossy(&body).into_owned())
+}
+
+async fn admin_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    Some(raw(addr, "GET", path, None).await?.0)
+}
+
+async fn post_json(addr: SocketAddr, path: &str, v: &Value) -> Option<u16> {
+    Some(raw(addr, "POST", path, Some(v)).await?.0)
+}
