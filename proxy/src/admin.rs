@@ -55,6 +55,11 @@ impl Admin {
                 self.app.metrics.autoscale.set(&self.autoscale());
                 let ready = self.app.engine_ready.load(Ordering::Acquire);
                 self.app.metrics.engine_ready.set(i64::from(ready));
+                let ejected = self.app.fleet.ejected_count(tokio::time::Instant::now());
+                self.app
+                    .metrics
+                    .outliers_ejected
+                    .set(i64::try_from(ejected).unwrap_or(i64::MAX));
                 reply(
                     StatusCode::OK,
                     prometheus_client::encoding::prometheus_text::CONTENT_TYPE,

@@ -212,6 +212,8 @@ mod tests {
             healthy: true,
             in_flight_local: 0,
             in_flight_mesh: 0,
+            ejected_ms: None,
+            ejections: 0,
         }
     }
 

@@ -161,6 +161,10 @@ pub struct Metrics {
     fallbacks: Counter,
     /// Connections or requests cut for a slow or oversize client.
     rejected: Family<RejectLabels, Counter>,
+    /// Pods ejected as outliers (`fleet/outlier.rs`).
+    outlier_ejections: Counter,
+    /// Pods ejected now (set at each scrape).
+    pub outliers_ejected: Gauge,
     /// 1 while the local engine answers its health check (set at each scrape).
     pub engine_ready: Gauge,
     /// Scheduling decisions, filter reloads, engine scrapes.
@@ -240,6 +244,18 @@ impl Metrics {
         );
         let fallbacks = Counter::default();
         let engine_ready = Gauge::default();
+        let outlier_ejections = Counter::default();
+        let outliers_ejected = Gauge::default();
+        registry.register(
+            "outlier_ejections",
+            "Pods ejected after consecutive failed calls (refused, broken before the head, 5xx); the scheduler skips an ejected pod for a period growing with each ejection",
+            outlier_ejections.clone(),
+        );
+        registry.register(
+            "outlier_ejected_pods",
+            "Pods ejected as outliers now, as this sidecar judges its own calls",
+            outliers_ejected.clone(),
+        );
         registry.register(
             "fallbacks",
             "Targets that refused a request before any byte was sent (the plan's next fallback pod, if any, takes it)",
@@ -286,6 +302,8 @@ impl Metrics {
             bytes_in: PerRoute::new(bytes_in),
             bytes_out: PerRoute::new(bytes_out),
             fallbacks,
+            outlier_ejections,
+            outliers_ejected,
             engine_ready,
             routing,
             prefix,
@@ -345,6 +363,11 @@ impl Metrics {
     /// A target refused the request before any byte was sent.
     pub fn fallback(&self) {
         self.fallbacks.inc();
+    }
+
+    /// A pod was ejected as an outlier.
+    pub fn outlier_ejected(&self) {
+        self.outlier_ejections.inc();
     }
 
     /// A listener cut a client (slow or oversize request, failed handshake).

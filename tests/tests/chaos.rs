@@ -506,3 +506,76 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
         violations.join("\n")
     );
 }
+
+/// Outlier ejection: a pod whose engine answers 503 to everything is ejected
+/// by the sidecar calling it after consecutive failures (visible in
+/// `/debug/fleet` and the metrics), and every request is still served, by the
+/// other pod. In process: nothing here needs a real kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_failing_every_call_is_ejected_and_requests_go_around_it() {
+    use kvmesh_tests::client::{admin_get, fetch, http1, post_json};
+    use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
+    use kvmesh_tests::route::{eventually, metric};
+
+    let peers = tempfile::NamedTempFile::new().expect("peers file");
+    let good = kv_sim().await;
+    let bad = kv_sim().await;
+    let a = start_on(mesh_config(&good, peers.path()), None).await;
+    let b = start_on(mesh_config(&bad, peers.path()), None).await;
+    write_peers(
+        peers.path(),
+        &[a.mesh_addr().expect("mesh"), b.mesh_addr().expect("mesh")],
+    );
+    eventually("both sidecars know both pods", || async {
+        let now = Instant::now();
+        (a.fleet().snapshot(now).len() == 2 && b.fleet().snapshot(now).len() == 2).then_some(())
+    })
+    .await;
+    bad.faults().fail_all(Some(503));
+    let client = http1();
+    // Distinct prefixes: about half are scheduled on the failing pod first
+    // (its sidecar marks its engine's 503 as unserved; this one falls back).
+    for i in 0..40 {
+        let w = fetch(
+            &client,
+            post_json(a.addr(), "/v1/completions", &shared_prefix_body(i, 0)),
+        )
+        .await;
+        assert_eq!(
+            w.status,
+            200,
+            "request {i} served around the failing pod: {}",
+            w.text()
+        );
+    }
+    let fleet = admin_get(a.admin_addr(), "/debug/fleet").await.json();
+    let bad_pod = fleet["pods"]
+        .as_array()
+        .expect("pods")
+        .iter()
+        .find(|p| p["info"]["sidecar_addr"].is_string())
+        .expect("the peer pod")
+        .clone();
+    assert!(
+        bad_pod["ejections"].as_u64().unwrap_or(0) >= 1,
+        "the failing pod was ejected: {bad_pod}"
+    );
+    let local = fleet["pods"]
+        .as_array()
+        .expect("pods")
+        .iter()
+        .find(|p| p["info"]["sidecar_addr"].is_null())
+        .expect("the local pod")
+        .clone();
+    assert_eq!(local["ejections"], 0, "the healthy pod was not: {local}");
+    assert!(
+        metric(&a, "kvmesh_outlier_ejections_total")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    good.shutdown().await;
+    bad.shutdown().await;
+}

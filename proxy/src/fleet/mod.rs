@@ -11,6 +11,7 @@
 //! [`Fleet::endpoints`]; nothing here does I/O.
 
 mod load;
+pub mod outlier;
 pub mod ranks;
 pub mod scrape;
 
@@ -52,6 +53,10 @@ pub struct PodSnapshot {
     pub healthy: bool,
     pub in_flight_local: u32,
     pub in_flight_mesh: u32,
+    /// Milliseconds left of this pod's outlier ejection (`None`: not ejected).
+    pub ejected_ms: Option<u64>,
+    /// Times this sidecar ejected the pod (recently; see [`outlier`]).
+    pub ejections: u32,
 }
 
 struct PodState {
@@ -76,6 +81,8 @@ pub struct Fleet {
     received: Arc<AtomicU32>,
     /// The local engine's data-parallel ranks ([`ranks`]).
     ranks: ranks::Ranks,
+    /// Pods ejected for failing calls ([`outlier`]).
+    outliers: outlier::Outliers,
 }
 
 /// Counts one request in flight towards a pod until dropped.
@@ -112,6 +119,7 @@ impl Fleet {
             remote_in_flight: RwLock::new(HashMap::new()),
             received: Arc::new(AtomicU32::new(0)),
             ranks: ranks::Ranks::default(),
+            outliers: outlier::Outliers::default(),
         }
     }
 
@@ -147,6 +155,7 @@ impl Fleet {
             return false;
         }
         self.remote_in_flight.write().remove(id);
+        self.outliers.forget(id);
         self.pods.write().remove(id).is_some()
     }
 
@@ -308,7 +317,8 @@ impl Fleet {
                         matched_blocks: matched_blocks(id),
                         block_size: load_block_size,
                     },
-                    healthy: s.healthy,
+                    // An ejected pod is skipped like an unhealthy one.
+                    healthy: s.healthy && self.outliers.ejected_for(id, now).is_none(),
                     staleness_ms: s.load_age_ms(now).unwrap_or(u64::MAX),
                 }
             })
@@ -328,8 +338,33 @@ impl Fleet {
                 healthy: s.healthy,
                 in_flight_local: s.in_flight.load(Ordering::Relaxed),
                 in_flight_mesh: mesh.get(id).copied().unwrap_or(0),
+                ejected_ms: self
+                    .outliers
+                    .ejected_for(id, now)
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                ejections: self.outliers.ejections(id),
             })
             .collect()
+    }
+
+    /// Records a failed call to pod `id` (see [`outlier`]); returns how long
+    /// it was ejected for when this failure ejected it.
+    pub fn call_failed(&self, id: &str, now: Instant) -> Option<std::time::Duration> {
+        let pods = self.pods.read().len();
+        match self.outliers.failure(id, pods, now) {
+            outlier::Verdict::Ejected(d) => Some(d),
+            outlier::Verdict::Counted => None,
+        }
+    }
+
+    /// Records a call pod `id` served.
+    pub fn call_served(&self, id: &str, now: Instant) {
+        self.outliers.success(id, now);
+    }
+
+    /// Pods ejected now.
+    pub fn ejected_count(&self, now: Instant) -> usize {
+        self.outliers.ejected_count(now)
     }
 
     /// Peers' published in-flight counts, summed per target.

@@ -57,7 +57,8 @@ pub async fn execute(
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
-                let decode_name = leg_upstream(&decode).name(app);
+                let decode_upstream = leg_upstream(&decode);
+                let decode_name = decode_upstream.name(app);
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
@@ -70,6 +71,7 @@ pub async fn execute(
                 ctx.access = access;
                 match r {
                     Err(e) if failed_before_any_byte(&e, &decode_name) => {
+                        call_failed(app, &decode_upstream);
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
                         last = Some(e);
@@ -89,6 +91,8 @@ pub async fn execute(
         crate::routing::track(app, ctx, &target);
         match forward(app, ctx, upstream.clone(), &mut req).await {
             Ok(Forwarded::Served(resp)) => {
+                app.fleet
+                    .call_served(&upstream_pod(app, &upstream), Instant::now());
                 let peer = match &upstream {
                     Upstream::Peer(a) => Some(*a),
                     _ => None,
@@ -98,11 +102,13 @@ pub async fn execute(
                 return Ok(resp);
             }
             Ok(Forwarded::Unserved(reply)) => {
+                call_failed(app, &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), status = %reply.resp.status(), "target answered 5xx before any byte; trying the next fallback");
                 last_reply = Some((upstream, reply));
             }
             Err(e) if crate::error::next_target_may_serve(&e) => {
+                call_failed(app, &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
@@ -149,6 +155,15 @@ struct Unserved {
 /// or a gateway's failure, all answered before any byte of a completion.
 fn unserved_status(status: http::StatusCode) -> bool {
     matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
+/// Counts a failed call to `upstream`'s pod towards its outlier ejection.
+fn call_failed(app: &App, upstream: &Upstream) {
+    let pod = upstream_pod(app, upstream);
+    if let Some(period) = app.fleet.call_failed(&pod, Instant::now()) {
+        app.metrics.outlier_ejected();
+        tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
+    }
 }
 
 /// Whether `e` is `upstream` failing before any byte reached the client, so
