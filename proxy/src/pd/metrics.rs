@@ -105,7 +105,7 @@ impl PdMetrics {
         );
         r.register(
             "pd_abandoned_transfers",
-            "Prefill KV handed to a decode leg that failed before serving it: the prefill engine holds those blocks until its own abort timeout (vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+            "Prefill KV handed to a decode leg that failed before serving it: the prefill engine holds those blocks until their hold expires (vLLM 0.32: the NIXL lease, kv_lease_duration; earlier: VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
             m.abandoned.clone(),
         );
         r.register_with_unit(

@@ -83,7 +83,8 @@ pub struct Args {
     #[arg(long)]
     engine_id: Option<String>,
     /// Simulated seconds a prefill engine holds blocks for a decode that
-    /// never fetches them (vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480).
+    /// never fetches them (vLLM before its NIXL lease: `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
+    /// 480; vLLM 0.32: `kv_lease_duration`, 30, renewed by the decode's heartbeats).
     #[arg(long, default_value_t = 480.0)]
     pd_hold_timeout_s: f64,
     /// vLLM's `--data-parallel-size`: this many independent engine ranks
