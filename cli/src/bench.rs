@@ -39,13 +39,13 @@ pub struct PeersArgs {
     /// The CI size: fewer rates and requests, under 10 minutes on 2 cores.
     #[arg(long)]
     quick: bool,
-    /// Seeds; every point runs once per seed.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    /// Seeds; every point runs once per seed (default 1,2,3; 1,2 with --quick).
+    #[arg(long, value_delimiter = ',')]
     seeds: Vec<u64>,
     /// Engines per fleet.
     #[arg(long, default_value_t = 4)]
     engines: usize,
-    /// Shared-prefix routers to run (default: all).
+    /// Shared-prefix and multi-turn routers to run (default: all).
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Skip the P/D workload.
@@ -54,7 +54,13 @@ pub struct PeersArgs {
     /// Skip the shared-prefix workload.
     #[arg(long)]
     no_shared_prefix: bool,
-    /// Shared-prefix rates to sweep (simulated req/s), instead of the defaults.
+    /// Skip the multi-turn chat workload.
+    #[arg(long)]
+    no_chat: bool,
+    /// Skip the where-P/D-pays grid.
+    #[arg(long)]
+    no_pd_pays: bool,
+    /// Shared-prefix and multi-turn rates to sweep (simulated req/s), instead of the defaults.
     #[arg(long, value_delimiter = ',')]
     rates: Vec<f64>,
     /// Requests per run, instead of the default.
@@ -155,13 +161,6 @@ pub struct FakeArgs {
     chunk_ms: u64,
 }
 
-/// Runs one `kvmesh bench` subcommand on a fresh runtime.
-pub fn main(cmd: BenchCmd) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the runtime")?;
-    rt.block_on(async move {
 #[derive(Debug, clap::Args)]
 pub struct SoakArgs {
     /// kvmesh-proxy binary (default: next to this binary, then PATH).
@@ -186,10 +185,18 @@ pub struct SoakArgs {
     json: Option<PathBuf>,
 }
 
+/// Runs one `kvmesh bench` subcommand on a fresh runtime.
+pub fn main(cmd: BenchCmd) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    rt.block_on(async move {
         match cmd {
             BenchCmd::Run(a) => run_cmd(a).await,
             BenchCmd::Overhead(a) => overhead_cmd(a).await,
             BenchCmd::FakeEngine(a) => fake_cmd(a).await,
+            BenchCmd::Soak(a) => soak_cmd(a).await,
             BenchCmd::Peers(a) => peers_cmd(a).await,
         }
     })
@@ -197,7 +204,6 @@ pub struct SoakArgs {
 
 fn load_from(a: &RunArgs, default: Load) -> Load {
     let stage = a.stage_secs.map(Duration::from_secs_f64);
-            BenchCmd::Soak(a) => soak_cmd(a).await,
     let n = a.requests;
     let load = if !a.rate.is_empty() {
         let mut l = Load::poisson_ladder(
@@ -312,13 +318,6 @@ async fn fake_cmd(a: FakeArgs) -> Result<()> {
     Ok(())
 }
 
-async fn peers_cmd(a: PeersArgs) -> Result<()> {
-    use crate::demo::peers::{self, PeersOpts, Router};
-    let mut opts = PeersOpts::new(a.quick);
-    opts.seeds = a.seeds;
-    opts.engines = a.engines;
-    opts.pd = !a.no_pd;
-    opts.progress = true;
 async fn soak_cmd(a: SoakArgs) -> Result<()> {
     use kvmesh_loadgen::soak::{self, SoakConfig, SoakMode};
     let proxy = a
@@ -365,11 +364,20 @@ async fn soak_cmd(a: SoakArgs) -> Result<()> {
     Ok(())
 }
 
+async fn peers_cmd(a: PeersArgs) -> Result<()> {
+    use crate::demo::peers::{self, PeersOpts, Router};
+    let mut opts = PeersOpts::new(a.quick);
+    if !a.seeds.is_empty() {
+        opts.seeds = a.seeds;
+    }
+    opts.engines = a.engines;
+    opts.pd = !a.no_pd;
+    opts.chat = !a.no_chat;
+    opts.pd_pays = !a.no_pd_pays;
+    opts.progress = true;
     opts.rates = (!a.rates.is_empty()).then_some(a.rates);
     opts.requests = a.requests;
-    if a.no_shared_prefix {
-        opts.routers.clear();
-    }
+    opts.shared_prefix = !a.no_shared_prefix;
     if !a.routers.is_empty() {
         opts.routers = a
             .routers

@@ -3,7 +3,9 @@
 //! found. The report must have the JSON shape, medians over the
 //! seeds with their ranges, a capacity per router, the unavailable router
 //! with its reason, and kvmesh computing fewer prompt tokens than
-//! round-robin on the same requests.
+//! round-robin on the same requests. A second sweep, as small, covers the
+//! multi-turn chat workload, SMG's and kvmesh's P/D on SGLang pods and the
+//! where-P/D-pays grid.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -26,6 +28,8 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
     opts.rates = Some(vec![20.0]);
     opts.requests = Some(60);
     opts.pd = false;
+    opts.chat = false;
+    opts.pd_pays = false;
     let report = rt
         .block_on(async { tokio::time::timeout(Duration::from_secs(240), peers::run(&opts)).await })
         .expect("the sweep finishes within 4 minutes")
@@ -90,4 +94,114 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
         assert_eq!(run["computed_per_engine"].as_array().unwrap().len(), 4);
     }
     assert!(peers::table(&report).contains("capacity at SLO"));
+}
+
+#[test]
+fn multi_turn_sglang_pd_and_the_pd_grid_report_their_parts() {
+    std::env::set_var("KVMESH_SMG", "/nonexistent/smg");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut opts = PeersOpts::new(true);
+    opts.seeds = vec![1];
+    opts.routers = vec![Router::RoundRobin, Router::Kvmesh];
+    opts.shared_prefix = false;
+    opts.rates = Some(vec![15.0]);
+    opts.requests = Some(20);
+    let report = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(300), peers::run(&opts)).await })
+        .expect("the sweep finishes within 5 minutes")
+        .expect("the sweep runs");
+    rt.shutdown_timeout(Duration::from_secs(5));
+    let json = serde_json::to_value(&report).unwrap();
+    let workload = |name: &str| {
+        json["workloads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {json}"))
+            .clone()
+    };
+
+    // Multi-turn chat: sessions whose prompts grow; kvmesh keeps a session
+    // where its previous turn is cached, round-robin spreads it.
+    let chat = workload("multi-turn-chat");
+    assert!(
+        chat["pressure"].as_f64().unwrap() > 0.0,
+        "{}",
+        chat["pressure"]
+    );
+    for r in ["round-robin", "kvmesh"] {
+        assert!(chat["capacity_at_slo"].as_object().unwrap().contains_key(r));
+    }
+    let runs = chat["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    for run in runs {
+        assert_eq!(run["errors"], 0, "{run}");
+        assert_eq!(run["requests"], 20, "{run}");
+        let ideal = run["ideal_computed_tokens"].as_u64().unwrap();
+        assert!(run["computed_tokens"].as_u64().unwrap() >= ideal, "{run}");
+    }
+    let computed = |r: &str| {
+        runs.iter().find(|x| x["router"] == r).unwrap()["computed_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(
+        computed("kvmesh") < computed("round-robin"),
+        "kvmesh {} vs round-robin {}",
+        computed("kvmesh"),
+        computed("round-robin")
+    );
+
+    // P/D on SGLang pods: SMG cannot be found here, kvmesh's sglang
+    // connector serves every request through the bootstrap protocol.
+    let pd = workload("pd-long-prompt");
+    let routers = pd["routers"].as_array().unwrap();
+    let smg = routers.iter().find(|r| r["name"] == "smg-pd-2p").unwrap();
+    assert_eq!(smg["available"], false, "{smg}");
+    assert!(
+        smg["reason"].as_str().unwrap().contains("KVMESH_SMG"),
+        "{smg}"
+    );
+    let sglang: Vec<_> = pd["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["router"] == "kvmesh-pd-2p-sglang")
+        .collect();
+    assert_eq!(sglang.len(), 2, "one point per rate: {sglang:?}");
+    for p in sglang {
+        assert_eq!(p["errors"], 0, "{p}");
+        assert!(p["itl_p99_ms"].as_f64().is_some_and(f64::is_finite), "{p}");
+    }
+
+    // The grid: two prompt lengths at one rate, each with both options and
+    // the decider's share. Its threshold (2048 uncached tokens) never
+    // splits 1000-token prompts and splits every 6000-token one (5 of 20).
+    let grid = &json["pd_pays"];
+    let cells = grid["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2, "{cells:?}");
+    for c in cells {
+        for option in ["aggregated", "pd", "decider"] {
+            let g = c[option]["goodput"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&g), "{c}");
+        }
+        assert!(
+            c["better"].is_string() && c["decider_right"].is_boolean(),
+            "{c}"
+        );
+        let (split, choice) = (c["decider_split"].as_f64().unwrap(), &c["decider_choice"]);
+        match c["prompt_tokens"].as_u64().unwrap() {
+            1000 => assert!(split == 0.0 && choice == "aggregated", "{c}"),
+            6000 => assert!((split - 0.25).abs() < 1e-9 && choice == "pd", "{c}"),
+            other => panic!("unexpected prompt length {other}"),
+        }
+    }
+    assert_eq!(grid["runs"].as_array().unwrap().len(), 6);
+    let text = peers::table(&report);
+    assert!(text.contains("where P/D pays"), "{text}");
 }

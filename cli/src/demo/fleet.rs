@@ -13,7 +13,7 @@
 //! started here
 //! stops in [`DemoFleet::shutdown`].
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
-use kvmesh_engine_sim::{Engine, KvEventsConfig, LatencyProfile, SimConfig, SimHandle};
+use kvmesh_engine_sim::{Engine, Flavor, KvEventsConfig, LatencyProfile, SimConfig, SimHandle};
 use kvmesh_filters::sched::{FilterConfig, Role};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -68,6 +68,10 @@ pub struct FleetSpec {
     pub kv_events: bool,
     /// Prefill pods of a disaggregated fleet (the first ones); `None` is half.
     pub prefill_pods: Option<usize>,
+    /// The engines' family. SGLang engines split P/D through SGLang's
+    /// bootstrap protocol (the sidecars' `sglang` connector), vLLM ones
+    /// through `kv_transfer_params` (`nixl`).
+    pub flavor: Flavor,
 }
 
 impl FleetSpec {
@@ -86,6 +90,7 @@ impl FleetSpec {
             max_num_seqs: 64,
             kv_events: true,
             prefill_pods: None,
+            flavor: Flavor::Vllm,
         }
     }
 
@@ -115,6 +120,7 @@ impl FleetSpec {
             .with_num_blocks(self.num_blocks)
             .with_max_num_seqs(self.max_num_seqs)
             .with_max_model_len(capacity.min(8192))
+            .with_flavor(self.flavor)
             .with_role(match role {
                 Role::Both => kvmesh_engine_sim::Role::Both,
                 Role::Prefill => kvmesh_engine_sim::Role::Prefill,
@@ -220,10 +226,16 @@ pub async fn start_with(
     let started = async {
         let peers_file = fleet.peers_file.clone().unwrap_or_default();
         std::fs::write(&peers_file, b"").map_err(DemoError::Io)?;
+        let mut addrs = pod_addrs(spec, policy)?;
         for i in 0..spec.engines {
             let role = spec.role(policy, i);
-            let engine = Engine::start_local(spec.sim_config(role)).await?;
-            let sidecar = start_sidecar(spec, policy, &engine, role, &peers_file).await?;
+            let (ip, listener) = addrs.remove(0);
+            let engine = Engine::start(spec.sim_config(role), listener).await?;
+            let pod = PodNet {
+                ip,
+                bootstrap_port: engine.addr().port(),
+            };
+            let sidecar = start_sidecar(spec, policy, &engine, role, pod, &peers_file).await?;
             sidecar
                 .routing()
                 .install(filters)
@@ -304,22 +316,87 @@ pub fn sidecar_config(
     Ok(c)
 }
 
+/// Where a pod listens: its address, and the port SGLang engines serve
+/// bootstrap on.
+#[derive(Debug, Clone, Copy)]
+struct PodNet {
+    ip: IpAddr,
+    bootstrap_port: u16,
+}
+
+/// Each pod's address and its engine's bound listener. SGLang P/D needs every
+/// prefill engine on one bootstrap port (the sidecars' one
+/// `pd.sglang_bootstrap_port`, as every pod of a Kubernetes fleet serves
+/// 8998), so a split SGLang fleet gives each pod its own loopback address
+/// (127.0.0.2, 127.0.0.3, ...) and binds every engine on one port there;
+/// every other fleet runs on 127.0.0.1 with ports from the OS.
+fn pod_addrs(spec: &FleetSpec, policy: Policy) -> Result<Vec<(IpAddr, TcpListener)>, DemoError> {
+    let std_bind = |addr: SocketAddr| {
+        std::net::TcpListener::bind(addr).and_then(|l| {
+            l.set_nonblocking(true)?;
+            TcpListener::from_std(l)
+        })
+    };
+    if !(spec.flavor == Flavor::Sglang && policy.disaggregated()) {
+        let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        return (0..spec.engines)
+            .map(|_| {
+                Ok((
+                    local,
+                    std_bind(SocketAddr::new(local, 0)).map_err(DemoError::Io)?,
+                ))
+            })
+            .collect();
+    }
+    let ips: Vec<IpAddr> = (0..spec.engines)
+        .map(|i| IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + i as u8)))
+        .collect();
+    let mut last = None;
+    // A port free on the first address may be taken on another: try a few.
+    for _ in 0..16 {
+        let first = std_bind(SocketAddr::new(ips[0], 0)).map_err(DemoError::Io)?;
+        let port = first.local_addr().map_err(DemoError::Io)?.port();
+        let mut bound = vec![(ips[0], first)];
+        for &ip in &ips[1..] {
+            match std_bind(SocketAddr::new(ip, port)) {
+                Ok(l) => bound.push((ip, l)),
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        if bound.len() == ips.len() {
+            return Ok(bound);
+        }
+    }
+    Err(DemoError::Io(last.unwrap_or_else(|| {
+        std::io::Error::other("no port free on every pod address")
+    })))
+}
+
 async fn start_sidecar(
     spec: &FleetSpec,
     policy: Policy,
     engine: &SimHandle,
     role: Role,
+    pod: PodNet,
     peers_file: &Path,
 ) -> Result<SidecarHandle, DemoError> {
     let mut c = sidecar_config(spec, policy, engine, role)?;
-    c.mesh.listen = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    if spec.flavor == Flavor::Sglang {
+        // The decode engine reaches the prefill pod's address on this port.
+        c.pd.connector = config::PdConnector::Sglang;
+        c.pd.sglang_bootstrap_port = pod.bootstrap_port;
+    }
+    c.mesh.listen = Some(SocketAddr::new(pod.ip, 0));
     c.mesh.file = Some(peers_file.to_path_buf());
     c.mesh.refresh_interval = config::Duration::from_millis(50);
     c.mesh.load_interval = config::Duration::from_millis(20);
-    let client = TcpListener::bind("127.0.0.1:0")
+    let client = TcpListener::bind(SocketAddr::new(pod.ip, 0))
         .await
         .map_err(DemoError::Io)?;
-    let admin = TcpListener::bind("127.0.0.1:0")
+    let admin = TcpListener::bind(SocketAddr::new(pod.ip, 0))
         .await
         .map_err(DemoError::Io)?;
     c.listeners.client = client.local_addr().map_err(DemoError::Io)?;

@@ -12,11 +12,16 @@
 //!   published weights) written as a kvmesh filter config, run on kvmesh.
 //!
 //! For P/D, the same pods run aggregated (`aggregated`: kvmesh's default) and
-//! split (`kvmesh-pd-P:D`) at several prefill:decode ratios.
+//! split (`kvmesh-pd-P:D`) at several prefill:decode ratios; on SGLang-flavoured
+//! pods, SMG's P/D (`smg-pd-Np`) beside kvmesh's `sglang` connector
+//! (`kvmesh-pd-Np-sglang`). [`pd_pays`] maps where P/D pays and whether
+//! kvmesh's decider chooses it there.
 //!
 //! Every (router, rate) point runs once per seed on a fresh fleet; figures are
 //! medians over seeds with their min-max range ([`sweep`]), in simulated time.
 
+mod chat;
+pub mod pd_pays;
 pub mod smg;
 pub mod sweep;
 mod table;
@@ -24,7 +29,7 @@ mod table;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvmesh_engine_sim::{Engine, LatencyProfile, SimHandle, SimStats};
+use kvmesh_engine_sim::{Engine, Flavor, LatencyProfile, SimHandle, SimStats};
 use kvmesh_filters::sched::{FilterConfig, Role};
 use kvmesh_loadgen::workload::{PdParams, PressureParams};
 use kvmesh_loadgen::{runner, Load, Workload};
@@ -54,6 +59,15 @@ pub enum Router {
     /// compute-bound prefill where FLOPs are, memory-bound decode where HBM
     /// bandwidth is).
     KvmeshPdHetero(usize),
+    /// kvmesh P/D with this many prefill pods, every prompt of 512 tokens
+    /// or more split (the P/D option of [`pd_pays`]: every long prompt).
+    KvmeshPdLong(usize),
+    /// kvmesh P/D on SGLang engines (the `sglang` connector), every request
+    /// split: an SGLang decode server refuses a request without bootstrap
+    /// fields, so a request the decider would keep whole cannot run there.
+    KvmeshPdSglang(usize),
+    /// SMG 1.13's P/D (`cache_aware` for both pools) on SGLang engines.
+    SmgPd(usize),
 }
 
 impl Router {
@@ -79,13 +93,16 @@ impl Router {
             Router::Aggregated => "aggregated".into(),
             Router::KvmeshPd(p) => format!("kvmesh-pd-{p}p"),
             Router::KvmeshPdHetero(p) => format!("kvmesh-pd-{p}p-h200-decode"),
+            Router::KvmeshPdLong(p) => format!("kvmesh-pd-{p}p-long"),
+            Router::KvmeshPdSglang(p) => format!("kvmesh-pd-{p}p-sglang"),
+            Router::SmgPd(p) => format!("smg-pd-{p}p"),
         }
     }
 
     /// The SMG policy it runs, if it is SMG.
     fn smg_policy(self) -> Option<&'static str> {
         match self {
-            Router::SmgCacheAware => Some("cache_aware"),
+            Router::SmgCacheAware | Router::SmgPd(_) => Some("cache_aware"),
             Router::SmgRoundRobin => Some("round_robin"),
             _ => None,
         }
@@ -99,6 +116,14 @@ impl Router {
             Router::Kvmesh | Router::Aggregated => Policy::Kvmesh,
             Router::LlmD => Policy::LlmD,
             Router::KvmeshPd(_) | Router::KvmeshPdHetero(_) => Policy::Pd,
+            Router::KvmeshPdLong(_) => {
+                let decider = "  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 512\n      promptTokens: 512\n";
+                return Some(pd_filters_with(decider, PREFIX_BASED).map(|f| (Policy::Pd, f)));
+            }
+            Router::KvmeshPdSglang(_) => {
+                let decider = "  - type: always-disagg-pd-decider\n";
+                return Some(pd_filters_with(decider, ALWAYS).map(|f| (Policy::Pd, f)));
+            }
             _ => return None,
         };
         Some(
@@ -110,6 +135,28 @@ impl Router {
     }
 }
 
+const PREFIX_BASED: &str = "prefix-based-pd-decider";
+const ALWAYS: &str = "always-disagg-pd-decider";
+
+/// The built-in P/D filter config with its decider plugin replaced by
+/// `decider` (a YAML plugin entry of type `kind`).
+fn pd_filters_with(decider: &str, kind: &str) -> Result<FilterConfig, DemoError> {
+    let pd = Policy::Pd;
+    let text = include_str!("../../../../deploy/examples/filters-pd-disaggregated.yaml");
+    let builtin = "  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      promptTokens: 1024\n";
+    if !text.contains(builtin) {
+        return Err(DemoError::Config(format!(
+            "{} no longer has the decider the benchmark replaces",
+            pd.source()
+        )));
+    }
+    let text = text.replace(builtin, decider).replace(
+        &format!("prefill: {PREFIX_BASED}"),
+        &format!("prefill: {kind}"),
+    );
+    FilterConfig::from_yaml(&text, pd.source()).map_err(|e| DemoError::Config(e.to_string()))
+}
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct PeersOpts {
@@ -119,29 +166,40 @@ pub struct PeersOpts {
     pub seeds: Vec<u64>,
     /// Engines per fleet.
     pub engines: usize,
-    /// Routers on the shared-prefix workload.
+    /// Routers on the shared-prefix and multi-turn workloads.
     pub routers: Vec<Router>,
+    /// Run the shared-prefix workload.
+    pub shared_prefix: bool,
     /// Run the P/D workload too.
     pub pd: bool,
+    /// Run the multi-turn chat workload (with the shared-prefix routers).
+    pub chat: bool,
+    /// Run the where-P/D-pays grid.
+    pub pd_pays: bool,
     /// Replaces kvmesh's filter config (to try a change against the peers).
     pub kvmesh_filters: Option<FilterConfig>,
-    /// Replaces the shared-prefix workload's rates (simulated req/s).
+    /// Replaces the shared-prefix and multi-turn workloads' rates
+    /// (simulated req/s).
     pub rates: Option<Vec<f64>>,
-    /// Replaces the requests per run.
+    /// Replaces the requests per run (multi-turn: sessions x turns).
     pub requests: Option<usize>,
     /// A progress line per run on stderr.
     pub progress: bool,
 }
 
 impl PeersOpts {
-    /// Every router, 3 seeds, 4 engines, P/D included.
+    /// Every router and workload, 3 seeds (2 quick), 4 engines.
     pub fn new(quick: bool) -> Self {
         PeersOpts {
             quick,
-            seeds: vec![1, 2, 3],
+            // Quick: two seeds, to stay under 10 minutes on 2 cores.
+            seeds: if quick { vec![1, 2] } else { vec![1, 2, 3] },
             engines: 4,
             routers: Router::SHARED_PREFIX.to_vec(),
+            shared_prefix: true,
             pd: true,
+            chat: true,
+            pd_pays: true,
             kvmesh_filters: None,
             rates: None,
             requests: None,
@@ -164,6 +222,9 @@ pub struct PeersReport {
     pub load_before: Option<[f64; 3]>,
     pub load_after: Option<[f64; 3]>,
     pub wall_s: f64,
+    /// Where P/D pays, and what kvmesh's decider chooses there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd_pays: Option<pd_pays::PdPays>,
 }
 
 /// One workload: its set-up, every router's points and capacity at SLO.
@@ -344,6 +405,10 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
         routers.extend((1..opts.engines).map(Router::KvmeshPd));
         routers.push(Router::KvmeshPdHetero(opts.engines / 2));
     }
+    // SGLang-flavoured pods at the even split: SMG's P/D beside kvmesh's
+    // `sglang` connector.
+    routers.push(Router::SmgPd(opts.engines / 2));
+    routers.push(Router::KvmeshPdSglang(opts.engines / 2));
     Ok(Bench {
         name: "pd-long-prompt",
         description: format!(
@@ -387,8 +452,11 @@ pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
     let started = Instant::now();
     let load_before = loadavg();
     let mut benches = Vec::new();
-    if !opts.routers.is_empty() {
+    if opts.shared_prefix && !opts.routers.is_empty() {
         benches.push(shared_prefix_pressure(opts)?);
+    }
+    if opts.chat && !opts.routers.is_empty() {
+        benches.push(chat::multi_turn_chat(opts)?);
     }
     if opts.pd {
         benches.push(pd_long_prompt(opts)?);
@@ -451,7 +519,13 @@ pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
             runs,
         });
     }
+    let pd_pays = if opts.pd_pays {
+        Some(pd_pays::run(opts).await?)
+    } else {
+        None
+    };
     Ok(PeersReport {
+        pd_pays,
         workloads,
         profile: PROFILE.to_owned(),
         time_scale: TIME_SCALE,
@@ -553,7 +627,11 @@ async fn stand_up(
         }
         let mut spec = b.spec.clone();
         match router {
-            Router::KvmeshPd(p) => spec.prefill_pods = Some(p),
+            Router::KvmeshPd(p) | Router::KvmeshPdLong(p) => spec.prefill_pods = Some(p),
+            Router::KvmeshPdSglang(p) => {
+                spec.prefill_pods = Some(p);
+                spec.flavor = Flavor::Sglang;
+            }
             Router::KvmeshPdHetero(p) => {
                 spec.prefill_pods = Some(p);
                 spec.decode_profile = Some(Box::new(LatencyProfile::load(DECODE_GPU_PROFILE)?));
@@ -564,11 +642,31 @@ async fn stand_up(
             fleet::start_with(&spec, policy, &filters).await?,
         )));
     }
-    let engines = bare_engines(&b.spec).await?;
+    let prefill = match router {
+        Router::SmgPd(p) => p,
+        _ => 0,
+    };
+    let engines = if prefill > 0 {
+        let mut spec = b.spec.clone();
+        spec.flavor = Flavor::Sglang;
+        split_engines(&spec, prefill).await?
+    } else {
+        bare_engines(&b.spec).await?
+    };
     let smg = match (router.smg_policy(), smg_bin) {
         (Some(policy), Some(bin)) => {
             let urls: Vec<String> = engines.iter().map(SimHandle::base_url).collect();
-            match smg::Smg::start(bin, policy, &urls, &b.spec.model).await {
+            let started = if prefill > 0 {
+                // An SGLang prefill engine serves bootstrap on its HTTP port.
+                let pre: Vec<(String, u16)> = engines[..prefill]
+                    .iter()
+                    .map(|e| (e.base_url(), e.addr().port()))
+                    .collect();
+                smg::Smg::start_pd(bin, policy, &pre, &urls[prefill..], &b.spec.model).await
+            } else {
+                smg::Smg::start(bin, policy, &urls, &b.spec.model).await
+            };
+            match started {
                 Ok(s) => Some(s),
                 Err(why) => {
                     for e in engines {
@@ -590,6 +688,21 @@ pub async fn bare_engines(spec: &FleetSpec) -> Result<Vec<SimHandle>, DemoError>
     let mut engines = Vec::with_capacity(spec.engines);
     for _ in 0..spec.engines {
         engines.push(Engine::start_local(spec.sim_config(Role::Both)).await?);
+    }
+    Ok(engines)
+}
+
+/// `spec.engines` engines with no sidecar, the first `prefill` of them
+/// prefill engines and the rest decode (what SMG's P/D fronts).
+async fn split_engines(spec: &FleetSpec, prefill: usize) -> Result<Vec<SimHandle>, DemoError> {
+    let mut engines = Vec::with_capacity(spec.engines);
+    for i in 0..spec.engines {
+        let role = if i < prefill {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+        engines.push(Engine::start_local(spec.sim_config(role)).await?);
     }
     Ok(engines)
 }

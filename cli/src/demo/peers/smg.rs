@@ -1,6 +1,8 @@
 //! SMG (Shepherd Model Gateway, the Rust router that grew out of SGLang's
 //! sgl-router), run as users run it: one central process in front of the
-//! engines, `smg launch --policy POLICY --worker-urls URL...`.
+//! engines, `smg launch --policy POLICY --worker-urls URL...`, or in P/D
+//! mode `smg launch --pd-disaggregation --prefill URL BOOTSTRAP_PORT ...
+//! --decode URL ...` in front of SGLang engines.
 //!
 //! The binary is found at `$KVMESH_SMG`, then in the venv `scripts/setup-smg`
 //! makes under `~/.cache/kvmesh/smg-venv`, then on `PATH`. Nothing here
@@ -75,6 +77,47 @@ impl Smg {
         workers: &[String],
         model: &str,
     ) -> Result<Smg, String> {
+        let mut args = vec![
+            "--policy".to_owned(),
+            policy.to_owned(),
+            "--worker-urls".to_owned(),
+        ];
+        args.extend(workers.iter().cloned());
+        Smg::launch(bin, &args, workers.len(), model).await
+    }
+
+    /// Starts SMG's P/D mode (`--pd-disaggregation --prefill URL
+    /// BOOTSTRAP_PORT ... --decode URL ...`) with `policy` for both pools, in
+    /// front of SGLang engines: `prefill` are (URL, bootstrap port) pairs.
+    pub async fn start_pd(
+        bin: &Path,
+        policy: &str,
+        prefill: &[(String, u16)],
+        decode: &[String],
+        model: &str,
+    ) -> Result<Smg, String> {
+        let mut args = vec![
+            "--pd-disaggregation".to_owned(),
+            "--policy".to_owned(),
+            policy.to_owned(),
+        ];
+        for (url, port) in prefill {
+            args.extend(["--prefill".to_owned(), url.clone(), port.to_string()]);
+        }
+        for url in decode {
+            args.extend(["--decode".to_owned(), url.clone()]);
+        }
+        Smg::launch(bin, &args, prefill.len() + decode.len(), model).await
+    }
+
+    /// `smg launch ARGS` on free loopback ports; ready once it has
+    /// registered `workers` workers and routed a completion.
+    async fn launch(
+        bin: &Path,
+        args: &[String],
+        workers: usize,
+        model: &str,
+    ) -> Result<Smg, String> {
         let port = free_port()?;
         let metrics = free_port()?;
         let log =
@@ -84,9 +127,7 @@ impl Smg {
         let mut cmd = Command::new(bin);
         cmd.arg("launch")
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--policy", policy])
-            .arg("--worker-urls")
-            .args(workers)
+            .args(args)
             .args(["--prometheus-port", &metrics.to_string()])
             .args(["--prometheus-host", "127.0.0.1"])
             .stdin(Stdio::null())
@@ -101,7 +142,7 @@ impl Smg {
             url: format!("http://127.0.0.1:{port}"),
             log,
         };
-        if let Err(why) = smg.wait_ready(model, workers.len()).await {
+        if let Err(why) = smg.wait_ready(model, workers).await {
             smg.stop().await;
             return Err(why);
         }

@@ -44,6 +44,9 @@ pub fn table(report: &PeersReport) -> String {
     for w in &report.workloads {
         workload(&mut out, w);
     }
+    if let Some(g) = &report.pd_pays {
+        super::pd_pays::table(&mut out, g);
+    }
     out
 }
 

@@ -1,0 +1,312 @@
+//! Where P/D pays: a grid of long-prompt lengths and rates on the P/D
+//! workload, each cell run aggregated (kvmesh's default on every pod) and
+//! split (half the pods prefill, every long prompt disaggregated, the short
+//! ones served whole on a decode pod) at equal pod count, and once more split
+//! with kvmesh's P/D decider on (the built-in P/D
+//! config: `nonCachedTokens` 2048, what `--pd-min-uncached-tokens 2048` in
+//! docs/pd.md sets). A cell says which option measured better, what the
+//! decider chose (the share of requests it split) and whether that was the
+//! better option.
+
+use serde::Serialize;
+
+use super::sweep::{self, Point, Run, Slo};
+use super::{pd_setup, progress_line, run_one, say, Bench, PeersOpts, Router};
+use crate::demo::DemoError;
+
+/// Goodput closer than this is a tie, settled by ITL p99.
+const GOODPUT_TIE: f64 = 0.02;
+/// ITL p99 within this ratio of the other option's is a tie too.
+const ITL_TIE: f64 = 0.9;
+
+/// The grid, as `--json` writes it under `pd_pays`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdPays {
+    pub description: String,
+    pub slo: Slo,
+    /// The decider kvmesh ran with.
+    pub decider: String,
+    /// Prefill pods of the split fleet (the rest decode).
+    pub prefill_pods: usize,
+    pub seeds: Vec<u64>,
+    pub cells: Vec<PdPaysCell>,
+    /// Every run, with its cell's prompt length.
+    pub runs: Vec<PdPaysRun>,
+}
+
+/// One prompt length at one rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdPaysCell {
+    /// Tokens of the long prompts (a quarter of the requests).
+    pub prompt_tokens: usize,
+    pub rate: f64,
+    pub aggregated: Option<Measured>,
+    /// Every long prompt split.
+    pub pd: Option<Measured>,
+    /// kvmesh with its decider on, on the split fleet.
+    pub decider: Option<Measured>,
+    /// Share of the requests the decider split (median over seeds).
+    pub decider_split: Option<f64>,
+    /// `pd` when it split at least half of the long prompts, else `aggregated`.
+    pub decider_choice: Option<&'static str>,
+    /// The option that measured better: higher goodput, then ITL p99 lower
+    /// by 10%; `either` when neither is.
+    pub better: Option<&'static str>,
+    /// Whether the decider chose the better option (any choice is right
+    /// when it is `either`).
+    pub decider_right: Option<bool>,
+}
+
+/// What one option measured in a cell (medians over seeds).
+#[derive(Debug, Clone, Serialize)]
+pub struct Measured {
+    pub goodput: Option<f64>,
+    pub ttft_p90_ms: Option<f64>,
+    pub itl_p99_ms: Option<f64>,
+    pub errors: u64,
+}
+
+/// A run of the grid.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdPaysRun {
+    pub prompt_tokens: usize,
+    #[serde(flatten)]
+    pub run: Run,
+}
+
+/// Runs the grid.
+pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
+    let n = opts.requests.unwrap_or(if opts.quick { 60 } else { 80 });
+    let lengths: Vec<usize> = if opts.quick {
+        vec![1000, 6000]
+    } else {
+        vec![1000, 3000, 6000]
+    };
+    let rates = if opts.quick {
+        vec![16.0]
+    } else {
+        vec![8.0, 16.0, 24.0]
+    };
+    let seeds: Vec<u64> = opts
+        .seeds
+        .iter()
+        .copied()
+        .take(if opts.quick { 1 } else { 2 })
+        .collect();
+    let prefill = opts.engines / 2;
+    let routers = [
+        Router::Aggregated,
+        Router::KvmeshPdLong(prefill),
+        Router::KvmeshPd(prefill),
+    ];
+    let slo = Slo {
+        ttft_p90_ms: 1000.0,
+        itl_p99_ms: 100.0,
+    };
+    let (spec, p) = pd_setup(opts.engines, n)?;
+    let description = format!(
+        "the pd-long-prompt workload with its long prompts {lengths:?} tokens long ({} out; short ones {} in, \
+         {} out), at {rates:?} req/s; {} engines ({}, x{} time) aggregated, or {prefill} prefill + {} decode \
+         with every long prompt split, or the same split fleet with kvmesh's decider; {n} requests per run",
+        p.long_output,
+        p.short_input,
+        p.short_output,
+        spec.engines,
+        spec.profile.name,
+        spec.time_scale,
+        spec.engines - prefill,
+    );
+    let mut cells = Vec::new();
+    let mut all = Vec::new();
+    for &len in &lengths {
+        let mut p = p.clone();
+        p.long_input = len;
+        let bench = Bench {
+            name: "pd-pays",
+            description: String::new(),
+            source: "",
+            slo,
+            pressure: None,
+            spec: spec.clone(),
+            rates: rates.clone(),
+            routers: routers.to_vec(),
+            build: Box::new(move |seed| p.build(seed)),
+            ideal: None,
+        };
+        let mut runs = Vec::new();
+        for &rate in &rates {
+            for &router in &routers {
+                for &seed in &seeds {
+                    match run_one(opts, &bench, router, rate, seed, None).await? {
+                        Ok(r) => {
+                            say(opts, &progress_line(&format!("pd-pays {len}"), &r));
+                            runs.push(r);
+                        }
+                        Err(why) => say(opts, &format!("[pd-pays {len}] {}: {why}", router.name())),
+                    }
+                }
+            }
+        }
+        let points = sweep::points(&runs);
+        for &rate in &rates {
+            cells.push(cell(len, rate, &points, &runs, prefill));
+        }
+        all.extend(runs.into_iter().map(|run| PdPaysRun {
+            prompt_tokens: len,
+            run,
+        }));
+    }
+    Ok(PdPays {
+        description,
+        slo,
+        decider: "prefix-based-pd-decider, nonCachedTokens 2048 and promptTokens 1024 \
+                  (deploy/examples/filters-pd-disaggregated.yaml; --pd-min-uncached-tokens 2048)"
+            .to_owned(),
+        prefill_pods: prefill,
+        seeds,
+        cells,
+        runs: all,
+    })
+}
+
+/// The grid as text: one row per cell.
+pub fn table(out: &mut String, g: &PdPays) {
+    use std::fmt::Write;
+    let _ = writeln!(out, "\n== where P/D pays: {}", g.description);
+    let _ = writeln!(
+        out,
+        "   decider: {}. Goodput (TTFT p90 / ITL p99 ms), medians over seeds {:?}.",
+        g.decider, g.seeds
+    );
+    let _ = writeln!(
+        out,
+        "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6}",
+        "prompt", "rate/s", "aggregated", "P/D", "decider", "split", "chose", "better", "right"
+    );
+    let m = |v: &Option<Measured>| {
+        v.as_ref().map_or("-".to_owned(), |m| {
+            let f = |x: Option<f64>| x.map_or("-".to_owned(), |x| format!("{x:.0}"));
+            format!(
+                "{:.2} ({}/{})",
+                m.goodput.unwrap_or(0.0),
+                f(m.ttft_p90_ms),
+                f(m.itl_p99_ms)
+            )
+        })
+    };
+    for c in &g.cells {
+        let _ = writeln!(
+            out,
+            "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6}",
+            c.prompt_tokens,
+            c.rate,
+            m(&c.aggregated),
+            m(&c.pd),
+            m(&c.decider),
+            c.decider_split
+                .map_or("-".to_owned(), |s| format!("{s:.2}")),
+            c.decider_choice.unwrap_or("-"),
+            c.better.unwrap_or("-"),
+            c.decider_right
+                .map_or("-", |r| if r { "yes" } else { "no" }),
+        );
+    }
+}
+
+/// The cell of `len`-token prompts at `rate`.
+fn cell(len: usize, rate: f64, points: &[Point], runs: &[Run], prefill: usize) -> PdPaysCell {
+    let at = |r: Router| {
+        points
+            .iter()
+            .find(|p| p.router == r.name() && p.rate == rate)
+    };
+    let measured = |p: &Point| Measured {
+        goodput: p.goodput,
+        ttft_p90_ms: p.ttft_p90_ms,
+        itl_p99_ms: p.itl_p99_ms,
+        errors: p.errors,
+    };
+    let (agg, pd, dec) = (
+        at(Router::Aggregated),
+        at(Router::KvmeshPdLong(prefill)),
+        at(Router::KvmeshPd(prefill)),
+    );
+    // The decider's runs: requests its prefill pods served were split.
+    let name = Router::KvmeshPd(prefill).name();
+    let shares: Vec<f64> = runs
+        .iter()
+        .filter(|r| r.router == name && r.rate == rate && r.requests > 0)
+        .map(|r| {
+            let split: u64 = r.requests_per_engine.iter().take(prefill).sum();
+            split as f64 / r.requests as f64
+        })
+        .collect();
+    let split = sweep::median(&shares);
+    // A quarter of the requests are long: it chose P/D when it split at
+    // least half of them.
+    let choice = split.map(|s| if s >= 0.125 { "pd" } else { "aggregated" });
+    let better = agg.zip(pd).map(|(a, p)| better(a, p));
+    PdPaysCell {
+        prompt_tokens: len,
+        rate,
+        aggregated: agg.map(measured),
+        pd: pd.map(measured),
+        decider: dec.map(measured),
+        decider_split: split,
+        decider_choice: choice,
+        better,
+        decider_right: choice.zip(better).map(|(c, b)| b == "either" || b == c),
+    }
+}
+
+/// The better of aggregated and P/D: higher goodput (failed requests count
+/// against it), then ITL p99 lower by at least 10%.
+fn better(agg: &Point, pd: &Point) -> &'static str {
+    let g = |p: &Point| p.goodput.unwrap_or(0.0);
+    if (g(agg) - g(pd)).abs() > GOODPUT_TIE {
+        return if g(agg) > g(pd) { "aggregated" } else { "pd" };
+    }
+    match (agg.itl_p99_ms, pd.itl_p99_ms) {
+        (Some(a), Some(p)) if p <= a * ITL_TIE => "pd",
+        (Some(a), Some(p)) if a <= p * ITL_TIE => "aggregated",
+        _ => "either",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(router: &str, goodput: f64, itl: f64) -> Point {
+        Point {
+            router: router.to_owned(),
+            rate: 8.0,
+            seeds: 1,
+            ttft_p50_ms: None,
+            ttft_p90_ms: Some(100.0),
+            ttft_p90_range: None,
+            ttft_p99_ms: None,
+            itl_p50_ms: None,
+            itl_p99_ms: Some(itl),
+            itl_p99_range: None,
+            e2e_p50_ms: None,
+            hit_rate: None,
+            hit_rate_range: None,
+            computed_tokens: None,
+            computed_tokens_range: None,
+            goodput: Some(goodput),
+            goodput_range: None,
+            errors: 0,
+        }
+    }
+
+    #[test]
+    fn goodput_decides_then_a_clear_itl_gap_then_it_is_a_tie() {
+        let b = |ga, ia, gp, ip| better(&point("a", ga, ia), &point("p", gp, ip));
+        assert_eq!(b(1.0, 20.0, 0.9, 10.0), "aggregated");
+        assert_eq!(b(0.8, 20.0, 0.95, 40.0), "pd");
+        assert_eq!(b(1.0, 200.0, 0.99, 30.0), "pd");
+        assert_eq!(b(1.0, 20.0, 1.0, 40.0), "aggregated");
+        assert_eq!(b(1.0, 24.0, 1.0, 23.0), "either");
+    }
+}
