@@ -14,7 +14,7 @@ use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, request};
 use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
 use kvmesh_tests::otlp::{Collector, Received};
-use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
+use kvmesh_tests::route::{add_peer, config, eventually, metric, sim, sim_with, MODEL};
 use kvmesh_tests::sidecar::{refused_addr, start};
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -443,4 +443,83 @@ async fn an_unreachable_collector_does_not_affect_requests() {
     }
     assert_eq!(inference(&engine).len(), 6);
     engine.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_target_and_its_fallback_are_two_forward_spans() {
+    let collector = Collector::start().await;
+    let (ea, eb) = (sim().await, sim().await);
+    let mut c = config(&ea, &[], None);
+    c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
+    let a = start(c).await;
+    let b = start(config(&eb, &[], None)).await;
+    add_peer(&a, &b, &[]);
+    // The peer's sidecar goes away but stays in A's fleet: requests the
+    // scheduler sends there are refused, and the local engine takes them.
+    b.shutdown().await;
+    let mut sent = Vec::new();
+    for i in 0..16 {
+        let body = serde_json::json!({
+            "model": MODEL,
+            "prompt": format!("request {i}: {}", "a distinct prompt ".repeat(8)),
+            "max_tokens": 2,
+        });
+        let (t, _, tp) = client_span(100 + i);
+        complete(a.addr(), &body.to_string(), &format!("fb-{i}"), Some(&tp)).await;
+        sent.push((format!("fb-{i}"), t));
+    }
+    a.shutdown().await;
+    let got: HashMap<String, ReceivedRequest> = inference(&ea)
+        .into_iter()
+        .map(|r| (r.header("x-request-id").unwrap().to_owned(), r))
+        .collect();
+    let all = collector.spans();
+    let mut fell_back = 0;
+    for (id, trace_id) in &sent {
+        let t = Trace::of(&all, trace_id);
+        let request = t.named("kvmesh.request").next().unwrap();
+        let execute = t.child(request, "kvmesh.execute");
+        let mut hops: Vec<&Received> = t
+            .children(&execute)
+            .filter(|s| s.name() == "kvmesh.forward")
+            .collect();
+        hops.sort_by_key(|s| s.attr("kvmesh.attempt"));
+        let last = *hops.last().unwrap();
+        assert_eq!(
+            last.attr("kvmesh.upstream").as_deref(),
+            Some("engine"),
+            "{id}"
+        );
+        assert_eq!(
+            got[id].header("traceparent"),
+            Some(traceparent_of(last).as_str()),
+            "{id}"
+        );
+        if hops.len() == 2 {
+            fell_back += 1;
+            let refused = hops[0];
+            assert_eq!(
+                refused.attr("kvmesh.upstream").as_deref(),
+                Some("peer"),
+                "{id}"
+            );
+            assert_eq!(refused.attr("kvmesh.fallback").as_deref(), Some("false"));
+            let status = refused.span.status.as_ref().unwrap();
+            assert_eq!(
+                status.code, 2,
+                "{id}: the refused call is an error: {status:?}"
+            );
+            assert_eq!(last.attr("kvmesh.attempt").as_deref(), Some("2"));
+            assert_eq!(last.attr("kvmesh.fallback").as_deref(), Some("true"));
+            assert_eq!(request.attr("kvmesh.attempts").as_deref(), Some("2"));
+        } else {
+            assert_eq!(hops.len(), 1, "{id}: {:?}", t.names());
+        }
+    }
+    assert!(
+        fell_back > 0,
+        "no request was scheduled to the refusing peer"
+    );
+    ea.shutdown().await;
+    eb.shutdown().await;
 }
