@@ -362,6 +362,11 @@ impl Fleet {
         self.outliers.success(id, now);
     }
 
+    /// Whether pod `id` is ejected now.
+    pub fn ejected(&self, id: &str, now: Instant) -> bool {
+        self.outliers.ejected_for(id, now).is_some()
+    }
+
     /// Pods ejected now.
     pub fn ejected_count(&self, now: Instant) -> usize {
         self.outliers.ejected_count(now)

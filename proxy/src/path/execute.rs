@@ -40,14 +40,26 @@ pub async fn execute(
         t.begin_execute();
     }
     let mut prefill_fallbacks = plan.prefill_fallbacks;
-    let targets = std::iter::once(plan.target)
+    let mut targets: std::collections::VecDeque<Target> = std::iter::once(plan.target)
         .chain(plan.fallbacks)
-        .take(MAX_ATTEMPTS);
+        .take(MAX_ATTEMPTS)
+        .collect();
+    let mut planned: Option<Vec<Target>> = None;
     let mut last = None;
     let mut last_reply: Option<(Upstream, Unserved)> = None;
     // A decode pod that failed before any byte: not tried again whole.
     let mut refused_decode = None;
-    for target in targets {
+    loop {
+        let target = match targets.pop_front() {
+            Some(t) => t,
+            // Every target of the plan failed before any byte: the local
+            // engine is the last resort, once.
+            None => match planned.take() {
+                Some(tried) if last_resort_is_local(app, ctx, &tried) => Target::LocalEngine,
+                _ => break,
+            },
+        };
+        planned.get_or_insert_with(Vec::new).push(target.clone());
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
@@ -155,6 +167,33 @@ struct Unserved {
 /// or a gateway's failure, all answered before any byte of a completion.
 fn unserved_status(status: http::StatusCode) -> bool {
     matches!(status.as_u16(), 500 | 502 | 503 | 504)
+}
+
+/// Whether the local engine should be tried after every target of the plan
+/// failed before any byte: the plan's pods can leave the fleet between the
+/// scheduling and the attempt (a peer drained or restarted meanwhile), and a
+/// plan made from a sparse view (a sidecar that just started) may name few.
+/// Only when the local engine is not in the plan already, can take the
+/// request (not a prefill-only pod, serving its model, ready, not ejected),
+/// and the request was not routed here (it runs locally anyway).
+fn last_resort_is_local(app: &App, ctx: &RequestCtx, targets: &[Target]) -> bool {
+    let local = |t: &Target| match t {
+        Target::LocalEngine => true,
+        Target::Disaggregated { decode, .. } => *decode == Leg::LocalEngine,
+        Target::Peer { .. } => false,
+    };
+    let pod = &app.config.pod;
+    let model_served = match ctx.view.as_ref().and_then(|v| v.model.as_deref()) {
+        Some(m) => pod.models.is_empty() || pod.models.iter().any(|s| s == m),
+        None => true,
+    };
+    !ctx.already_routed
+        && ctx.view.is_some()
+        && !targets.iter().any(local)
+        && pod.role != kvmesh_filters::sched::Role::Prefill
+        && model_served
+        && app.engine_ready.load(std::sync::atomic::Ordering::Acquire)
+        && !app.fleet.ejected(app.fleet.local_id(), Instant::now())
 }
 
 /// Counts a failed call to `upstream`'s pod towards its outlier ejection.

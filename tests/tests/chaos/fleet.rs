@@ -205,7 +205,32 @@ impl Pod {
         false
     }
 
-    /// SIGKILL the engine (an OOM kill).
+    /// SIGKILL the engine (an OOM kill); returns the requests in flight on
+    /// it, bounded from above: the engine is frozen first (SIGSTOP: from then
+    /// on no request gets a response head from it, so any request reaching
+    /// it later fails before its head and goes to a fallback), then its
+    /// sidecar's in-flight gauge is read (every request to this engine passes
+    /// through that sidecar; the gauge also counts requests it forwarded
+    /// elsewhere, so it is an upper bound), then the kill.
+    pub async fn kill_engine_counting(&mut self) -> u64 {
+        // Mid-stream: wait (bounded) until the engine runs something.
+        for _ in 0..250 {
+            if self.engine_in_flight().await.unwrap_or(0) > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if let Some(pid) = self.engine.as_ref().and_then(Child::id) {
+            let _ = std::process::Command::new("kill")
+                .args(["-STOP", &pid.to_string()])
+                .status();
+        }
+        let in_flight = self.metric_sum("kvmesh_requests_in_flight").await as u64;
+        self.kill_engine().await;
+        in_flight
+    }
+
+    /// SIGKILL the engine.
     pub async fn kill_engine(&mut self) {
         if let Some(mut c) = self.engine.take() {
             let _ = c.kill().await;
@@ -444,8 +469,15 @@ impl Fleet {
         panic!("the mesh did not converge within {within:?}: want {want:?}, views {last:?}");
     }
 
-    /// Stops every process.
+    /// Stops every process; with `KVMESH_CHAOS_LOGS=DIR`, keeps the
+    /// sidecars' logs there (`RUST_LOG` reaches the sidecars).
     pub async fn shutdown(mut self) {
+        if let Ok(dir) = std::env::var("KVMESH_CHAOS_LOGS") {
+            let _ = std::fs::create_dir_all(&dir);
+            for p in &self.pods {
+                let _ = std::fs::copy(&p.log, Path::new(&dir).join(format!("{}.log", p.name)));
+            }
+        }
         for p in &mut self.pods {
             p.kill_sidecar().await;
             p.kill_engine().await;
