@@ -117,6 +117,13 @@ pub fn pd_outcome(label: &'static str) {
 }
 
 impl AccessLog {
+    /// The trace this sidecar started for a request without a valid
+    /// `traceparent` (`tracing` configured, the trace sampled); an incoming
+    /// trace id stays.
+    pub fn trace_started(&mut self, trace_id: String) {
+        self.line.trace_id.get_or_insert(trace_id);
+    }
+
     /// The P/D legs' pods.
     pub fn legs(&mut self, prefill: String, decode: String) {
         self.line.prefill = Some(prefill);

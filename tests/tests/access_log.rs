@@ -227,3 +227,39 @@ async fn a_pd_split_logs_both_legs_and_its_outcome() {
     assert_eq!(l["status"], 200);
     sidecar.shutdown().await;
 }
+
+#[tokio::test]
+async fn with_tracing_a_request_without_traceparent_logs_the_trace_the_sidecar_started() {
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let collector = kvmesh_tests::otlp::Collector::start().await;
+    let engine = kvmesh_tests::fake_vllm::start().await;
+    let mut config = test_config(engine.addr());
+    config.logging.access_log = true;
+    config.tracing = Some(kvmesh_proxy::config::Tracing {
+        otlp_endpoint: collector.endpoint().parse().unwrap(),
+        protocol: kvmesh_proxy::config::OtlpProtocol::Http,
+        sample_ratio: 1.0,
+    });
+    let proxy = start(config).await;
+    let r = fetch(
+        &client::http1(),
+        post_json(
+            proxy.addr(),
+            "/v1/completions",
+            r#"{"model":"m","prompt":"hi","max_tokens":2}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let got = lines.wait_for(1).await;
+    proxy.shutdown().await;
+    let spans = collector.spans();
+    let root: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name() == "kvmesh.request")
+        .collect();
+    assert_eq!(root.len(), 1, "{spans:?}");
+    assert_eq!(root[0].parent_id(), "", "a new trace has no parent");
+    assert_eq!(got[0]["trace_id"], root[0].trace_id().as_str());
+}

@@ -67,6 +67,13 @@ pub fn start(
 }
 
 impl RequestTrace {
+    /// The trace id, when this trace is recorded (sampled).
+    pub fn sampled_trace_id(&self) -> Option<String> {
+        let span = self.request.span();
+        let sc = span.span_context();
+        sc.is_sampled().then(|| sc.trace_id().to_string())
+    }
+
     /// A stage span under the request span.
     pub fn stage(&self, name: &'static str) -> Stage {
         Stage {

@@ -44,6 +44,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
         req.method().as_str(),
         ctx.route.as_str(),
     );
+    if let (Some(log), Some(t)) = (ctx.access.as_deref_mut(), ctx.trace.as_deref()) {
+        if let Some(id) = t.sampled_trace_id() {
+            log.trace_started(id);
+        }
+    }
     let result = async {
         let req = classify::classify(&app, &mut ctx, req).await?;
         prefix::prefix(&app, &mut ctx).await?;
