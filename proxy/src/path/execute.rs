@@ -3,8 +3,9 @@
 //! connection breaks before a response head, an engine that answers 500, 502,
 //! 503 or 504 before any byte, or a peer sidecar that answers with the
 //! `x-kvmesh-unserved` mark (its own engine did one of these) hands the
-//! request to the next fallback; when none serves it, the last 5xx answer is
-//! relayed. Any later failure (a body that breaks, a deadline) is final,
+//! request to the next fallback, and after the plan's targets the local
+//! engine, once, as a last resort (`last_resort_is_local`); when none serves
+//! it, the last 5xx answer is relayed. Any later failure (a body that breaks, a deadline) is final,
 //! because the upstream may be working on it. So does a
 //! disaggregated target whose decode pod fails before any byte (refuses, or
 //! answers 5xx): the client has no byte yet, and the next fallback serves the

@@ -128,7 +128,8 @@ pub struct SimConfig {
     /// side channel. Tests turn it off to exercise the cross-process path.
     pub pd_in_process: bool,
     /// Simulated seconds a prefill engine holds blocks for a decode engine
-    /// (vLLM `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s).
+    /// (vLLM before its NIXL lease: `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s;
+    /// vLLM 0.32: `kv_lease_duration`, 30 s, renewed by the decode's heartbeats).
     pub pd_hold_timeout_s: f64,
     /// Simulated seconds an SGLang half waits for the other (300 s).
     pub bootstrap_timeout_s: f64,
