@@ -7,16 +7,21 @@ use super::{peers_spec, Bench, PeersOpts, Router, Slo};
 use crate::demo::fleet::FleetSpec;
 use crate::demo::DemoError;
 
-/// The multi-turn fleet and workload: 8 sessions per engine, each a
-/// 512-token history after a 256-token system prompt all share, 64-token
+/// The multi-turn fleet and workload: 8 sessions per engine less one, each
+/// a 512-token history after a 256-token system prompt all share, 64-token
 /// questions and answers, `turns` turns (4 quick, 5 full). The sessions'
-/// working set is about the fleet's KV (0.95 quick, 1.07 full): it fits when
+/// working set is about the fleet's KV (0.92 quick, 1.04 full): it fits when
 /// each session stays on one pod, and thrashes when sessions spread.
+///
+/// The session count is coprime with the engines: requests go out turn by
+/// turn over the sessions, so with a multiple of the engines a client that
+/// spreads requests in turn (round-robin) would send every turn of a session
+/// to the same pod by arithmetic, a session affinity no Service has.
 pub fn chat_setup(engines: usize, turns: usize) -> Result<(FleetSpec, ChatParams), DemoError> {
     let mut spec = peers_spec(engines)?;
     spec.num_blocks = 512;
     let p = ChatParams {
-        sessions: 8 * engines,
+        sessions: coprime_below(8 * engines, engines),
         turns,
         system_tokens: 256,
         history_tokens: 512,
@@ -29,7 +34,7 @@ pub fn chat_setup(engines: usize, turns: usize) -> Result<(FleetSpec, ChatParams
 pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
     let (spec, mut p) = chat_setup(opts.engines, if opts.quick { 4 } else { 5 })?;
     if let Some(n) = opts.requests {
-        p.sessions = (n / p.turns).max(1);
+        p.sessions = coprime_below((n / p.turns).max(1), spec.engines);
     }
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
@@ -82,7 +87,7 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
                  1000-token shared system prompt, 2000-token user history, 100-token answers, each user's \
                  next round num_users / qps later) and GIE's multi-chat prefix-cache variants (W2: completion \
                  API, multi-turn, Poisson rates), scaled to 4 simulated engines: lengths 1.5-4x shorter, \
-                 8 sessions per engine so that their working set is about the fleet's KV",
+                 about 8 sessions per engine so that their working set is about the fleet's KV",
         slo: Slo {
             ttft_p90_ms: 1000.0,
             itl_p99_ms: 200.0,
@@ -97,4 +102,33 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
         }),
         ideal: Some(Box::new(move |_| p.ideal_computed_tokens())),
     })
+}
+
+/// The largest count at most `n` (and at least 1) coprime with `engines`.
+fn coprime_below(n: usize, engines: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    (1..=n.max(1))
+        .rev()
+        .find(|&k| gcd(k, engines) == 1)
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_counts_are_coprime_with_the_engines() {
+        assert_eq!(coprime_below(32, 4), 31);
+        assert_eq!(coprime_below(6, 4), 5);
+        assert_eq!(coprime_below(5, 4), 5);
+        assert_eq!(coprime_below(0, 4), 1);
+        let (_, p) = chat_setup(4, 4).unwrap();
+        assert_eq!(coprime_below(p.sessions, 4), p.sessions);
+    }
 }
