@@ -15,9 +15,9 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use kvmesh_filters::prefix::hash::{LocalHasher, VllmCborHasher};
 
-use kvmesh_proxy::prefix::LocalTokenizer;
 use kvmesh_proxy::path::view::Shape;
 use kvmesh_proxy::path::RequestView;
+use kvmesh_proxy::prefix::LocalTokenizer;
 
 /// Largest body read from stdin.
 const MAX_BODY: u64 = 64 * 1024 * 1024;

@@ -172,7 +172,8 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
     }
     let filters_yaml = match &args.filters {
         Some(p) => {
-            kvmesh_proxy::routing::load_filters(p).map_err(|e| CommandError::Filters(e.to_string()))?;
+            kvmesh_proxy::routing::load_filters(p)
+                .map_err(|e| CommandError::Filters(e.to_string()))?;
             Some(read_file(p)?)
         }
         None => None,
