@@ -147,9 +147,7 @@ async fn one_row_per_pod_from_any_sidecar_with_counters_from_the_mesh() {
         assert_eq!(r.status, 200);
     }
     let second = eventually("the new requests counted", || async {
-        let s = kvmesh::stat::command::sample(&admin, DEADLINE)
-            .await
-            .ok()?;
+        let s = kvmesh::stat::command::sample(&admin, DEADLINE).await.ok()?;
         let total: u64 = s.report.pods.iter().map(|p| p.stats.requests).sum();
         (total == 12).then_some(s)
     })
