@@ -96,6 +96,18 @@ impl Pd {
                 "must be more than 0".to_owned(),
             ));
         }
+        if self.connector == PdConnector::Sglang && self.min_uncached_tokens.is_some_and(|n| n > 0)
+        {
+            // SGLang's decode servers (`--disaggregation-mode decode`) refuse a
+            // request without bootstrap fields: nothing may be kept whole.
+            return Err((
+                "pd.min_uncached_tokens".to_owned(),
+                "must be 0 with the sglang connector: an SGLang decode server serves only split \
+                 requests, so every request is disaggregated (or use always-disagg-pd-decider in \
+                 filters.yaml)"
+                    .to_owned(),
+            ));
+        }
         for (i, p) in self.allowed_prefillers.iter().enumerate() {
             if p.rsplit_once(':')
                 .and_then(|(_, port)| port.parse::<u16>().ok())
@@ -108,5 +120,30 @@ impl Pd {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn sglang_splits_every_request() {
+        let p = |n| Pd {
+            connector: PdConnector::Sglang,
+            min_uncached_tokens: n,
+            ..Pd::default()
+        };
+        assert!(p(None).validate().is_ok());
+        assert!(p(Some(0)).validate().is_ok());
+        let (field, why) = p(Some(2048)).validate().unwrap_err();
+        assert_eq!(field, "pd.min_uncached_tokens");
+        assert!(why.contains("only split"), "{why}");
+        let nixl = Pd {
+            min_uncached_tokens: Some(2048),
+            ..Pd::default()
+        };
+        assert!(nixl.validate().is_ok());
     }
 }
