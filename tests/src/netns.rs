@@ -16,12 +16,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
-
-/// How long building a binary may take before the test gives up.
-const BUILD_WITHIN: Duration = Duration::from_secs(900);
 
 /// One simulated node: its namespace, its end of the veth, its addresses.
 pub struct Node {
@@ -217,46 +214,9 @@ impl Drop for NodeAgent {
     }
 }
 
-/// The `kvmesh-kvagent` binary beside this test's own, brought up to date
-/// (a no-op when it is; tests build only their own crate's binaries).
+/// The `kvmesh-kvagent` binary beside this test's own, brought up to date.
 pub fn kvagent_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary sits in target/<profile>/deps");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
-    build
-        .args([
-            "build",
-            "-q",
-            "-p",
-            "kvmesh-kvagent",
-            "--bin",
-            "kvmesh-kvagent",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if dir.file_name().is_some_and(|n| n == "release") {
-        build.arg("--release");
-    }
-    let mut child = build.spawn().expect("cargo runs");
-    let deadline = Instant::now() + BUILD_WITHIN;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("cargo build status") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("building kvmesh-kvagent took over {BUILD_WITHIN:?}; build it first");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(status.success(), "cargo build -p kvmesh-kvagent failed");
-    let bin = dir.join("kvmesh-kvagent");
-    assert!(bin.is_file(), "{} missing after the build", bin.display());
-    bin
+    crate::simproc::workspace_bin("kvmesh-kvagent", "kvmesh-kvagent")
 }
 
 fn words(s: &str) -> Vec<String> {

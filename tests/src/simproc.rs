@@ -15,26 +15,24 @@ use crate::route::MODEL;
 const BUILD_WITHIN: Duration = Duration::from_secs(900);
 
 /// The `kvmesh-engine-sim` binary beside this test's own (`target/debug`).
-/// Cargo builds a dependency's library for these tests, not its binaries, so
-/// it is brought up to date here (a no-op when it is).
 pub fn engine_sim_bin() -> PathBuf {
+    workspace_bin("kvmesh-engine-sim", "kvmesh-engine-sim")
+}
+
+/// A binary of this workspace beside this test's own, brought up to date:
+/// cargo builds a dependency's library for an integration test, not its
+/// binaries, so `cargo build -p PACKAGE --bin BIN` runs here (a no-op when
+/// the binary is current), in the test's profile.
+pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("test binary sits in target/<profile>/deps");
-    let bin = dir.join("kvmesh-engine-sim");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = Command::new(cargo);
     build
-        .args([
-            "build",
-            "-q",
-            "-p",
-            "kvmesh-engine-sim",
-            "--bin",
-            "kvmesh-engine-sim",
-        ])
+        .args(["build", "-q", "-p", package, "--bin", bin])
         .current_dir(env!("CARGO_MANIFEST_DIR"));
     if dir.file_name().is_some_and(|n| n == "release") {
         build.arg("--release");
@@ -49,15 +47,16 @@ pub fn engine_sim_bin() -> PathBuf {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "building kvmesh-engine-sim took over {BUILD_WITHIN:?}; \
-                 build it first (cargo build -p kvmesh-engine-sim) and rerun"
+                "building {bin} took over {BUILD_WITHIN:?}; \
+                 build it first (cargo build -p {package}) and rerun"
             );
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(status.success(), "cargo build -p kvmesh-engine-sim failed");
-    assert!(bin.is_file(), "{} missing after the build", bin.display());
-    bin
+    assert!(status.success(), "cargo build -p {package} failed");
+    let path = dir.join(bin);
+    assert!(path.is_file(), "{} missing after the build", path.display());
+    path
 }
 
 /// A `kvmesh-engine-sim` process serving [`MODEL`] ten times faster than real

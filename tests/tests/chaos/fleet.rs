@@ -43,27 +43,9 @@ fn local(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
 
-/// The `kvmesh-proxy` binary beside this test's own, brought up to date the
-/// way `kvmesh_tests::simproc::engine_sim_bin` does for the simulator.
+/// The `kvmesh-proxy` binary beside this test's own, brought up to date.
 pub fn proxy_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary sits in target/<profile>/deps");
-    let bin = dir.join("kvmesh-proxy");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = std::process::Command::new(cargo);
-    build
-        .args(["build", "-q", "-p", "kvmesh-proxy", "--bin", "kvmesh-proxy"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if dir.file_name().is_some_and(|n| n == "release") {
-        build.arg("--release");
-    }
-    let status = build.status().expect("cargo runs");
-    assert!(status.success(), "cargo build -p kvmesh-proxy failed");
-    assert!(bin.is_file(), "{} missing after the build", bin.display());
-    bin
+    kvmesh_tests::simproc::workspace_bin("kvmesh-proxy", "kvmesh-proxy")
 }
 
 /// What a pod's engine does.
