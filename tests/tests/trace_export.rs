@@ -523,3 +523,96 @@ async fn a_refused_target_and_its_fallback_are_two_forward_spans() {
     ea.shutdown().await;
     eb.shutdown().await;
 }
+
+/// The whole path in one trace: a client request to sidecar A,
+/// which the scheduler splits (prefill on pod B, decode on A's own engine);
+/// the prefill leg crosses the mesh to B's sidecar, which runs it on its
+/// engine. One trace: A's request span with its stages, the prefill leg's
+/// client span with B's request span (and its forward to B's engine) under
+/// it, the decode leg's client span; each engine received the
+/// `traceparent` of the span that called it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_split_through_a_peer_sidecar_is_one_trace() {
+    let collector = Collector::start().await;
+    let engine = |role| {
+        sim_with(
+            SimConfig::new(MODEL)
+                .with_time_scale(10.0)
+                .with_role(role)
+                .with_flavor(Flavor::Vllm),
+        )
+    };
+    let prefill = engine(SimRole::Prefill).await;
+    let decode = engine(SimRole::Decode).await;
+    let mut b = config(&prefill, &[], None);
+    b.pod.role = kvmesh_filters::sched::Role::Prefill;
+    b.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
+    let b = start(b).await;
+    // `--role decode --pd-min-uncached-tokens 64`: the built-in P/D config.
+    let mut a = config(&decode, &[], None);
+    a.pod.role = kvmesh_filters::sched::Role::Decode;
+    a.pd.min_uncached_tokens = Some(64);
+    a.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
+    let a = start(a).await;
+    a.fleet()
+        .upsert_peer(kvmesh_proxy::fleet::PodInfo {
+            id: b.addr().to_string(),
+            sidecar_addr: Some(b.addr()),
+            role: kvmesh_filters::sched::Role::Prefill,
+            models: vec![MODEL.to_owned()],
+            lora_adapters: vec![],
+            labels: Default::default(),
+        })
+        .unwrap();
+    a.fleet().set_load(
+        &b.addr().to_string(),
+        kvmesh_proxy::fleet::EngineLoad::default(),
+        tokio::time::Instant::now(),
+    );
+    let (trace_id, client, tp) = client_span(7);
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
+    complete(a.addr(), &body.to_string(), "split-1", Some(&tp)).await;
+    let p_got = inference(&prefill);
+    let d_got = inference(&decode);
+    assert_eq!((p_got.len(), d_got.len()), (1, 1), "one leg on each engine");
+    a.shutdown().await;
+    b.shutdown().await;
+    let all = collector.spans();
+    let t = Trace::of(&all, &trace_id);
+    let root: Vec<&Received> = t
+        .named("kvmesh.request")
+        .filter(|s| s.parent_id() == client)
+        .collect();
+    assert_eq!(root.len(), 1, "{:?}", t.names());
+    let execute = stages(&t, root[0], None);
+    assert_eq!(
+        execute.attr("kvmesh.pd.outcome").as_deref(),
+        Some("disaggregated")
+    );
+    // Prefill: A's leg span, B's request span under it, B's forward to its engine.
+    let leg = t.child(&execute, "kvmesh.pd.prefill");
+    assert_eq!(leg.attr("kvmesh.upstream").as_deref(), Some("peer"));
+    let far = t.child(&leg, "kvmesh.request");
+    assert_ne!(far.instance, root[0].instance, "B's span comes from B");
+    let far_execute = stages(&t, &far, Some("routed_by_peer"));
+    let hop = t.child(&far_execute, "kvmesh.forward");
+    assert_eq!(
+        p_got[0].header("traceparent"),
+        Some(traceparent_of(&hop).as_str())
+    );
+    // Decode: A's leg span called its own engine.
+    let leg = t.child(&execute, "kvmesh.pd.decode");
+    assert_eq!(leg.attr("kvmesh.upstream").as_deref(), Some("engine"));
+    assert_eq!(
+        d_got[0].header("traceparent"),
+        Some(traceparent_of(&leg).as_str())
+    );
+    for s in &t.spans {
+        assert!(
+            s.parent_id() == client || t.by_id(&s.parent_id()).is_some(),
+            "orphan {:?}",
+            s.name()
+        );
+    }
+}
