@@ -18,7 +18,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvmesh::inject::command::{options, InjectArgs, RoleArg};
+use kvmesh::inject::command::{options, ConnectorArg, InjectArgs, RoleArg};
 use kvmesh::inject::{self, yaml, CONTAINER};
 use serde_yaml_ng::{Mapping, Value};
 
@@ -547,4 +547,42 @@ fn heterogeneous_pools_inject_to_valid_objects() {
             .count(),
         2
     );
+}
+
+/// `--pd-connector` reaches the sidecar's arguments and is checked with the
+/// rest of its config, as the sidecar will load it: SGLang's decode servers
+/// take only split requests, so a P/D threshold with the sglang connector is
+/// refused at inject time, before anything is applied.
+#[test]
+fn pd_connector_flag_is_passed_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = inject_args(&[RoleArg::Decode]);
+    args.pd_connector = Some(ConnectorArg::Kvagent);
+    let (opts, _) = options(&args).unwrap();
+    let examples = root().join("deploy/inject/examples");
+    let out = inject::inject(read_docs(&examples.join("deployment.yaml")), &opts).unwrap();
+    let deployment = out
+        .docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the Deployment");
+    let sidecar_args =
+        serde_yaml_ng::to_string(&sidecar_of(&deployment["spec"]["template"])["args"]).unwrap();
+    assert!(
+        sidecar_args.contains("--pd-connector=kvagent"),
+        "{sidecar_args}"
+    );
+    assert!(sidecar_args.contains("--role=decode"), "{sidecar_args}");
+    let path = dir.path().join("out.yaml");
+    std::fs::write(&path, yaml::emit_stream(&out.docs).unwrap()).unwrap();
+    assert_valid(&[path]);
+
+    let config = dir.path().join("proxy.yaml");
+    std::fs::write(&config, "pd:\n  min_uncached_tokens: 2048\n").unwrap();
+    let mut args = inject_args(&[RoleArg::Decode]);
+    args.config = Some(config);
+    args.pd_connector = Some(ConnectorArg::Sglang);
+    let err = options(&args).unwrap_err().to_string();
+    assert!(err.contains("pd.min_uncached_tokens"), "{err}");
+    assert!(err.contains("with the flags"), "{err}");
 }
