@@ -321,7 +321,7 @@ fn put_event(b: &mut BytesMut, ev: &KvEvent) {
             put_u64s(b, &s.block_hashes);
             put_opt_u64(b, s.parent_block_hash);
             b.put_u32(s.block_size);
-            b.put_u8(medium_code(s.medium));
+            b.put_u8(s.medium.code());
             put_opt_str(b, s.lora_name.as_deref());
             put_opt_str(b, s.salt());
             put_len(b, s.token_ids.len());
@@ -332,7 +332,7 @@ fn put_event(b: &mut BytesMut, ev: &KvEvent) {
         KvEvent::BlockRemoved(r) => {
             b.put_u8(EV_REMOVED);
             put_u64s(b, &r.block_hashes);
-            b.put_u8(medium_code(r.medium));
+            b.put_u8(r.medium.code());
         }
         KvEvent::AllBlocksCleared => b.put_u8(EV_CLEARED),
     }
@@ -344,7 +344,7 @@ fn get_event(r: &mut Reader<'_>) -> Result<KvEvent, WireError> {
             let block_hashes = r.u64s()?;
             let parent_block_hash = r.opt_u64()?;
             let block_size = r.u32()?;
-            let medium = medium_of(r.u8()?);
+            let medium = Medium::from_code(r.u8()?);
             let lora_name = r.opt_str()?;
             let cache_salt = r.opt_str()?;
             let n = r.len(4)?;
@@ -365,7 +365,7 @@ fn get_event(r: &mut Reader<'_>) -> Result<KvEvent, WireError> {
         }
         EV_REMOVED => KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: r.u64s()?,
-            medium: medium_of(r.u8()?),
+            medium: Medium::from_code(r.u8()?),
             ..BlockRemoved::default()
         }),
         EV_CLEARED => KvEvent::AllBlocksCleared,
@@ -387,26 +387,6 @@ fn role_of(c: u8) -> Result<Role, WireError> {
         2 => Ok(Role::Decode),
         3 => Ok(Role::Both),
         _ => Err(WireError::Invalid("role")),
-    }
-}
-
-fn medium_code(m: Medium) -> u8 {
-    match m {
-        Medium::Gpu => 0,
-        Medium::Cpu => 1,
-        Medium::Storage => 2,
-        Medium::External => 3,
-        Medium::Other => 4,
-    }
-}
-
-fn medium_of(c: u8) -> Medium {
-    match c {
-        0 => Medium::Gpu,
-        1 => Medium::Cpu,
-        2 => Medium::Storage,
-        3 => Medium::External,
-        _ => Medium::Other,
     }
 }
 

@@ -49,23 +49,12 @@ pub(crate) struct Holder {
 }
 
 fn medium_code(m: Medium) -> u64 {
-    match m {
-        Medium::Gpu => 0,
-        Medium::Cpu => 1,
-        Medium::Storage => 2,
-        Medium::External => 3,
-        Medium::Other => 4,
-    }
+    u64::from(m.code())
 }
 
 fn medium_of(code: u64) -> Medium {
-    match code {
-        0 => Medium::Gpu,
-        1 => Medium::Cpu,
-        2 => Medium::Storage,
-        3 => Medium::External,
-        _ => Medium::Other,
-    }
+    // Three bits wide: always fits.
+    Medium::from_code(u8::try_from(code).unwrap_or(u8::MAX))
 }
 
 impl Holder {

@@ -30,6 +30,30 @@ impl Medium {
         }
     }
 
+    /// A small stable number for the medium (0 GPU .. 4 other): how the
+    /// prefix index packs it and how the mesh sends it. [`Medium::from_code`]
+    /// reads it back; unknown numbers are `Other`.
+    pub fn code(self) -> u8 {
+        match self {
+            Medium::Gpu => 0,
+            Medium::Cpu => 1,
+            Medium::Storage => 2,
+            Medium::External => 3,
+            Medium::Other => 4,
+        }
+    }
+
+    /// The medium of a [`Medium::code`].
+    pub fn from_code(c: u8) -> Self {
+        match c {
+            0 => Medium::Gpu,
+            1 => Medium::Cpu,
+            2 => Medium::Storage,
+            3 => Medium::External,
+            _ => Medium::Other,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Medium::Gpu => "gpu",
