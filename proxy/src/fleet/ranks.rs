@@ -149,7 +149,7 @@ impl Ranks {
         }
     }
 
-    /// Every rank now, for `/debug/route` and `/debug/stat`.
+    /// Every rank now, for `/debug/route`.
     pub fn snapshot(&self) -> Vec<RankLoad> {
         self.0.lock().clone()
     }
