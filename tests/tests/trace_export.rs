@@ -27,6 +27,17 @@ fn tracing(c: &Collector, protocol: OtlpProtocol, sample_ratio: f64) -> Option<T
     })
 }
 
+/// A vLLM-flavoured simulated engine in a P/D `role`, ten times real time.
+async fn pd_engine(role: SimRole) -> SimHandle {
+    sim_with(
+        SimConfig::new(MODEL)
+            .with_time_scale(10.0)
+            .with_role(role)
+            .with_flavor(Flavor::Vllm),
+    )
+    .await
+}
+
 /// The client's trace id and span id for request `i`, and its `traceparent`.
 fn client_span(i: usize) -> (String, String, String) {
     let (t, s) = (
@@ -93,6 +104,18 @@ impl Trace {
             self.names()
         );
         c[0].clone()
+    }
+
+    /// Every span hangs off the client's span `client`, directly or through
+    /// spans of this trace: none is orphaned.
+    fn assert_rooted(&self, client: &str, what: &str) {
+        for s in &self.spans {
+            assert!(
+                s.parent_id() == client || self.by_id(&s.parent_id()).is_some(),
+                "{what}: orphan {:?}",
+                s.name()
+            );
+        }
     }
 
     fn by_id(&self, id: &str) -> Option<&Received> {
@@ -262,14 +285,7 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
             engine_hop.attr("http.response.status_code").as_deref(),
             Some("200")
         );
-        // Every span of the trace hangs off the client's span.
-        for s in &t.spans {
-            assert!(
-                &s.parent_id() == client || t.by_id(&s.parent_id()).is_some(),
-                "{id}: orphan {:?}",
-                s.name()
-            );
-        }
+        t.assert_rooted(client, id);
     }
     assert!(crossed > 0, "no trace crossed the mesh");
     for e in engines {
@@ -280,16 +296,8 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pd_split_is_one_trace_with_a_span_per_leg_over_http() {
     let collector = Collector::start().await;
-    let engine = |role| {
-        sim_with(
-            SimConfig::new(MODEL)
-                .with_time_scale(10.0)
-                .with_role(role)
-                .with_flavor(Flavor::Vllm),
-        )
-    };
-    let prefill = engine(SimRole::Prefill).await;
-    let decode = engine(SimRole::Decode).await;
+    let prefill = pd_engine(SimRole::Prefill).await;
+    let decode = pd_engine(SimRole::Decode).await;
     let mut c = config(&decode, &[], None);
     c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
     c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
@@ -534,16 +542,8 @@ async fn a_refused_target_and_its_fallback_are_two_forward_spans() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_split_through_a_peer_sidecar_is_one_trace() {
     let collector = Collector::start().await;
-    let engine = |role| {
-        sim_with(
-            SimConfig::new(MODEL)
-                .with_time_scale(10.0)
-                .with_role(role)
-                .with_flavor(Flavor::Vllm),
-        )
-    };
-    let prefill = engine(SimRole::Prefill).await;
-    let decode = engine(SimRole::Decode).await;
+    let prefill = pd_engine(SimRole::Prefill).await;
+    let decode = pd_engine(SimRole::Decode).await;
     let mut b = config(&prefill, &[], None);
     b.pod.role = kvmesh_filters::sched::Role::Prefill;
     b.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
@@ -608,11 +608,5 @@ async fn a_scheduled_split_through_a_peer_sidecar_is_one_trace() {
         d_got[0].header("traceparent"),
         Some(traceparent_of(&leg).as_str())
     );
-    for s in &t.spans {
-        assert!(
-            s.parent_id() == client || t.by_id(&s.parent_id()).is_some(),
-            "orphan {:?}",
-            s.name()
-        );
-    }
+    t.assert_rooted(&client, "split-1");
 }
