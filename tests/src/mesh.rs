@@ -12,7 +12,7 @@ use kvmesh_proxy::config::{
 use kvmesh_proxy::{Sidecar, SidecarHandle};
 use tokio::net::TcpListener;
 
-use crate::route::{config, sim_with, MODEL};
+use crate::route::{config, eventually, metric, sim_with, MODEL};
 
 /// A simulated engine serving [`MODEL`] that publishes KV events on loopback.
 pub async fn kv_sim() -> SimHandle {
@@ -74,4 +74,28 @@ pub fn shared_prefix_body(group: usize, user: usize) -> String {
     let system: String = (0..120).map(|k| format!("group{group} rule{k} ")).collect();
     let prompt = format!("{system}question from user {user} of group {group}");
     serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+/// Waits until every sidecar's prefix index holds the same, non-zero number
+/// of entries (every pod's blocks, as the mesh carries them).
+pub async fn indexes_converged(sidecars: &[SidecarHandle]) {
+    eventually("indexes converged", || async {
+        let e: Vec<usize> = sidecars
+            .iter()
+            .map(|s| s.prefix().index().stats().entries)
+            .collect();
+        (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
+    })
+    .await;
+}
+
+/// Requests the sidecars forwarded to a peer over the mesh, summed.
+pub async fn forwarded(sidecars: &[SidecarHandle]) -> f64 {
+    let mut n = 0.0;
+    for s in sidecars {
+        n += metric(s, r#"kvmesh_mesh_requests_total{served="forwarded"}"#)
+            .await
+            .unwrap_or(0.0);
+    }
+    n
 }

@@ -21,7 +21,9 @@ use kvmesh_engine_sim::SimHandle;
 use kvmesh_proxy::mesh::wire::{self, Announce, Msg};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, post_json, request};
-use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
+use kvmesh_tests::mesh::{
+    indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
+};
 use kvmesh_tests::route::{eventually, metric, MODEL};
 use tokio::net::TcpListener;
 
@@ -77,15 +79,7 @@ impl Mesh {
 
     /// Every sidecar's index holds the same entries (every pod's blocks).
     async fn wait_converged(&self) {
-        eventually("indexes converged", || async {
-            let e: Vec<usize> = self
-                .sidecars
-                .iter()
-                .map(|s| s.prefix().index().stats().entries)
-                .collect();
-            (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
-        })
-        .await;
+        indexes_converged(&self.sidecars).await;
     }
 
     /// Prefix-cache (hits, queries) in tokens, summed over the engines.

@@ -12,9 +12,11 @@ use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, Sim
 use kvmesh_proxy::config::{OtlpProtocol, Tracing};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, request};
-use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
+use kvmesh_tests::mesh::{
+    forwarded, indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
+};
 use kvmesh_tests::otlp::{Collector, Received};
-use kvmesh_tests::route::{add_peer, config, eventually, metric, sim, sim_with, MODEL};
+use kvmesh_tests::route::{add_peer, config, eventually, sim, sim_with, MODEL};
 use kvmesh_tests::sidecar::{refused_addr, start};
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -214,22 +216,12 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
             sent.insert(id, (t, s));
             i += 1;
         }
-        eventually("indexes converged", || async {
-            let e: Vec<usize> = sidecars
-                .iter()
-                .map(|s| s.prefix().index().stats().entries)
-                .collect();
-            (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
-        })
-        .await;
+        indexes_converged(&sidecars).await;
     }
-    let mut forwarded = 0.0;
-    for s in &sidecars {
-        forwarded += metric(s, r#"kvmesh_mesh_requests_total{served="forwarded"}"#)
-            .await
-            .unwrap_or(0.0);
-    }
-    assert!(forwarded > 0.0, "no request crossed the mesh");
+    assert!(
+        forwarded(&sidecars).await > 0.0,
+        "no request crossed the mesh"
+    );
     let received: HashMap<String, ReceivedRequest> = engines
         .iter()
         .flat_map(inference)

@@ -14,8 +14,10 @@ use std::net::SocketAddr;
 use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, request};
-use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on, write_peers};
-use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
+use kvmesh_tests::mesh::{
+    forwarded, indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
+};
+use kvmesh_tests::route::{config, eventually, sim_with, MODEL};
 use kvmesh_tests::sidecar::start;
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -77,22 +79,12 @@ async fn trace_context_reaches_the_engine_through_a_peer_sidecar() {
             sent.insert(id, tp);
             i += 1;
         }
-        eventually("indexes converged", || async {
-            let e: Vec<usize> = sidecars
-                .iter()
-                .map(|s| s.prefix().index().stats().entries)
-                .collect();
-            (e[0] > 0 && e.iter().all(|x| *x == e[0])).then_some(())
-        })
-        .await;
+        indexes_converged(&sidecars).await;
     }
-    let mut forwarded = 0.0;
-    for s in &sidecars {
-        forwarded += metric(s, r#"kvmesh_mesh_requests_total{served="forwarded"}"#)
-            .await
-            .unwrap_or(0.0);
-    }
-    assert!(forwarded > 0.0, "no request crossed the mesh");
+    assert!(
+        forwarded(&sidecars).await > 0.0,
+        "no request crossed the mesh"
+    );
     let received: Vec<ReceivedRequest> = engines.iter().flat_map(inference).collect();
     assert_eq!(received.len(), sent.len());
     for r in &received {
