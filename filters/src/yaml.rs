@@ -7,6 +7,92 @@
 //! the right neighbourhood. Both config loaders (`filters.yaml` here,
 //! `proxy.yaml` in the sidecar) and the manifest reader of `kvmesh inject` use
 //! this one implementation.
+//!
+//! [`ConfigError`] is the one error both loaders return: the file, the line
+//! and column, the field path, what is wrong and a [`ConfigErrorKind`] that
+//! tests and callers match on.
+
+use std::fmt;
+
+/// What kind of config mistake it was; tests and metrics match on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigErrorKind {
+    /// The file could not be read.
+    Unreadable,
+    /// Not YAML, or not the expected shape at that point.
+    Syntax,
+    /// A key the schema does not have.
+    UnknownField,
+    /// A value of the wrong type.
+    WrongType,
+    /// A required key is missing.
+    MissingField,
+    /// A value outside its allowed set (enum variant, apiVersion, kind).
+    UnknownValue,
+    /// A plugin `type` the registry does not know.
+    UnknownPluginType,
+    /// A `pluginRef` (or a handler's profile / decider) naming nothing.
+    DanglingRef,
+    /// Two plugins or two profiles with the same name.
+    Duplicate,
+    /// A value out of range, a rule spanning fields broken, or a plugin in the wrong place.
+    Invalid,
+}
+
+impl ConfigErrorKind {
+    /// The kind of a serde decoding message (serde exposes no structured kind).
+    pub fn of_serde_message(message: &str) -> Self {
+        if message.contains("unknown field") {
+            ConfigErrorKind::UnknownField
+        } else if message.contains("invalid type") || message.contains("invalid value") {
+            ConfigErrorKind::WrongType
+        } else if message.contains("missing field") {
+            ConfigErrorKind::MissingField
+        } else if message.contains("unknown variant") {
+            ConfigErrorKind::UnknownValue
+        } else {
+            ConfigErrorKind::Syntax
+        }
+    }
+}
+
+/// A config file that cannot be used. Displays as `file:line:col: path: message`
+/// (`<document>` for the path when the whole file is at fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file name given to the loader (`<flags>`, `<inline>` and the like
+    /// for configs that did not come from a file).
+    pub file: String,
+    /// 1-based line, when known.
+    pub line: Option<usize>,
+    /// 1-based column, when known.
+    pub column: Option<usize>,
+    /// Field path, e.g. `schedulingProfiles[0].plugins[1].pluginRef` or
+    /// `timeouts.connect`; empty for the whole document.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+    /// The category.
+    pub kind: ConfigErrorKind,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file)?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+            if let Some(col) = self.column {
+                write!(f, ":{col}")?;
+            }
+        }
+        let path = if self.path.is_empty() {
+            "<document>"
+        } else {
+            &self.path
+        };
+        write!(f, ": {path}: {}", self.message)
+    }
+}
 
 /// One structural token of a line: a mapping key or a sequence dash.
 #[derive(Debug)]

@@ -25,25 +25,10 @@ pub fn parse<T: DeserializeOwned + Default>(value: &Value) -> Result<T, ParamErr
         let message = inner.to_string();
         ParamError {
             path: if path == "." { String::new() } else { path },
-            kind: classify(&message),
+            kind: ConfigErrorKind::of_serde_message(&message),
             message,
         }
     })
-}
-
-/// Map a serde message onto our error kinds (serde exposes no structured kind).
-pub fn classify(message: &str) -> ConfigErrorKind {
-    if message.contains("unknown field") {
-        ConfigErrorKind::UnknownField
-    } else if message.contains("invalid type") || message.contains("invalid value") {
-        ConfigErrorKind::WrongType
-    } else if message.contains("missing field") {
-        ConfigErrorKind::MissingField
-    } else if message.contains("unknown variant") {
-        ConfigErrorKind::UnknownValue
-    } else {
-        ConfigErrorKind::Syntax
-    }
 }
 
 /// Reject NaN, infinities and values outside `[lo, hi]`.

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use serde_yaml_ng::Value;
 
 use crate::sched::error::{ConfigError, ConfigErrorKind, ParamError};
-use crate::sched::params::classify;
 use crate::sched::producer::ProducerSpec;
 use crate::sched::registry::{BuildCtx, Plugin, PluginKind, PluginRegistry};
 use raw::{RawConfig, RawProfile};
@@ -349,7 +348,7 @@ fn parse_raw(text: &str, file: &str) -> Result<RawConfig, ConfigError> {
             file: file.to_owned(),
             line: loc.as_ref().map(|l| l.line()).or(fallback.map(|p| p.0)),
             column: loc.as_ref().map(|l| l.column()).or(fallback.map(|p| p.1)),
-            kind: classify(&message),
+            kind: ConfigErrorKind::of_serde_message(&message),
             path,
             message,
         }
