@@ -138,7 +138,82 @@ fn pd_example_disaggregates_long_uncached_prompts() {
     };
     let d = sched.schedule(&short, &eps, 0, 1).unwrap();
     assert_eq!(d.route.kind(), "aggregated");
-    assert_eq!(d.trace.reason, "prompt 500 < promptTokens 1024");
+    assert_eq!(
+        d.trace.reason,
+        "prompt 500 < promptTokens 1024; uncached 500 x 0 requests = 0 < batchStallTokens 14300"
+    );
+}
+
+/// Every pod of [`pool`] with `running` requests in its batch.
+fn loaded_pool(running: u32) -> Vec<EndpointView> {
+    let mut eps = pool();
+    for e in &mut eps {
+        e.load.running = running;
+    }
+    eps
+}
+
+#[test]
+fn pd_example_splits_a_shorter_prompt_only_on_a_busy_decode_pod() {
+    let text = examples()
+        .into_iter()
+        .find(|(n, _)| n == "filters-pd-disaggregated.yaml")
+        .unwrap()
+        .1;
+    let sched = Scheduler::new(&FilterConfig::from_yaml(&text, "pd.yaml").unwrap()).unwrap();
+    let req = RequestView {
+        prompt_tokens: 1000,
+        prompt_blocks: 62,
+        ..RequestView::new("r1", "m")
+    };
+    // 1000 uncached tokens x 14 running = 14000 < 14300: served whole.
+    let d = sched.schedule(&req, &loaded_pool(14), 0, 1).unwrap();
+    assert_eq!(d.route.kind(), "aggregated", "{}", d.trace.reason);
+    assert_eq!(
+        d.trace.reason,
+        "prompt 1000 < promptTokens 1024; uncached 1000 x 14 requests = 14000 < batchStallTokens 14300"
+    );
+    // x 45 (24 req/s on two decode pods): every one of them would sit
+    // through the prefill, so it gets a prefill pod.
+    let eps = loaded_pool(45);
+    let d = sched.schedule(&req, &eps, 0, 1).unwrap();
+    match &d.route {
+        Route::Disaggregated { prefill, decode } => {
+            assert!(eps[prefill.index].role.can_prefill());
+            assert!(eps[decode.index].role.can_decode());
+        }
+        other => panic!("expected P/D, got {other:?}"),
+    }
+    assert_eq!(
+        d.trace.reason,
+        "uncached 1000 x 45 requests = 45000 >= batchStallTokens 14300"
+    );
+}
+
+#[test]
+fn pd_decider_without_batch_stall_tokens_is_llm_d_s() {
+    // llm-d's decider config: load does not move the decision.
+    let body = "plugins:\n  - type: decode-filter\n  - type: prefill-filter\n  - type: queue-scorer\n  - type: max-score-picker\n  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      promptTokens: 1024\n  - type: disagg-profile-handler\nschedulingProfiles:\n  - name: decode\n    plugins:\n      - pluginRef: decode-filter\n      - pluginRef: queue-scorer\n      - pluginRef: max-score-picker\n  - name: prefill\n    plugins:\n      - pluginRef: prefill-filter\n      - pluginRef: max-score-picker\n";
+    let sched = Scheduler::new(&load(body).unwrap()).unwrap();
+    for (prompt, kind, reason) in [
+        (1000, "aggregated", "prompt 1000 < promptTokens 1024"),
+        (1500, "aggregated", "uncached 1500 < nonCachedTokens 2048"),
+        (
+            3000,
+            "disaggregated",
+            "uncached 3000 >= nonCachedTokens 2048",
+        ),
+    ] {
+        let req = RequestView {
+            prompt_tokens: prompt,
+            prompt_blocks: prompt / 16,
+            ..RequestView::new("r1", "m")
+        };
+        for running in [0, 45, 1000] {
+            let d = sched.schedule(&req, &loaded_pool(running), 0, 1).unwrap();
+            assert_eq!((d.route.kind(), d.trace.reason.as_str()), (kind, reason));
+        }
+    }
 }
 
 #[test]
@@ -313,6 +388,15 @@ fn plugin_errors() {
         8,
         "plugins[0].parameters.matchExpressions[0].operator",
     );
+    for bad in ["lots", "-1", "1.5"] {
+        let shown = assert_err(
+            &format!("plugins:\n  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      batchStallTokens: {bad}\n"),
+            ConfigErrorKind::WrongType,
+            7,
+            "plugins[0].parameters.batchStallTokens",
+        );
+        assert!(shown.contains("batchStallTokens"), "{shown}");
+    }
     assert_err(
         "plugins:\n  - type: max-score-picker\n  - type: round-robin-picker\n",
         ConfigErrorKind::Invalid,

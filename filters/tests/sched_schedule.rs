@@ -342,7 +342,11 @@ fn aggregated_when_the_decode_pod_holds_the_prefix() {
     let d = pd_sched().schedule(&req(300), &eps, 0, 0).unwrap();
     assert_eq!(d.route.kind(), "aggregated");
     assert_eq!(d.route.primary().id, eps[3].id);
-    assert_eq!(d.trace.reason, "uncached 320 < nonCachedTokens 2048");
+    // An idle decode pod: nobody sits through the prefill either.
+    assert_eq!(
+        d.trace.reason,
+        "uncached 320 < nonCachedTokens 2048; uncached 320 x 0 requests = 0 < batchStallTokens 14300"
+    );
     assert_eq!(d.trace.profiles.len(), 1, "prefill profile not run");
 }
 
