@@ -31,3 +31,19 @@ pub struct App {
     /// Spans of the request path (`tracing` in proxy.yaml); `None`: off.
     pub tracer: Option<crate::otel::Tracer>,
 }
+
+impl App {
+    /// The narrow handle upstream calls take: borrowed, nothing cloned.
+    pub fn upstreams(&self) -> crate::request::Upstreams<'_> {
+        crate::request::Upstreams {
+            config: &self.config,
+            metrics: &self.metrics,
+            client: &self.client,
+            engine: self.engine.as_ref(),
+            mesh_tls: self.mesh.tls_client(),
+            mesh_routes: self.mesh.routes(),
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+        }
+    }
+}

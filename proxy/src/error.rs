@@ -190,3 +190,21 @@ pub fn next_target_may_serve(e: &ProxyError) -> bool {
         ProxyError::Connect { .. } | ProxyError::UpstreamFailed { .. }
     )
 }
+
+/// The error and its causes on one line: hyper's top-level message alone
+/// ("client error (Connect)") does not say what happened.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    let mut depth = 0;
+    while let Some(c) = cur {
+        if depth == 8 {
+            break;
+        }
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+        depth += 1;
+    }
+    s
+}

@@ -20,6 +20,10 @@ pub const HOPS: HeaderName = HeaderName::from_static("x-kvmesh-hops");
 /// reaches a client: forwarding is one hop, and the forwarder turns a marked
 /// response into a refusal.
 pub const UNSERVED: HeaderName = HeaderName::from_static("x-kvmesh-unserved");
+/// Set by llm-d's `disagg-profile-handler`: `host:port` of the prefill engine
+/// (a comma list is allowed; the first entry is used). For this sidecar
+/// (`crate::pd::llmd`): never sent upstream.
+pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port");
 
 /// Longest client request id we keep; longer ones are replaced.
 const MAX_REQUEST_ID: usize = 128;

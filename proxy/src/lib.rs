@@ -6,8 +6,10 @@
 //! binary is a thin shell over [`cli`].
 //!
 //! Module map: [`config`] (proxy.yaml), [`path`] (the request path),
-//! [`error`] and [`respond`] (what failed, and the one mapping to a client
-//! response), [`body`] (relaying bodies under deadlines), `server` (accept,
+//! [`request`] (the request core the stages, routing, P/D and the mesh
+//! share: context, view, plan, one upstream call and its relay), [`error`]
+//! and [`respond`] (what failed, and the one mapping to a client response),
+//! [`body`] (relaying bodies under deadlines), `server` (accept,
 //! TLS, graceful drain), `admin` (health, readiness, metrics, config),
 //! [`metrics`], [`headers`], [`upstream`] (the pooled client), [`access`]
 //! (access logs).
@@ -33,6 +35,7 @@ pub mod path;
 pub mod pd;
 pub mod prefix;
 mod ready;
+pub mod request;
 pub mod respond;
 pub mod routing;
 mod server;

@@ -182,7 +182,12 @@ impl Sidecar {
         tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
         tasks.spawn(crate::kvevents::run(app.clone(), shutdown.clone()));
         if let Some(l) = mesh_listener {
-            tasks.spawn(crate::mesh::run(app.clone(), l, shutdown.clone()));
+            tasks.spawn(crate::mesh::run(
+                app.clone(),
+                l,
+                Proxy(app.clone()),
+                shutdown.clone(),
+            ));
         }
         tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
         tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");

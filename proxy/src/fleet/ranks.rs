@@ -31,22 +31,24 @@ pub const RANK_HEADER: &str = "x-data-parallel-rank";
 /// names it in `X-data-parallel-rank` (replacing a client's), and predicts
 /// the request's blocks on that rank; `None` without data parallelism.
 pub(crate) fn stamp(
-    app: &crate::app::App,
-    ctx: &crate::path::RequestCtx,
+    config: &crate::config::Config,
+    fleet: &super::Fleet,
+    prefix: &crate::prefix::PrefixState,
+    ctx: &crate::request::RequestCtx,
     headers: &mut http::HeaderMap,
 ) -> Option<u32> {
-    let n = app.config.engine.data_parallel_size;
+    let n = config.engine.data_parallel_size;
     if n <= 1 {
         return None;
     }
-    let ranks = app.fleet.ranks();
+    let ranks = fleet.ranks();
     ranks.set_size(n);
-    let names = rank_pods(app, n);
-    let matches = app.prefix.matches(ctx);
+    let names = rank_pods(prefix, n);
+    let matches = prefix.matches(ctx);
     let rank = ranks.choose(|r| held(&matches, &names, r))?;
     if let Some(name) = names.get(rank as usize) {
-        app.prefix.predict(name, ctx);
-        app.prefix.record(name, ctx);
+        prefix.predict(name, ctx);
+        prefix.record(name, ctx);
     }
     headers.insert(RANK_HEADER, http::HeaderValue::from(rank));
     Some(rank)
@@ -57,7 +59,7 @@ pub(crate) fn stamp(
 /// parallelism.
 pub(crate) fn explain(
     app: &crate::app::App,
-    ctx: &crate::path::RequestCtx,
+    ctx: &crate::request::RequestCtx,
 ) -> Option<serde_json::Value> {
     let n = app.config.engine.data_parallel_size;
     if n <= 1 {
@@ -65,7 +67,7 @@ pub(crate) fn explain(
     }
     let ranks = app.fleet.ranks();
     ranks.set_size(n);
-    let names = rank_pods(app, n);
+    let names = rank_pods(&app.prefix, n);
     let matches = app.prefix.matches(ctx);
     let (rank, views) = ranks.explain(|r| held(&matches, &names, r));
     let loads = ranks.snapshot();
@@ -83,8 +85,8 @@ pub(crate) fn explain(
     Some(serde_json::json!({"size": n, "rank": rank, "ranks": rows}))
 }
 
-fn rank_pods(app: &crate::app::App, n: u32) -> Vec<String> {
-    let (_, local) = app.prefix.local_pod();
+fn rank_pods(prefix: &crate::prefix::PrefixState, n: u32) -> Vec<String> {
+    let (_, local) = prefix.local_pod();
     (0..n).map(|r| rank_pod(local, r)).collect()
 }
 

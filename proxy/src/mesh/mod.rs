@@ -16,7 +16,7 @@
 //! [`run`] is the one task the sidecar spawns; everything below it is owned
 //! by it and stops on shutdown.
 
-pub mod client;
+pub use crate::upstream::mesh as client;
 pub mod discovery;
 pub mod forward;
 pub mod metrics;
@@ -384,9 +384,19 @@ impl Hub {
 
 /// The mesh task: binds nothing itself (the listener is passed in), serves
 /// the stream, publishes local state and runs discovery. Returns on shutdown.
-pub async fn run(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
+pub async fn run<H: crate::server::Handler>(
+    app: Arc<App>,
+    listener: TcpListener,
+    forwarded: H,
+    shutdown: Shutdown,
+) {
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(server::serve(app.clone(), listener, shutdown.clone()));
+    tasks.spawn(server::serve(
+        app.clone(),
+        listener,
+        forwarded,
+        shutdown.clone(),
+    ));
     tasks.spawn(discovery::run(app.clone(), shutdown.clone()));
     tasks.spawn(publish(app, shutdown.clone()));
     while tasks.join_next().await.is_some() {}

@@ -31,8 +31,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::app::App;
-use crate::body::ResponseBody;
 use crate::metrics::{Listener, RejectReason};
+use crate::server::Handler;
 use crate::shutdown::Shutdown;
 
 /// The stream's path on the mesh port.
@@ -86,8 +86,15 @@ impl Body for StreamBody {
     }
 }
 
-/// Serves the mesh port until shutdown.
-pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
+/// Serves the mesh port until shutdown; with `mesh.tls`, a request a peer
+/// forwarded goes to `forwarded` (the request path, which the sidecar passes
+/// in: the mesh does not know the stages).
+pub async fn serve<H: Handler>(
+    app: Arc<App>,
+    listener: TcpListener,
+    forwarded: H,
+    shutdown: Shutdown,
+) {
     let mut conns = JoinSet::new();
     loop {
         while conns.try_join_next().is_some() {}
@@ -110,13 +117,14 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
         let _ = tcp.set_nodelay(true);
         let app = app.clone();
         let shutdown = shutdown.clone();
+        let forwarded = forwarded.clone();
         conns.spawn(async move {
             let Some(tls) = app.mesh.tls() else {
-                return serve_conn(app.clone(), tcp, &shutdown).await;
+                return serve_conn(app.clone(), tcp, forwarded, &shutdown).await;
             };
             let handshake = app.config.timeouts.tls_handshake.get();
             match tokio::time::timeout(handshake, tls.acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => serve_conn(app.clone(), stream, &shutdown).await,
+                Ok(Ok(stream)) => serve_conn(app.clone(), stream, forwarded, &shutdown).await,
                 Ok(Err(e)) => {
                     app.metrics.mesh.tls_failure("accept");
                     tracing::info!(error = %e, "mesh: TLS handshake with a subscriber failed");
@@ -137,9 +145,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: Shutdown) {
 /// Serves one connection (TCP or TLS) until it ends or shutdown. On
 /// shutdown, streams end (the hub drops its subscribers) and forwarded
 /// requests get `timeouts.shutdown_drain` to finish.
-async fn serve_conn<I>(app: Arc<App>, io: I, shutdown: &Shutdown)
+async fn serve_conn<I, H>(app: Arc<App>, io: I, forwarded: H, shutdown: &Shutdown)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Handler,
 {
     let drain = if app.mesh.tls().is_some() {
         app.config.timeouts.shutdown_drain.get()
@@ -155,8 +164,19 @@ where
     let seen = started.clone();
     let svc = service_fn(move |req| {
         seen.store(true, Ordering::Relaxed);
-        let app = app.clone();
-        async move { Ok::<_, Infallible>(respond(app, req).await) }
+        // The state stream is answered at once; with `mesh.tls`, anything
+        // else is a request a peer forwarded, for the request path.
+        let next = if req.uri().path() == STREAM_PATH || app.mesh.tls().is_none() {
+            Ok(handle(&app, &req))
+        } else {
+            Err(forwarded.clone())
+        };
+        async move {
+            Ok::<_, Infallible>(match next {
+                Ok(stream) => stream.map(Either::Left),
+                Err(path) => path.handle(req).await.map(Either::Right),
+            })
+        }
     });
     // One connection carries every request a peer forwards here: no
     // stream cap below the client port's connection limit.
@@ -190,16 +210,6 @@ where
     let _ = tokio::time::timeout(drain, conn).await;
 }
 
-/// A mesh-port response body: the state stream, or a forwarded request's.
-type MeshBody = Either<StreamBody, ResponseBody>;
-
-/// The state stream, or with `mesh.tls` a request a peer forwarded.
-async fn respond(app: Arc<App>, req: Request<Incoming>) -> Response<MeshBody> {
-    if req.uri().path() == STREAM_PATH || app.mesh.tls().is_none() {
-        return handle(&app, &req).map(Either::Left);
-    }
-    crate::path::handle(app, req).await.map(Either::Right)
-}
 
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
     if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {

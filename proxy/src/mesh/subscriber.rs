@@ -252,7 +252,7 @@ async fn follow(
         Ok(Err(e)) => {
             // With TLS 1.3 a peer that refuses this sidecar's certificate
             // says so here, after the handshake.
-            if super::client::tls_alert(&e) {
+            if crate::upstream::mesh::tls_alert(&e) {
                 app.metrics.mesh.tls_failure("connect");
             }
             return StreamEnd::Connect(e.to_string());

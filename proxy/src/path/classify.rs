@@ -9,28 +9,13 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::context::RequestCtx;
-use super::view::{RequestView, Shape};
 use crate::app::App;
 use crate::error::ProxyError;
 use crate::metrics::Route;
 use crate::otel::Stage;
+use crate::request::view::{RequestView, Shape};
+use crate::request::{ClientBody, ClientRequest, RequestCtx};
 use opentelemetry::KeyValue;
-
-/// The client's request after classification: its head and its bytes.
-pub struct ClientRequest {
-    pub head: http::request::Parts,
-    pub body: ClientBody,
-}
-
-/// The request body as the execute stage will send it.
-pub enum ClientBody {
-    /// Read whole (inference calls): the exact bytes the client sent, cheap to
-    /// send again to a fallback target.
-    Buffered(Bytes),
-    /// Not read (passthrough): streamed once to one target.
-    Streaming(Option<Incoming>),
-}
 
 pub async fn classify(
     app: &App,

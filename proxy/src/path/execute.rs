@@ -12,23 +12,20 @@
 //! request whole (the prefill pod frees the blocks it held
 //! for that decode when its own hold timeout expires).
 
-use std::net::SocketAddr;
-
-use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{header, HeaderValue, Request, Response, Uri};
+use http::{HeaderValue, Response};
 use http_body_util::{Full, Limited};
 use tokio::time::Instant;
 
-use super::classify::{ClientBody, ClientRequest};
-use super::context::{RequestCtx, Served};
-use super::schedule::{Leg, Plan, Target, MAX_ATTEMPTS};
 use crate::app::App;
-use crate::body::{RelayParams, ResponseBody, UpstreamBody};
+use crate::body::{ResponseBody, UpstreamBody};
 use crate::error::{ProxyError, UpstreamName};
-use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED, UNSERVED};
-use crate::mesh::client::MeshSendError;
+use crate::headers::UNSERVED;
 use crate::otel::Hop;
-use crate::upstream::{EngineError, ReplyBody};
+use crate::request::{
+    leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Target, Upstream,
+    FORWARD, MAX_ATTEMPTS,
+};
+use crate::upstream::ReplyBody;
 
 pub async fn execute(
     app: &App,
@@ -36,7 +33,7 @@ pub async fn execute(
     plan: Plan,
     mut req: ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    crate::mesh::forward::check_arrival(&req.head.headers)?;
+    crate::request::hops::check_arrival(&req.head.headers)?;
     if let Some(t) = ctx.trace.as_mut() {
         t.begin_execute();
     }
@@ -71,7 +68,7 @@ pub async fn execute(
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
                 let decode_upstream = leg_upstream(&decode);
-                let decode_name = decode_upstream.name(app);
+                let decode_name = decode_upstream.name(&app.config);
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
@@ -143,7 +140,7 @@ pub async fn execute(
                 .insert(UNSERVED, HeaderValue::from_static("1"));
         }
         ctx.served_by = Some(upstream.served());
-        return Ok(relay(app, ctx, name, resp, hop));
+        return Ok(relay(&app.upstreams(), ctx, name, resp, hop));
     }
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
 }
@@ -228,61 +225,6 @@ fn upstream_pod(app: &App, u: &Upstream) -> String {
     }
 }
 
-/// Where a disaggregated request's leg goes.
-pub(crate) fn leg_upstream(leg: &Leg) -> Upstream {
-    match leg {
-        Leg::LocalEngine => Upstream::Engine,
-        Leg::Peer { sidecar_addr } => Upstream::Peer(*sidecar_addr),
-        Leg::Direct(a) => Upstream::Direct(a.clone()),
-    }
-}
-
-/// Where one attempt goes.
-#[derive(Debug, Clone)]
-pub(crate) enum Upstream {
-    /// This pod's engine.
-    Engine,
-    /// Another pod's sidecar, which runs the request on its engine.
-    Peer(SocketAddr),
-    /// An engine outside the mesh named by an llm-d EPP (`x-prefiller-host-port`).
-    Direct(Authority),
-}
-
-impl Upstream {
-    fn served(&self) -> Served {
-        match self {
-            Self::Engine | Self::Direct(_) => Served::LocalEngine,
-            Self::Peer(a) => Served::Peer(*a),
-        }
-    }
-
-    /// The name errors and logs use.
-    pub(crate) fn name(&self, app: &App) -> UpstreamName {
-        match self {
-            Self::Engine => UpstreamName::Engine(app.config.engine.url.authority().to_string()),
-            Self::Peer(addr) => UpstreamName::Peer(addr.to_string()),
-            Self::Direct(a) => UpstreamName::Engine(a.to_string()),
-        }
-    }
-
-    /// The address to connect to, and the name errors use.
-    fn resolve(&self, app: &App) -> Result<(Authority, UpstreamName), ProxyError> {
-        Ok(match self {
-            Self::Engine => {
-                let a = app.config.engine.url.authority().clone();
-                let n = UpstreamName::Engine(a.to_string());
-                (a, n)
-            }
-            Self::Peer(addr) => {
-                let a = Authority::try_from(addr.to_string())
-                    .map_err(|e| ProxyError::Internal(format!("peer address {addr}: {e}")))?;
-                (a, UpstreamName::Peer(addr.to_string()))
-            }
-            Self::Direct(a) => (a.clone(), UpstreamName::Engine(a.to_string())),
-        })
-    }
-}
-
 /// One attempt: request head rewritten for the hop, body as the client sent it.
 async fn forward(
     app: &App,
@@ -291,8 +233,16 @@ async fn forward(
     req: &mut ClientRequest,
 ) -> Result<Forwarded, ProxyError> {
     let body = client_body(app, req)?;
-    let (mut resp, name, hop) =
-        send(app, ctx, &upstream, &req.head, body, FORWARD, ctx.attempts).await?;
+    let (mut resp, name, hop) = send(
+        &app.upstreams(),
+        ctx,
+        &upstream,
+        &req.head,
+        body,
+        FORWARD,
+        ctx.attempts,
+    )
+    .await?;
     let unserved = match upstream {
         // The peer did not serve it and sent nothing: its engine refused or
         // failed before any byte, as if that engine were ours.
@@ -302,162 +252,13 @@ async fn forward(
     if unserved {
         return Ok(Forwarded::Unserved(Unserved { resp, name, hop }));
     }
-    Ok(Forwarded::Served(relay(app, ctx, name, resp, hop)))
-}
-
-/// The span of a whole request sent to one target (`send`'s `leg`).
-pub(crate) const FORWARD: &str = "kvmesh.forward";
-
-/// Sends one request (the client's head, rewritten for the hop, with `body`)
-/// and waits for the response head under the first-byte deadline. `leg`
-/// names the call's span (`FORWARD`, or a P/D leg's), the `attempt`-th of
-/// the request; its context goes upstream in `traceparent`, and it is
-/// returned with the response, to end when the response does.
-pub(crate) async fn send(
-    app: &App,
-    ctx: &RequestCtx,
-    upstream: &Upstream,
-    head: &http::request::Parts,
-    body: UpstreamBody,
-    leg: &'static str,
-    attempt: u8,
-) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
-    let (authority, name) = upstream.resolve(app)?;
-    let hop = Hop::of(ctx.trace.as_deref(), leg, &name, attempt);
-    let r = send_as(app, ctx, upstream, authority, &name, head, body, &hop).await;
-    match r {
-        Ok(resp) => {
-            hop.status(resp.status().as_u16());
-            Ok((resp, name, hop))
-        }
-        Err(e) => {
-            hop.fail(&e);
-            Err(e)
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn send_as(
-    app: &App,
-    ctx: &RequestCtx,
-    upstream: &Upstream,
-    authority: Authority,
-    name: &UpstreamName,
-    head: &http::request::Parts,
-    body: UpstreamBody,
-    hop: &Hop,
-) -> Result<Response<ReplyBody>, ProxyError> {
-    let mut out = build_request(app, ctx, upstream, authority, head, body)?;
-    if matches!(upstream, Upstream::Engine) {
-        crate::fleet::ranks::stamp(app, ctx, out.headers_mut());
-    }
-    hop.inject(out.headers_mut());
-    let timeouts = &app.config.timeouts;
-    let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
-    let head_wait = timeouts.first_byte.get().min(overall_left);
-    let sent = Instant::now();
-    let resp = match tokio::time::timeout(head_wait, request(app, upstream, name, out)).await {
-        Err(_) => {
-            return Err(ProxyError::FirstByteTimeout {
-                upstream: name.clone(),
-                after: head_wait,
-            })
-        }
-        Ok(r) => r?,
-    };
-    app.metrics
-        .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
-    Ok(resp)
-}
-
-/// Sends `out` over the engine's own pool, the general pooled client, or, to a
-/// peer with `mesh.tls`, over the mesh's mutual TLS to its mesh port; a
-/// connection error means nothing was sent.
-async fn request(
-    app: &App,
-    upstream: &Upstream,
-    name: &UpstreamName,
-    out: Request<UpstreamBody>,
-) -> Result<Response<ReplyBody>, ProxyError> {
-    let connect = |reason: String| ProxyError::Connect {
-        upstream: name.clone(),
-        reason,
-    };
-    let failed = |reason: String| ProxyError::UpstreamFailed {
-        upstream: name.clone(),
-        reason,
-    };
-    match (upstream, app.mesh.tls_client(), &app.engine) {
-        (Upstream::Engine, _, Some(pool)) => pool.send(out).await.map_err(|e| match e {
-            EngineError::Connect { .. } => connect(e.to_string()),
-            EngineError::Request(e) => failed(error_chain(&e)),
-        }),
-        (Upstream::Peer(peer), Some(mesh), _) => {
-            let port = app
-                .mesh
-                .routes()
-                .get(*peer)
-                .ok_or_else(|| connect("no mesh port known for this peer".to_owned()))?;
-            // Boxed, like the P/D calls: the mesh client's future is large
-            // and rarely needed, and inlined it would grow every request's
-            // future (which is moved on every request).
-            let resp = Box::pin(mesh.send(port, out)).await.map_err(|e| match e {
-                MeshSendError::Connect { tls, .. } => {
-                    if tls {
-                        app.metrics.mesh.tls_failure("connect");
-                    }
-                    connect(e.to_string())
-                }
-                MeshSendError::Request { .. } => failed(e.to_string()),
-            })?;
-            Ok(resp.map(ReplyBody::plain))
-        }
-        _ => match app.client.request(out).await {
-            Ok(resp) => Ok(resp.map(ReplyBody::plain)),
-            Err(e) if e.is_connect() => Err(connect(error_chain(&e))),
-            Err(e) => Err(failed(error_chain(&e))),
-        },
-    }
-}
-
-/// Relays an upstream response to the client, chunk by chunk, under the idle
-/// and overall deadlines; `hop`, the call's span, ends with the body.
-pub(crate) fn relay(
-    app: &App,
-    ctx: &RequestCtx,
-    name: UpstreamName,
-    resp: Response<ReplyBody>,
-    hop: Hop,
-) -> Response<ResponseBody> {
-    let timeouts = &app.config.timeouts;
-    let (mut head, incoming) = resp.into_parts();
-    strip_hop_by_hop(&mut head.headers);
-    let sse = head
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    if sse {
-        // An error event may be appended, so the length is not ours to promise.
-        head.headers.remove(header::CONTENT_LENGTH);
-    }
-    head.headers.insert(REQUEST_ID, ctx.request_id.clone());
-    let body = ResponseBody::relay(
-        incoming,
-        RelayParams {
-            upstream: name,
-            route: ctx.route,
-            metrics: app.metrics.clone(),
-            started: ctx.started,
-            stream_idle: timeouts.stream_idle.get(),
-            overall: timeouts.overall.get(),
-            sse,
-            request_id: ctx.id().to_owned(),
-        },
-    )
-    .with_span(hop);
-    Response::from_parts(head, body)
+    Ok(Forwarded::Served(relay(
+        &app.upstreams(),
+        ctx,
+        name,
+        resp,
+        hop,
+    )))
 }
 
 /// The client's body for one attempt: buffered bodies can be sent again.
@@ -472,74 +273,4 @@ fn client_body(app: &App, req: &mut ClientRequest) -> Result<UpstreamBody, Proxy
             UpstreamBody::Stream(Limited::new(incoming, limit))
         }
     })
-}
-
-fn build_request(
-    app: &App,
-    ctx: &RequestCtx,
-    upstream: &Upstream,
-    authority: Authority,
-    head: &http::request::Parts,
-    body: UpstreamBody,
-) -> Result<Request<UpstreamBody>, ProxyError> {
-    let path = head
-        .uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    let over_mesh_tls = matches!(upstream, Upstream::Peer(_)) && app.mesh.tls_client().is_some();
-    let uri = Uri::builder()
-        .scheme(if over_mesh_tls {
-            Scheme::HTTPS
-        } else {
-            Scheme::HTTP
-        })
-        .authority(authority)
-        .path_and_query(path)
-        .build()
-        .map_err(|e| ProxyError::Internal(format!("upstream URI: {e}")))?;
-    // A body the proxy rewrote (a P/D leg) has its own length: let the client
-    // pool compute it from the body rather than send the client's.
-    let rewritten = matches!(body, UpstreamBody::Full(_));
-    let mut out = Request::new(body);
-    *out.method_mut() = head.method.clone();
-    *out.uri_mut() = uri;
-    let headers = out.headers_mut();
-    headers.clone_from(&head.headers);
-    let to_engine = !matches!(upstream, Upstream::Peer(_));
-    // Hop-by-hop headers and, in the same pass: the client's length of a
-    // body the pool measures itself; llm-d's P/D headers, which are for this
-    // sidecar (the engine never sees them); Host, which the client pool sets
-    // from the upstream URI, as a reverse proxy should; the mesh's routing
-    // marks, towards an engine.
-    strip(headers, |n| {
-        (rewritten && n == header::CONTENT_LENGTH)
-            || n == crate::pd::llmd::PREFILLER
-            || n == header::HOST
-            || (to_engine && (n == ROUTED || n == crate::headers::HOPS))
-    });
-    headers.insert(REQUEST_ID, ctx.request_id.clone());
-    if let Upstream::Peer(addr) = upstream {
-        crate::mesh::forward::prepare(app, *addr, &head.headers, headers)?;
-        headers.insert(ROUTED, HeaderValue::from_static("1"));
-    }
-    Ok(out)
-}
-
-/// The error and its causes on one line: hyper's top-level message alone
-/// ("client error (Connect)") does not say what happened.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    let mut depth = 0;
-    while let Some(c) = cur {
-        if depth == 8 {
-            break;
-        }
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-        depth += 1;
-    }
-    s
 }

@@ -10,12 +10,10 @@
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
 
 pub mod classify;
-pub mod context;
 pub mod execute;
 pub mod observe;
 pub mod prefix;
 pub mod schedule;
-pub mod view;
 
 use std::sync::Arc;
 
@@ -24,9 +22,8 @@ use hyper::body::Incoming;
 
 use crate::app::App;
 use crate::body::ResponseBody;
-pub use context::{RequestCtx, Served};
-pub use schedule::{Leg, Plan, Target};
-pub use view::{Prompt, RequestView};
+pub use crate::request::view;
+pub use crate::request::{Leg, Plan, Prompt, RequestCtx, RequestView, Served, Target};
 
 /// One request, top to bottom.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseBody> {

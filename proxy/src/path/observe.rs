@@ -5,10 +5,10 @@
 
 use http::Response;
 
-use super::context::RequestCtx;
 use crate::app::App;
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
+use crate::request::{RequestCtx, Served};
 use crate::respond::error_response;
 
 pub fn observe(
@@ -64,10 +64,8 @@ pub fn observe(
     let resp = match ctx.access.take() {
         Some(mut log) => {
             let pod = ctx.served_by.map(|s| match s {
-                super::Served::LocalEngine => app.fleet.local_id().to_owned(),
-                super::Served::Peer(addr) => {
-                    app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string())
-                }
+                Served::LocalEngine => app.fleet.local_id().to_owned(),
+                Served::Peer(addr) => app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string()),
             });
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
             log.head(status, model, ctx.route_reason, pod, ctx.attempts);

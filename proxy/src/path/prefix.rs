@@ -8,10 +8,10 @@
 //! it reads `ctx.view` and never re-serializes the body. It never fails the
 //! request: an untokenizable prompt is routed without prefix information.
 
-use super::context::RequestCtx;
 use crate::app::App;
 use crate::error::ProxyError;
 use crate::otel::Stage;
+use crate::request::RequestCtx;
 use opentelemetry::KeyValue;
 
 pub async fn prefix(app: &App, ctx: &mut RequestCtx) -> Result<(), ProxyError> {

@@ -18,15 +18,13 @@
 use std::net::{IpAddr, SocketAddr};
 
 use http::uri::Authority;
-use http::{HeaderMap, HeaderName};
+use http::HeaderMap;
 
 use crate::app::App;
 use crate::error::ProxyError;
-use crate::path::Leg;
+use crate::request::Leg;
 
-/// Set by llm-d's `disagg-profile-handler`: `host:port` of the prefill engine
-/// (a comma list is allowed; the first entry is used).
-pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port");
+pub use crate::headers::PREFILLER;
 
 /// Where the prefill leg goes for the prefiller the header names, when the
 /// sidecar accepts the header; refused unless the fleet knows the pod or

@@ -31,9 +31,9 @@ use crate::app::App;
 use crate::body::ResponseBody;
 use crate::config::PdConnector;
 use crate::error::ProxyError;
-use crate::path::classify::{ClientBody, ClientRequest};
-use crate::path::execute::{leg_upstream, Upstream};
-use crate::path::{Leg, RequestCtx};
+use crate::request::{leg_upstream, Upstream};
+use crate::request::{ClientBody, ClientRequest};
+use crate::request::{Leg, RequestCtx};
 
 /// Where the legs of one disaggregated request go.
 #[derive(Debug, Clone)]

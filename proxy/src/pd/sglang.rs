@@ -18,9 +18,9 @@ use super::{DECODE, PREFILL};
 use crate::app::App;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::error::ProxyError;
-use crate::path::classify::ClientRequest;
-use crate::path::execute::{relay, send, Upstream};
-use crate::path::RequestCtx;
+use crate::request::ClientRequest;
+use crate::request::RequestCtx;
+use crate::request::{relay, send, Upstream};
 
 /// Largest prefill response drained (one token; streamed or not).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
@@ -33,6 +33,7 @@ pub async fn run(
     client: &Map<String, Value>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let metrics = &app.metrics.pd;
+    let up = app.upstreams();
     let prefill = &plan.prefill[0];
     let rooms: Vec<u64> = (0..body::rooms_needed(client))
         // SGLang keeps rooms as int64: stay below 2^63.
@@ -43,7 +44,7 @@ pub async fn run(
     let sent = Instant::now();
     let prefill_leg = async {
         let (resp, name, hop) =
-            send(app, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
+            send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();
         let bytes = tokio::time::timeout(
             app.config.pd.prefill_timeout.get(),
@@ -74,7 +75,7 @@ pub async fn run(
         Ok(())
     };
     let decode_leg = send(
-        app,
+        &up,
         ctx,
         &plan.decode,
         &req.head,
@@ -114,7 +115,7 @@ pub async fn run(
     metrics.leg("decode", sent.elapsed().as_secs_f64());
     metrics.outcome("sglang", Outcome::Disaggregated);
     super::traced(ctx, "sglang", Outcome::Disaggregated);
-    Ok(relay(app, ctx, name, resp, hop))
+    Ok(relay(&up, ctx, name, resp, hop))
 }
 
 fn full(b: bytes::Bytes) -> UpstreamBody {

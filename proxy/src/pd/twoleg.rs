@@ -19,9 +19,9 @@ use crate::backoff::Backoff;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
-use crate::path::classify::ClientRequest;
-use crate::path::execute::{relay, send, Upstream};
-use crate::path::RequestCtx;
+use crate::request::ClientRequest;
+use crate::request::RequestCtx;
+use crate::request::{relay, send, Upstream};
 
 /// Largest prefill response read (it holds one token and the parameters).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
@@ -69,7 +69,7 @@ pub async fn run(
     let sent = Instant::now();
     let body = UpstreamBody::Full(Full::new(decode_body));
     let decode = send(
-        app,
+        &app.upstreams(),
         ctx,
         &plan.decode,
         &req.head,
@@ -95,7 +95,7 @@ pub async fn run(
             metrics.leg("decode", sent.elapsed().as_secs_f64());
             metrics.outcome(connector, outcome);
             super::traced(ctx, connector, outcome);
-            Ok(relay(app, ctx, name, resp, hop))
+            Ok(relay(&app.upstreams(), ctx, name, resp, hop))
         }
         Err(e) => {
             if outcome == Outcome::Disaggregated {
@@ -139,13 +139,13 @@ async fn prefill(
         .await
         .unwrap_or_else(|_| {
             Err(ProxyError::PrefillFailed {
-                upstream: upstream.name(app),
+                upstream: upstream.name(&app.config),
                 status: StatusCode::GATEWAY_TIMEOUT.as_u16(),
                 message: format!("no prefill response within {}", pd.prefill_timeout),
                 retryable: true,
             })
         })
-        .map_err(|e| as_prefill_failure(e, || upstream.name(app)));
+        .map_err(|e| as_prefill_failure(e, || upstream.name(&app.config)));
         match leg {
             Ok(params) => return Ok(params),
             Err(e) if prefill_retryable(&e) => {
@@ -200,7 +200,7 @@ async fn prefill_once(
 ) -> Result<Option<Value>, ProxyError> {
     let sent = Instant::now();
     let (resp, name, hop) = send(
-        app,
+        &app.upstreams(),
         ctx,
         upstream,
         &req.head,

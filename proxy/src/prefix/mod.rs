@@ -36,7 +36,7 @@ use tokio::sync::broadcast;
 use crate::app::App;
 use crate::config::{Config, TokenizerChoice};
 use crate::kvevents::LocalKvUpdate;
-use crate::path::{RequestCtx, RequestView};
+use crate::request::{RequestCtx, RequestView};
 pub use tokenize::{LocalTokenizer, PrefixError, Tokenized};
 
 /// Local KV updates buffered for slow mesh subscribers before they lag.

@@ -23,7 +23,7 @@ use kvmesh_filters::prefix::tokenize::{
 use serde::Deserialize;
 
 use crate::body::UpstreamBody;
-use crate::path::Prompt;
+use crate::request::Prompt;
 use crate::upstream::UpstreamClient;
 
 /// Largest `/tokenize` response read (a 128k-token prompt is under 1 MiB of JSON).

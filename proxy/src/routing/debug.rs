@@ -26,8 +26,8 @@ use super::plan::from_route;
 use crate::app::App;
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
-use crate::path::view::Shape;
-use crate::path::{Plan, RequestCtx, RequestView, Target};
+use crate::request::view::Shape;
+use crate::request::{Plan, RequestCtx, RequestView, Target};
 use crate::respond::openai_error;
 
 /// Longest wait for a debug request's body.
@@ -135,7 +135,10 @@ async fn route(app: &App, req: Request<Incoming>) -> Result<Value, ProxyError> {
         source,
     })?;
     ctx.view = Some(view);
-    crate::path::prefix::prefix(app, &mut ctx).await?;
+    // As the prefix stage does: a request a peer routed here is not tokenized.
+    if !ctx.already_routed {
+        app.prefix.compute(app, &mut ctx).await;
+    }
     Ok(explain(app, &ctx))
 }
 
@@ -143,7 +146,7 @@ async fn route(app: &App, req: Request<Incoming>) -> Result<Value, ProxyError> {
 pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
     let active = app.routing.active();
     if let Some(prefiller) = &ctx.epp_prefiller {
-        let plan = crate::path::Plan::epp(prefiller.clone());
+        let plan = crate::request::Plan::epp(prefiller.clone());
         return json!({
             "filters": active.origin,
             "decision": plan.decision(),
@@ -244,12 +247,12 @@ fn scores(trace: &kvmesh_filters::sched::DecisionTrace) -> Value {
 }
 
 fn describe(t: &Target) -> Value {
-    let leg = |l: &crate::path::Leg| match l {
-        crate::path::Leg::LocalEngine => json!({"kind": "local"}),
-        crate::path::Leg::Peer { sidecar_addr } => {
+    let leg = |l: &crate::request::Leg| match l {
+        crate::request::Leg::LocalEngine => json!({"kind": "local"}),
+        crate::request::Leg::Peer { sidecar_addr } => {
             json!({"kind": "peer", "sidecar_addr": sidecar_addr.to_string()})
         }
-        crate::path::Leg::Direct(a) => json!({"kind": "engine", "authority": a.to_string()}),
+        crate::request::Leg::Direct(a) => json!({"kind": "engine", "authority": a.to_string()}),
     };
     match t {
         Target::LocalEngine => json!({"kind": "local"}),

@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fleet::{Fleet, PodInfo};
 use crate::otel::Stage;
-use crate::path::{Leg, Plan, RequestCtx, Target};
+use crate::request::{Leg, Plan, RequestCtx, Target};
 
 /// Block size assumed until the engine reports its own (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;

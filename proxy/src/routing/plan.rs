@@ -8,8 +8,8 @@
 use kvmesh_filters::sched::Route;
 
 use crate::fleet::Fleet;
-use crate::path::schedule::MAX_ATTEMPTS;
-use crate::path::{Leg, Plan, Target};
+use crate::request::MAX_ATTEMPTS;
+use crate::request::{Leg, Plan, Target};
 
 /// The plan for `route`; `None` when its chosen pod is no longer known.
 pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::DEFAULT_BLOCK_SIZE;
 use crate::app::App;
 use crate::metrics::Route;
-use crate::path::{Prompt, RequestCtx, RequestView};
+use crate::request::{Prompt, RequestCtx, RequestView};
 
 /// Bytes of prompt text per token in the estimate (English-ish text, BPE).
 const BYTES_PER_TOKEN: usize = 4;

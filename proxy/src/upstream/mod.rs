@@ -8,6 +8,7 @@
 //! | [`UpstreamClient`] | here | peers, llm-d's prefiller, h2c, probes and scrapes |
 
 pub mod engine;
+pub mod mesh;
 
 pub use engine::{EngineError, EnginePool, ReplyBody};
 

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use http::{HeaderValue, Method, Request};
 use tokio::time::Instant;
 
-use super::schedule::Leg;
+use super::plan::Leg;
 use super::view::RequestView;
 use crate::headers::{self, ROUTED, SESSION_ID};
 use crate::metrics::{InFlight, Route};

@@ -1,6 +1,6 @@
 //! Forwarding over the mesh's mutual TLS (`mesh.tls`): requests for a peer go
 //! to its mesh port, where its sidecar serves them like any other request
-//! ([`super::server`]), instead of to its client port over plain HTTP.
+//! (`crate::mesh::server`), instead of to its client port over plain HTTP.
 //!
 //! One HTTP/2 connection per peer carries every forwarded request to it
 //! (streams are multiplexed). It is made on first use under
@@ -128,7 +128,7 @@ impl MeshClient {
             Err(mut e) => {
                 let returned = e.take_message().is_some();
                 let e = e.into_error();
-                let reason = crate::path::execute::error_chain(&e);
+                let reason = crate::error::error_chain(&e);
                 let tls = tls_alert(&e);
                 if returned || tls || refused_stream(&e) {
                     Err(unsent(reason, tls))
