@@ -179,12 +179,13 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     if let Some(n) = args.pd_min_uncached_tokens {
         c.pd.min_uncached_tokens = Some(n);
     }
-    config::load::validate(&c).map_err(|(field, message)| ConfigError {
+    config::load::validate(&c).map_err(|(path, message)| ConfigError {
         file: "<flags>".to_owned(),
         line: None,
         column: None,
-        field,
+        path,
         message,
+        kind: config::ConfigErrorKind::Invalid,
     })?;
     Ok(c)
 }

@@ -1,41 +1,11 @@
 //! Reading `proxy.yaml`: strict decode with the path and line of the first bad
 //! field, then the validation pass for rules that span fields.
 
-use std::fmt;
 use std::path::Path;
 
+pub use kvmesh_filters::yaml::{ConfigError, ConfigErrorKind};
+
 use super::Config;
-
-/// A config file that cannot be used, located as precisely as the parser allows.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub struct ConfigError {
-    /// The file (or `<inline>`/`<flags>` for configs that did not come from a file).
-    pub file: String,
-    /// 1-based line and column, when known.
-    pub line: Option<usize>,
-    pub column: Option<usize>,
-    /// Dotted path of the offending field (`timeouts.connect`); empty for the whole document.
-    pub field: String,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.file)?;
-        if let Some(line) = self.line {
-            write!(f, ":{line}")?;
-            if let Some(col) = self.column {
-                write!(f, ":{col}")?;
-            }
-        }
-        let field = if self.field.is_empty() {
-            "<document>"
-        } else {
-            &self.field
-        };
-        write!(f, ": {field}: {}", self.message)
-    }
-}
 
 /// Reads, decodes and validates a config file.
 pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
@@ -44,8 +14,9 @@ pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
         file: origin.clone(),
         line: None,
         column: None,
-        field: String::new(),
+        path: String::new(),
         message: format!("cannot read: {e}"),
+        kind: ConfigErrorKind::Unreadable,
     })?;
     from_yaml_str(&src, &origin)
 }
@@ -53,14 +24,15 @@ pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
 /// Decodes and validates YAML text; `origin` names it in errors.
 pub fn from_yaml_str(src: &str, origin: &str) -> Result<Config, ConfigError> {
     let config = decode(src, origin)?;
-    validate(&config).map_err(|(field, message)| {
-        let (line, column) = locate(src, &field).unzip();
+    validate(&config).map_err(|(path, message)| {
+        let (line, column) = locate(src, &path).unzip();
         ConfigError {
             file: origin.to_owned(),
             line,
             column,
-            field,
+            path,
             message,
+            kind: ConfigErrorKind::Invalid,
         }
     })?;
     Ok(config)
@@ -86,13 +58,15 @@ fn decode(src: &str, origin: &str) -> Result<Config, ConfigError> {
         if let Some(pos) = message.find(" at line ") {
             message.truncate(pos);
         }
+        let kind = ConfigErrorKind::of_serde_message(&message);
         let message = strip_path_prefix(message, &field);
         ConfigError {
             file: origin.to_owned(),
             line: location.as_ref().map(|l| l.line()),
             column: location.as_ref().map(|l| l.column()),
-            field,
+            path: field,
             message,
+            kind,
         }
     })
 }
@@ -206,9 +180,21 @@ mod tests {
     #[test]
     fn unknown_field_names_line_and_path() {
         let e = from_yaml_str("timeouts:\n  connect: 1s\n  conect: 2s\n", "p.yaml").unwrap_err();
-        assert_eq!(e.field, "timeouts.conect");
+        assert_eq!(e.path, "timeouts.conect");
         assert_eq!(e.line, Some(3));
+        assert_eq!(e.kind, ConfigErrorKind::UnknownField);
         assert!(e.message.starts_with("unknown field `conect`"), "{e}");
+    }
+
+    #[test]
+    fn unreadable_file_is_its_own_kind() {
+        let e = load_file(Path::new("/nonexistent/kvmesh/proxy.yaml")).unwrap_err();
+        assert_eq!(e.kind, ConfigErrorKind::Unreadable);
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/kvmesh/proxy.yaml: <document>: cannot read: "),
+            "{e}"
+        );
     }
 
     #[test]
@@ -219,7 +205,7 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(
-            (e.field.as_str(), e.line),
+            (e.path.as_str(), e.line),
             ("limits.max_body_bytes", Some(4))
         );
         assert_eq!(
@@ -231,14 +217,16 @@ mod tests {
     #[test]
     fn wrong_type_is_rejected() {
         let e = from_yaml_str("upstream:\n  http2: maybe\n", "p.yaml").unwrap_err();
-        assert_eq!((e.field.as_str(), e.line), ("upstream.http2", Some(2)));
+        assert_eq!((e.path.as_str(), e.line), ("upstream.http2", Some(2)));
+        assert_eq!(e.kind, ConfigErrorKind::WrongType);
     }
 
     #[test]
     fn cross_field_rule_is_located() {
         let src = "# c\ntimeouts:\n  overall: 10s\n  first_byte: 20s\n";
         let e = from_yaml_str(src, "p.yaml").unwrap_err();
-        assert_eq!((e.field.as_str(), e.line), ("timeouts.first_byte", Some(4)));
+        assert_eq!((e.path.as_str(), e.line), ("timeouts.first_byte", Some(4)));
+        assert_eq!(e.kind, ConfigErrorKind::Invalid);
     }
 
     #[test]

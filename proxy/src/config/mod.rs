@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use autoscale::Autoscale;
-pub use load::{from_yaml_str, load_file, ConfigError};
+pub use load::{from_yaml_str, load_file, ConfigError, ConfigErrorKind};
 pub use mesh::Mesh;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
 pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};

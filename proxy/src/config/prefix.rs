@@ -309,13 +309,13 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(
-            (e.field.as_str(), e.line),
+            (e.path.as_str(), e.line),
             ("engine.kv_events.endpoint", Some(3))
         );
         let e = crate::config::from_yaml_str("prefix:\n  block_size: 0\n", "p.yaml").unwrap_err();
-        assert_eq!((e.field.as_str(), e.line), ("prefix.block_size", Some(2)));
+        assert_eq!((e.path.as_str(), e.line), ("prefix.block_size", Some(2)));
         let e = crate::config::from_yaml_str("prefix:\n  tokenizr: none\n", "p.yaml").unwrap_err();
-        assert_eq!(e.field, "prefix.tokenizr");
+        assert_eq!(e.path, "prefix.tokenizr");
         let ok = crate::config::from_yaml_str(
             "prefix:\n  tokenizer: builtin\n  hash_seed: s\nengine:\n  kv_events:\n    endpoint: tcp://*:5557\n    replay_endpoint: tcp://*:5558\n",
             "p.yaml",

@@ -150,13 +150,10 @@ mod tests {
     fn errors_name_line_and_field() {
         let src = "tracing:\n  otlp_endpoint: http://c:4317\n  sample_ratio: 1.5\n";
         let e = from_yaml_str(src, "p.yaml").unwrap_err();
-        assert_eq!(
-            (e.field.as_str(), e.line),
-            ("tracing.sample_ratio", Some(3))
-        );
+        assert_eq!((e.path.as_str(), e.line), ("tracing.sample_ratio", Some(3)));
         let e = from_yaml_str("tracing:\n  otlp_endpoint: https://c:4317\n", "p").unwrap_err();
         assert_eq!(
-            (e.field.as_str(), e.line),
+            (e.path.as_str(), e.line),
             ("tracing.otlp_endpoint", Some(2))
         );
         assert!(e.message.contains("https is not supported"), "{e}");
@@ -165,9 +162,9 @@ mod tests {
             "p",
         )
         .unwrap_err();
-        assert_eq!((e.field.as_str(), e.line), ("tracing.protocol", Some(3)));
+        assert_eq!((e.path.as_str(), e.line), ("tracing.protocol", Some(3)));
         let e = from_yaml_str("tracing:\n  endpoint: http://c\n", "p").unwrap_err();
-        assert_eq!(e.field, "tracing.endpoint");
+        assert_eq!(e.path, "tracing.endpoint");
         let e = from_yaml_str("tracing:\n  protocol: http\n", "p").unwrap_err();
         assert!(e.message.contains("otlp_endpoint"), "{e}");
     }
