@@ -24,7 +24,7 @@ use vllm::recorder::{self, Recorder};
 use vllm::report::Timings;
 use vllm::sidecar::SidecarUnderTest;
 use vllm::{
-    case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, engines_lock,
+    case_dp, case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, engines_lock,
 };
 
 /// KV-cache size of the single engine, in 32-token blocks (tiny-llama: 64 KiB per block).
@@ -323,6 +323,47 @@ fn vllm_pair_group() -> Result<()> {
             s.shutdown().await;
         }
     });
+    Ok(())
+}
+
+/// Group "dp": one engine with `--data-parallel-size 2` (rank r on core r), both ranks' KV events
+/// to one sidecar with `engine.data_parallel_size: 2`.
+///
+/// * case 8: each rank's blocks reach the sidecar under its rank, every batch carries its `dp_rank`;
+///   through the sidecar a rank's prefix goes back to that rank (vLLM's per-rank request and
+///   prefix-cache hit counters), and with rank 0 busy (seen in vLLM's `engine="0"` metrics) a fresh
+///   prompt goes to rank 1 while rank 0's prefix stays on rank 0.
+#[test]
+fn vllm_dp_group() -> Result<()> {
+    let _one_group_at_a_time = engines_lock();
+    let mut t = Timings::new("dp");
+    let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
+    let work = work_dir();
+    let events = format!("tcp://127.0.0.1:{}", vllm::consecutive_ports(2)?);
+    let spec = EngineSpec {
+        data_parallel: 2,
+        kv_cache_bytes: PAIR_KV_BLOCKS * 65_536,
+        kv_events_to: Some(events.clone()),
+        ..EngineSpec::new("dp", 0)
+    };
+    let engines = t.step("start vLLM --data-parallel-size 2 (KV events)", || {
+        Engine::start_all(&venv, work.path(), std::slice::from_ref(&spec))
+    })?;
+    let rt = runtime();
+    let http = Http::default();
+    let sidecar = t.step("start the sidecar (data_parallel_size: 2)", || {
+        rt.block_on(async {
+            let s =
+                SidecarUnderTest::from_yaml(case_dp::sidecar_yaml(&engines[0], &events)?).await?;
+            wait_ready(&http, &s.admin_url).await?;
+            anyhow::Ok(s)
+        })
+    })?;
+    t.step(
+        "case 8: data-parallel ranks: events, load and X-data-parallel-rank",
+        || rt.block_on(case_dp::check(&http, &engines[0], &sidecar)),
+    )?;
+    rt.block_on(sidecar.shutdown());
     Ok(())
 }
 

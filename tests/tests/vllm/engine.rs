@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use serde_json::json;
 
 use super::setup::Venv;
-use super::{free_port, model_dir, BLOCK_SIZE, MODEL};
+use super::{consecutive_ports, free_port, model_dir, BLOCK_SIZE, MODEL};
 
 /// How long one engine may take to answer `/health`: 23-40 s alone on an idle core, but two engines
 /// starting together on 2 cores took 66-94 s in quiet CI runs, 186 s at a load average of 5, and
@@ -78,8 +78,12 @@ impl KvRole {
 pub struct EngineSpec {
     /// Short name, used for the log file and in messages.
     pub name: &'static str,
-    /// The CPU core the engine's OpenMP threads are bound to.
+    /// The CPU core the engine's OpenMP threads are bound to (with data parallelism, rank r's
+    /// threads to core `cpu + r`).
     pub cpu: u32,
+    /// `--data-parallel-size` (1: none): that many engine ranks behind one port, each publishing its
+    /// KV events on the endpoints' port + rank, as vLLM offsets them.
+    pub data_parallel: u32,
     /// Size of the KV cache in bytes (tiny-llama: 65,536 bytes per 32-token block).
     pub kv_cache_bytes: u64,
     /// `--max-num-seqs`.
@@ -104,6 +108,7 @@ impl EngineSpec {
         EngineSpec {
             name,
             cpu,
+            data_parallel: 1,
             kv_cache_bytes: 40 * 65_536,
             max_num_seqs: 4,
             sha256_cbor: false,
@@ -208,7 +213,7 @@ impl Engine {
         }
         let mut replay_endpoint = None;
         if let Some(endpoint) = &spec.kv_events_to {
-            let replay = format!("tcp://127.0.0.1:{}", free_port()?);
+            let replay = format!("tcp://127.0.0.1:{}", ports(spec.data_parallel)?);
             let config = json!({
                 "enable_kv_cache_events": true,
                 "publisher": "zmq",
@@ -239,6 +244,13 @@ impl Engine {
             cmd.arg("--kv-transfer-config").arg(config.to_string());
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
+        if spec.data_parallel > 1 {
+            cmd.args(["--data-parallel-size", &spec.data_parallel.to_string()]);
+        }
+        // One core per rank: `VLLM_CPU_OMP_THREADS_BIND` takes rank 0's cores|rank 1's|...
+        let cores: Vec<String> = (0..spec.data_parallel.max(1))
+            .map(|r| (spec.cpu + r).to_string())
+            .collect();
         match &spec.python_hash_seed {
             Some(seed) => cmd.env("PYTHONHASHSEED", seed),
             None => cmd.env_remove("PYTHONHASHSEED"),
@@ -246,7 +258,7 @@ impl Engine {
         cmd.env("VLLM_TARGET_DEVICE", "cpu")
             // Without it vLLM's internal queues bind a non-loopback address.
             .env("VLLM_HOST_IP", "127.0.0.1")
-            .env("VLLM_CPU_OMP_THREADS_BIND", spec.cpu.to_string())
+            .env("VLLM_CPU_OMP_THREADS_BIND", cores.join("|"))
             // `POST /reset_prefix_cache` is a dev-mode endpoint.
             .env("VLLM_SERVER_DEV_MODE", "1")
             .env("VLLM_CACHE_ROOT", dir.join("cache/vllm"))
@@ -363,6 +375,15 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// The first of `n` consecutive free ports (one per data-parallel rank), or one free port.
+fn ports(n: u32) -> Result<u16> {
+    if n > 1 {
+        consecutive_ports(n)
+    } else {
+        Ok(free_port()?)
     }
 }
 

@@ -15,6 +15,7 @@
 
 #![allow(dead_code)]
 
+pub mod case_dp;
 pub mod case_faults;
 pub mod case_fidelity;
 pub mod case_hashes;
@@ -71,6 +72,22 @@ pub fn model_dir() -> PathBuf {
 pub fn free_port() -> std::io::Result<u16> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
     Ok(listener.local_addr()?.port())
+}
+
+/// The first of `n` consecutive loopback ports that were free a moment ago: vLLM puts a
+/// data-parallel rank r's KV-event sockets on the configured port + r.
+pub fn consecutive_ports(n: u32) -> anyhow::Result<u16> {
+    for _ in 0..100 {
+        let first = free_port()?;
+        let rest = (1..n).all(|r| {
+            u16::try_from(u32::from(first) + r)
+                .is_ok_and(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if rest {
+            return Ok(first);
+        }
+    }
+    anyhow::bail!("no {n} consecutive free ports in 100 tries")
 }
 
 /// A prompt of `words` words of varied English text, starting with `[tag]` so that prompts with
