@@ -18,7 +18,6 @@
 
 pub use crate::upstream::mesh as client;
 pub mod discovery;
-pub mod forward;
 pub mod metrics;
 pub mod mirror;
 pub mod server;

@@ -61,7 +61,6 @@ pub async fn execute(
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
-        crate::routing::predict(app, ctx, &target);
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
@@ -81,7 +80,7 @@ pub async fn execute(
                 ctx.access = access;
                 match r {
                     Err(e) if failed_before_any_byte(&e, &decode_name) => {
-                        call_failed(app, &decode_upstream);
+                        super::account::failed(app, &decode_upstream);
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
                         last = Some(e);
@@ -98,27 +97,21 @@ pub async fn execute(
             break;
         }
         ctx.attempts += 1;
-        crate::routing::track(app, ctx, &target);
+        super::account::attempt(app, ctx, &target);
         match forward(app, ctx, upstream.clone(), &mut req).await {
             Ok(Forwarded::Served(resp)) => {
-                app.fleet
-                    .call_served(&upstream_pod(app, &upstream), Instant::now());
-                let peer = match &upstream {
-                    Upstream::Peer(a) => Some(*a),
-                    _ => None,
-                };
-                crate::mesh::forward::served(app, ctx, peer);
+                super::account::served(app, ctx, &upstream);
                 ctx.served_by = Some(upstream.served());
                 return Ok(resp);
             }
             Ok(Forwarded::Unserved(reply)) => {
-                call_failed(app, &upstream);
+                super::account::failed(app, &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), status = %reply.resp.status(), "target answered 5xx before any byte; trying the next fallback");
                 last_reply = Some((upstream, reply));
             }
             Err(e) if crate::error::next_target_may_serve(&e) => {
-                call_failed(app, &upstream);
+                super::account::failed(app, &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
@@ -194,15 +187,6 @@ fn last_resort_is_local(app: &App, ctx: &RequestCtx, targets: &[Target]) -> bool
         && !app.fleet.ejected(app.fleet.local_id(), Instant::now())
 }
 
-/// Counts a failed call to `upstream`'s pod towards its outlier ejection.
-fn call_failed(app: &App, upstream: &Upstream) {
-    let pod = upstream_pod(app, upstream);
-    if let Some(period) = app.fleet.call_failed(&pod, Instant::now()) {
-        app.metrics.outlier_ejected();
-        tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
-    }
-}
-
 /// Whether `e` is `upstream` failing before any byte reached the client, so
 /// that another pod may serve the request (a refusal, a connection broken
 /// before the head, a decode leg's 5xx).
@@ -213,16 +197,7 @@ fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
 
 /// The pod a P/D leg goes to, for the access line.
 fn leg_pod(app: &App, leg: &Leg) -> String {
-    upstream_pod(app, &leg_upstream(leg))
-}
-
-/// The pod id behind an upstream (an llm-d prefiller: its address).
-fn upstream_pod(app: &App, u: &Upstream) -> String {
-    match u {
-        Upstream::Engine => app.fleet.local_id().to_owned(),
-        Upstream::Peer(a) => app.fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
-        Upstream::Direct(a) => a.to_string(),
-    }
+    super::account::upstream_pod(app, &leg_upstream(leg))
 }
 
 /// One attempt: request head rewritten for the hop, body as the client sent it.

@@ -9,6 +9,7 @@
 //! | execute | `execute.rs` | forward to the engine or a peer sidecar, relay the response |
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
 
+pub mod account;
 pub mod classify;
 pub mod execute;
 pub mod observe;

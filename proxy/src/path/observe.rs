@@ -8,7 +8,7 @@ use http::Response;
 use crate::app::App;
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
-use crate::request::{RequestCtx, Served};
+use crate::request::RequestCtx;
 use crate::respond::error_response;
 
 pub fn observe(
@@ -63,12 +63,10 @@ pub fn observe(
     };
     let resp = match ctx.access.take() {
         Some(mut log) => {
-            let pod = ctx.served_by.map(|s| match s {
-                Served::LocalEngine => app.fleet.local_id().to_owned(),
-                Served::Peer(addr) => app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string()),
-            });
+            let pod = ctx.served_by.map(|s| super::account::served_pod(app, s));
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
             log.head(status, model, ctx.route_reason, pod, ctx.attempts);
+            log.rank(ctx.dp_rank.get().copied());
             resp.map(|b| b.with_access(log))
         }
         None => resp,

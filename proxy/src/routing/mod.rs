@@ -30,9 +30,9 @@ use tokio::time::Instant;
 use crate::app::App;
 use crate::config::Config;
 use crate::error::ProxyError;
-use crate::fleet::{Fleet, PodInfo};
+use crate::fleet::PodInfo;
 use crate::otel::Stage;
-use crate::request::{Leg, Plan, RequestCtx, Target};
+use crate::request::{Plan, RequestCtx};
 
 /// Block size assumed until the engine reports its own (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -282,56 +282,6 @@ pub fn no_endpoint_error(
             profile,
         },
         other => ProxyError::Internal(other.to_string()),
-    }
-}
-
-/// Counts the request towards the pod `target` runs on (its decode pod when
-/// disaggregated), for as long as the response lasts. Called by the execute
-/// stage for each target it tries, so a fallback moves the count.
-pub fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
-    let guard = if ctx.already_routed && *target == Target::LocalEngine {
-        // Forwarded here by a peer, which publishes it to the mesh itself.
-        app.fleet.begin_received()
-    } else {
-        pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id))
-    };
-    if let Some(in_flight) = ctx.in_flight.as_mut() {
-        in_flight.hold_target(guard);
-    }
-}
-
-/// Precise mode: the pods `target` sends this request's prompt to will hold
-/// its blocks (both legs of a split: prefill computes them, decode receives
-/// them), until their engines' KV events say so. A request a peer already
-/// routed was predicted there.
-pub fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
-    if ctx.already_routed || ctx.block_keys.is_empty() {
-        return;
-    }
-    if let Target::Disaggregated { prefill, .. } = target {
-        if let Some(id) = leg_id(&app.fleet, prefill) {
-            app.prefix.predict(&id, ctx);
-        }
-    }
-    if let Some(id) = pod_of(&app.fleet, target) {
-        app.prefix.predict(&id, ctx);
-    }
-}
-
-fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
-    match target {
-        Target::LocalEngine => leg_id(fleet, &Leg::LocalEngine),
-        Target::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
-        Target::Disaggregated { decode, .. } => leg_id(fleet, decode),
-    }
-}
-
-fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
-    match leg {
-        Leg::LocalEngine => Some(fleet.local_id().to_owned()),
-        Leg::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
-        // An engine outside the mesh: no pod of the fleet.
-        Leg::Direct(_) => None,
     }
 }
 

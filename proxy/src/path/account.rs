@@ -1,0 +1,145 @@
+//! The accounting stage: everything a request changes in the sidecar's
+//! shared books, in one place. The execute stage calls it at two moments:
+//!
+//! | when | what |
+//! |---|---|
+//! | [`attempt`]: a target is about to be called | blocks predicted on its pods (precise mode), the request counted in flight on its pod across the mesh (until its body ends) |
+//! | [`served`]: a response head came back | the pod's call counted as served (outlier ejection), where it ran (mesh counters), the approximate index and the mesh publish of the decision |
+//! | [`failed`]: a target failed before any byte | the call counted as failed (outlier ejection) |
+//!
+//! Predictions and in-flight counts start before the response head, not
+//! after it: a request arriving meanwhile must see them, or a burst would
+//! all go to the same pod.
+
+use std::net::SocketAddr;
+
+use tokio::time::Instant;
+
+use crate::app::App;
+use crate::fleet::Fleet;
+use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
+
+/// A target is about to be called (each fallback again: the count moves).
+pub(crate) fn attempt(app: &App, ctx: &mut RequestCtx, target: &Target) {
+    predict(app, ctx, target);
+    track(app, ctx, target);
+}
+
+/// A response head came back from `upstream`.
+pub(crate) fn served(app: &App, ctx: &RequestCtx, upstream: &Upstream) {
+    app.fleet
+        .call_served(&upstream_pod(app, upstream), Instant::now());
+    let peer = match upstream {
+        Upstream::Peer(a) => Some(*a),
+        _ => None,
+    };
+    ran_on(app, ctx, peer);
+}
+
+/// `upstream` failed before any byte: counts towards its pod's ejection.
+pub(crate) fn failed(app: &App, upstream: &Upstream) {
+    let pod = upstream_pod(app, upstream);
+    if let Some(period) = app.fleet.call_failed(&pod, Instant::now()) {
+        app.metrics.outlier_ejected();
+        tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
+    }
+}
+
+/// The pod id behind an upstream (an llm-d prefiller: its address).
+pub(crate) fn upstream_pod(app: &App, u: &Upstream) -> String {
+    match u {
+        Upstream::Engine => app.fleet.local_id().to_owned(),
+        Upstream::Peer(a) => app.fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
+        Upstream::Direct(a) => a.to_string(),
+    }
+}
+
+/// The pod id of where a response came from, for the access line.
+pub(crate) fn served_pod(app: &App, s: Served) -> String {
+    match s {
+        Served::LocalEngine => app.fleet.local_id().to_owned(),
+        Served::Peer(addr) => app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string()),
+    }
+}
+
+/// Counts the request towards the pod `target` runs on (its decode pod when
+/// disaggregated), for as long as the response lasts. Called by the execute
+/// stage for each target it tries, so a fallback moves the count.
+fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
+    let guard = if ctx.already_routed && *target == Target::LocalEngine {
+        // Forwarded here by a peer, which publishes it to the mesh itself.
+        app.fleet.begin_received()
+    } else {
+        pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id))
+    };
+    if let Some(in_flight) = ctx.in_flight.as_mut() {
+        in_flight.hold_target(guard);
+    }
+}
+
+/// Precise mode: the pods `target` sends this request's prompt to will hold
+/// its blocks (both legs of a split: prefill computes them, decode receives
+/// them), until their engines' KV events say so. A request a peer already
+/// routed was predicted there.
+fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
+    if ctx.already_routed || ctx.block_keys.is_empty() {
+        return;
+    }
+    if let Target::Disaggregated { prefill, .. } = target {
+        if let Some(id) = leg_id(&app.fleet, prefill) {
+            app.prefix.predict(&id, ctx);
+        }
+    }
+    if let Some(id) = pod_of(&app.fleet, target) {
+        app.prefix.predict(&id, ctx);
+    }
+}
+
+fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {
+    match target {
+        Target::LocalEngine => leg_id(fleet, &Leg::LocalEngine),
+        Target::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
+        Target::Disaggregated { decode, .. } => leg_id(fleet, decode),
+    }
+}
+
+fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
+    match leg {
+        Leg::LocalEngine => Some(fleet.local_id().to_owned()),
+        Leg::Peer { sidecar_addr } => fleet.peer_id(*sidecar_addr),
+        // An engine outside the mesh: no pod of the fleet.
+        Leg::Direct(_) => None,
+    }
+}
+
+/// Where the request ran, as the mesh counts it (`None`: the local
+/// engine); in approximate mode the decision is recorded in the local index
+/// and published to the peers.
+fn ran_on(app: &App, ctx: &RequestCtx, peer: Option<SocketAddr>) {
+    if ctx.view.is_none() {
+        return;
+    }
+    let m = &app.metrics.mesh;
+    let pod = match peer {
+        None if ctx.already_routed => {
+            m.request("received");
+            return;
+        }
+        None => {
+            m.request("local");
+            app.fleet.local_id().to_owned()
+        }
+        Some(addr) => {
+            m.request("forwarded");
+            let Some(id) = app.fleet.peer_id(addr) else {
+                return;
+            };
+            m.forwarded(&id);
+            id
+        }
+    };
+    if app.prefix.mode() == crate::prefix::Mode::Approximate && !ctx.block_keys.is_empty() {
+        app.prefix.record(&pod, ctx);
+        app.mesh.decision(app, &pod, &ctx.block_keys);
+    }
+}
