@@ -104,6 +104,32 @@ impl NodePair {
     }
 }
 
+/// Set to `1` to let a test that needs network namespaces pass without
+/// them (saying so); unset, such a test fails with the reason.
+pub const SKIP_ENV: &str = "KVMESH_NETNS_SKIP";
+
+impl NodePair {
+    /// [`NodePair::create`] for a test that needs it: where namespaces are
+    /// not available, panics with the reason, unless [`SKIP_ENV`] is `1`
+    /// (then says it skipped and returns `None`).
+    pub fn create_or_skip(test: &str) -> Option<NodePair> {
+        match NodePair::create() {
+            Ok(p) => Some(p),
+            Err(why) if std::env::var(SKIP_ENV).as_deref() == Ok("1") => {
+                eprintln!(
+                    "SKIPPED ({SKIP_ENV}=1): {test} needs network namespaces: {}",
+                    why.0
+                );
+                None
+            }
+            Err(why) => panic!(
+                "{test} needs network namespaces: {} (run as root, or set {SKIP_ENV}=1 to skip it)",
+                why.0
+            ),
+        }
+    }
+}
+
 impl Drop for NodePair {
     fn drop(&mut self) {
         for n in [&self.a, &self.b] {
@@ -115,6 +141,15 @@ impl Drop for NodePair {
 }
 
 impl Node {
+    /// Sets the node's end of the veth down (a partition: the other node's
+    /// end loses its carrier, and nothing crosses) or up again (healed).
+    pub fn set_link(&self, up: bool) {
+        let state = if up { "up" } else { "down" };
+        if let Err(e) = ip(&["-n", &self.ns, "link", "set", &self.veth, state]) {
+            panic!("netns: could not set {} {state}: {e}", self.veth);
+        }
+    }
+
     /// Bytes sent and received on the node's end of the veth (`ip -s link`).
     pub fn veth_bytes(&self) -> (u64, u64) {
         let out = Command::new("ip")
