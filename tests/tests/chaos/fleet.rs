@@ -4,8 +4,13 @@
 //! peers and clients expect it. Helpers scrape what the accounting needs:
 //! the sims' running counts, the sidecars' in-flight gauges and their
 //! `/debug/fleet`.
+//!
+//! A pod is placed on loopback in the test's namespace, or on a "node" (a
+//! network namespace of `kvmesh_tests::netns`): its processes then run under
+//! `ip netns exec` on the node's pod address, and the test reaches them from a
+//! runtime whose threads live in that namespace ([`Place`]).
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +22,7 @@ use kvmesh_engine_sim::KvSubscriber;
 use kvmesh_tests::route::MODEL;
 use serde_json::Value;
 use tokio::process::{Child, Command};
+use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
@@ -39,8 +45,22 @@ pub fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
-fn local(port: u16) -> SocketAddr {
-    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+/// Where a pod runs: its address, and the namespace its processes and the
+/// test's calls to it run in (`None`: the test's own).
+#[derive(Clone)]
+pub struct Place {
+    pub ip: IpAddr,
+    /// The node's namespace and a runtime whose threads entered it.
+    pub node: Option<(String, Handle)>,
+}
+
+impl Place {
+    pub fn loopback() -> Self {
+        Self {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            node: None,
+        }
+    }
 }
 
 /// The `kvmesh-proxy` binary beside this test's own, brought up to date.
@@ -96,6 +116,7 @@ pub struct Pod {
     pub name: String,
     pub role: Role,
     pub ports: Ports,
+    pub place: Place,
     engine: Option<Child>,
     sidecar: Option<Child>,
     engine_id: String,
@@ -112,15 +133,57 @@ pub struct Pod {
 
 impl Pod {
     pub fn client_addr(&self) -> SocketAddr {
-        local(self.ports.client)
+        SocketAddr::new(self.place.ip, self.ports.client)
     }
 
     pub fn admin_addr(&self) -> SocketAddr {
-        local(self.ports.admin)
+        SocketAddr::new(self.place.ip, self.ports.admin)
     }
 
     pub fn engine_addr(&self) -> SocketAddr {
-        local(self.ports.engine)
+        SocketAddr::new(self.place.ip, self.ports.engine)
+    }
+
+    /// The pod's id in every sidecar's `/debug/fleet` (its client address).
+    pub fn id(&self) -> String {
+        self.client_addr().to_string()
+    }
+
+    /// A command for `bin`, run in the pod's namespace.
+    fn command(&self, bin: &Path) -> Command {
+        match &self.place.node {
+            Some((ns, _)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        }
+    }
+
+    /// One HTTP call from the pod's namespace (`None`: no answer in 3 s).
+    async fn call(
+        &self,
+        addr: SocketAddr,
+        method: &'static str,
+        path: &str,
+        body: Option<Value>,
+    ) -> Option<(u16, Bytes)> {
+        let fut = raw(addr, method, path.to_owned(), body);
+        match &self.place.node {
+            Some((_, net)) => net.spawn(fut).await.ok().flatten(),
+            None => fut.await,
+        }
+    }
+
+    async fn get_json(&self, addr: SocketAddr, path: &str) -> Option<Value> {
+        let (status, body) = self.call(addr, "GET", path, None).await?;
+        (status == 200).then(|| serde_json::from_slice(&body).ok())?
+    }
+
+    async fn get_text(&self, addr: SocketAddr, path: &str) -> Option<String> {
+        let (status, body) = self.call(addr, "GET", path, None).await?;
+        (status == 200).then(|| String::from_utf8_lossy(&body).into_owned())
     }
 
     /// Starts the engine (again) on its ports and waits until it answers
@@ -129,7 +192,7 @@ impl Pod {
     pub async fn start_engine(&mut self) {
         let deadline = Instant::now() + READY_WITHIN;
         loop {
-            let mut cmd = Command::new(&self.sim_bin);
+            let mut cmd = self.command(&self.sim_bin);
             cmd.args([
                 "--model",
                 MODEL,
@@ -142,7 +205,7 @@ impl Pod {
                 "--engine-id",
                 &self.engine_id,
                 "--listen",
-                &format!("127.0.0.1:{}", self.ports.engine),
+                &self.engine_addr().to_string(),
                 "--kv-events-endpoint",
                 &format!("tcp://*:{}", self.ports.kv),
                 "--kv-events-replay",
@@ -177,7 +240,7 @@ impl Pod {
             if let Ok(Some(_)) = child.try_wait() {
                 return false;
             }
-            if let Some(v) = get_json(self.engine_addr(), "/sim/stats").await {
+            if let Some(v) = self.get_json(self.engine_addr(), "/sim/stats").await {
                 if v["engine_id"].as_str() == Some(self.engine_id.as_str()) {
                     return true;
                 }
@@ -228,7 +291,8 @@ impl Pod {
                 .append(true)
                 .open(&self.log)
                 .expect("sidecar log");
-            let mut child = Command::new(&self.proxy_bin)
+            let mut child = self
+                .command(&self.proxy_bin)
                 .args(["--config"])
                 .arg(&self.config)
                 .stdin(Stdio::null())
@@ -242,7 +306,8 @@ impl Pod {
                 if let Ok(Some(_)) = child.try_wait() {
                     break;
                 }
-                if admin_status(self.admin_addr(), "/ready").await == Some(200) {
+                let ready = self.call(self.admin_addr(), "GET", "/ready", None).await;
+                if ready.map(|r| r.0) == Some(200) {
                     up = true;
                     break;
                 }
@@ -298,24 +363,36 @@ impl Pod {
 
     /// The engine's running + waiting requests (`None`: it did not answer).
     pub async fn engine_in_flight(&self) -> Option<u64> {
-        let v = get_json(self.engine_addr(), "/sim/stats").await?;
+        let v = self.get_json(self.engine_addr(), "/sim/stats").await?;
         Some(v["running"].as_u64()? + v["waiting"].as_u64()?)
     }
 
     /// Transfers a prefill engine still holds for a decode.
     pub async fn held_transfers(&self) -> Option<u64> {
-        get_json(self.engine_addr(), "/sim/stats").await?["held_transfers"].as_u64()
+        self.get_json(self.engine_addr(), "/sim/stats").await?["held_transfers"].as_u64()
     }
 
     /// Sets the engine's fault script (`POST /sim/faults`).
     pub async fn faults(&self, script: Value) {
-        let ok = post_json(self.engine_addr(), "/sim/faults", &script).await;
-        assert_eq!(ok, Some(200), "fault script {script} on {}", self.name);
+        let ok = self
+            .call(
+                self.engine_addr(),
+                "POST",
+                "/sim/faults",
+                Some(script.clone()),
+            )
+            .await;
+        assert_eq!(
+            ok.map(|r| r.0),
+            Some(200),
+            "fault script {script} on {}",
+            self.name
+        );
     }
 
     /// The sidecar's in-flight gauges, by series.
     pub async fn in_flight_gauges(&self) -> Option<Vec<(String, f64)>> {
-        let text = get_text(self.admin_addr(), "/metrics").await?;
+        let text = self.get_text(self.admin_addr(), "/metrics").await?;
         Some(
             text.lines()
                 .filter(|l| !l.starts_with('#') && l.contains("in_flight"))
@@ -330,7 +407,7 @@ impl Pod {
     /// One counter or gauge from the sidecar's `/metrics` (summed over
     /// series whose name starts with `prefix`).
     pub async fn metric_sum(&self, prefix: &str) -> f64 {
-        let Some(text) = get_text(self.admin_addr(), "/metrics").await else {
+        let Some(text) = self.get_text(self.admin_addr(), "/metrics").await else {
             return 0.0;
         };
         text.lines()
@@ -339,9 +416,14 @@ impl Pod {
             .sum()
     }
 
+    /// The sidecar's `/debug/fleet`.
+    pub async fn fleet_json(&self) -> Option<Value> {
+        self.get_json(self.admin_addr(), "/debug/fleet").await
+    }
+
     /// The pods this sidecar knows, as `(id, healthy)`, sorted.
     pub async fn fleet_view(&self) -> Option<Vec<(String, bool)>> {
-        let v = get_json(self.admin_addr(), "/debug/fleet").await?;
+        let v = self.fleet_json().await?;
         let mut pods: Vec<(String, bool)> = v["pods"]
             .as_array()?
             .iter()
@@ -368,11 +450,23 @@ impl Fleet {
     /// peers file listing every mesh port; waits until every sidecar sees
     /// every pod healthy.
     pub async fn start(roles: &[Role], sim_bin: PathBuf, proxy_bin: PathBuf) -> Self {
+        let placed: Vec<_> = roles.iter().map(|r| (*r, Place::loopback())).collect();
+        Self::start_placed(&placed, sim_bin, proxy_bin).await
+    }
+
+    /// [`Fleet::start`] with each pod where its [`Place`] says. A pod on a
+    /// node reads its engine's KV events directly (the relay that drops
+    /// batches lives in the test's namespace, out of the node's reach).
+    pub async fn start_placed(
+        roles: &[(Role, Place)],
+        sim_bin: PathBuf,
+        proxy_bin: PathBuf,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let peers = dir.path().join("peers");
         let mut pods = Vec::new();
         let ports = free_ports(6 * roles.len());
-        for (i, role) in roles.iter().enumerate() {
+        for (i, (role, place)) in roles.iter().enumerate() {
             let name = format!("pod{i}");
             let ports = Ports::from(&ports[6 * i..6 * i + 6]);
             let config = dir.path().join(format!("{name}.yaml"));
@@ -381,6 +475,7 @@ impl Fleet {
                 name,
                 role: *role,
                 ports,
+                place: place.clone(),
                 engine: None,
                 sidecar: None,
                 engine_id: format!("chaos-engine-{i}"),
@@ -395,20 +490,22 @@ impl Fleet {
         }
         let text: String = pods
             .iter()
-            .map(|p| format!("127.0.0.1:{}\n", p.ports.mesh))
+            .map(|p| format!("{}\n", SocketAddr::new(p.place.ip, p.ports.mesh)))
             .collect();
         std::fs::write(&peers, text).expect("peers file");
         for p in &mut pods {
             p.start_engine().await;
-            // The sidecar reads KV events through a relay that can drop batches.
-            let (relayed, task) = relay(
-                &format!("tcp://127.0.0.1:{}", p.ports.kv),
-                p.drop_batches.clone(),
-                p.dropped.clone(),
-            )
-            .await;
-            p.relay = Some(task);
-            std::fs::write(&p.config, sidecar_yaml(p, &relayed, &peers)).expect("config");
+            let direct = format!("tcp://{}:{}", p.place.ip, p.ports.kv);
+            let events = if p.place.node.is_some() {
+                direct
+            } else {
+                // The sidecar reads KV events through a relay that can drop batches.
+                let (relayed, task) =
+                    relay(&direct, p.drop_batches.clone(), p.dropped.clone()).await;
+                p.relay = Some(task);
+                relayed
+            };
+            std::fs::write(&p.config, sidecar_yaml(p, &events, &peers)).expect("config");
         }
         for p in &mut pods {
             p.start_sidecar().await;
@@ -428,11 +525,7 @@ impl Fleet {
     pub async fn converged(&self, within: Duration) -> Duration {
         let start = Instant::now();
         let want: Vec<(String, bool)> = {
-            let mut v: Vec<_> = self
-                .pods
-                .iter()
-                .map(|p| (format!("127.0.0.1:{}", p.ports.client), true))
-                .collect();
+            let mut v: Vec<_> = self.pods.iter().map(|p| (p.id(), true)).collect();
             v.sort();
             v
         };
@@ -472,17 +565,18 @@ impl Fleet {
 
 fn sidecar_yaml(p: &Pod, kv_events: &str, peers: &Path) -> String {
     let role = p.role.arg();
+    let ip = p.place.ip;
     format!(
         "listeners:
-  client: 127.0.0.1:{client}
-  admin: 127.0.0.1:{admin}
+  client: {ip}:{client}
+  admin: {ip}:{admin}
 engine:
-  url: http://127.0.0.1:{engine}
+  url: http://{ip}:{engine}
   health_interval: 100ms
   metrics_interval: 100ms
   kv_events:
     endpoint: {kv_events}
-    replay_endpoint: tcp://127.0.0.1:{replay}
+    replay_endpoint: tcp://{ip}:{replay}
     topic: \"\"
     socket: connect
     replay_timeout: 1s
@@ -502,7 +596,7 @@ prefix:
   tokenizer: builtin
   block_size: 16
 mesh:
-  listen: 127.0.0.1:{mesh}
+  listen: {ip}:{mesh}
   file: {peers}
   refresh_interval: 100ms
   stale_after: 1s
@@ -565,9 +659,9 @@ async fn relay(
 
 async fn raw(
     addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
+    method: &'static str,
+    path: String,
+    body: Option<Value>,
 ) -> Option<(u16, Bytes)> {
     use http_body_util::{BodyExt, Full};
     let client = kvmesh_tests::client::http1();
@@ -591,22 +685,4 @@ async fn raw(
     tokio::time::timeout(Duration::from_secs(3), fut)
         .await
         .ok()?
-}
-
-pub async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
-    let (status, body) = raw(addr, "GET", path, None).await?;
-    (status == 200).then(|| serde_json::from_slice(&body).ok())?
-}
-
-async fn get_text(addr: SocketAddr, path: &str) -> Option<String> {
-    let (status, body) = raw(addr, "GET", path, None).await?;
-    (status == 200).then(|| String::from_utf8_lossy(&body).into_owned())
-}
-
-async fn admin_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    Some(raw(addr, "GET", path, None).await?.0)
-}
-
-async fn post_json(addr: SocketAddr, path: &str, v: &Value) -> Option<u16> {
-    Some(raw(addr, "POST", path, Some(v)).await?.0)
 }
