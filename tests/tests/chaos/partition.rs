@@ -1,0 +1,334 @@
+//! The network-partition fault: a meshed fleet over two "nodes" (network
+//! namespaces joined by a veth pair, `kvmesh_tests::netns`), two aggregated
+//! pods on each (engine and sidecar processes on the node's pod address),
+//! steady load on both sides, each side's clients sending to their own
+//! side's sidecars. Node a's end of the veth goes down (nothing crosses), the
+//! load keeps running, then the link comes up again; repeated
+//! `KVMESH_PARTITION_ROUNDS` times (default 1).
+//!
+//! Checked per request, as the chaos suite does: every request ends within
+//! its deadline, complete or with an OpenAI-style error; the requests lost
+//! to a cut (those started since the previous cut, up to the heal) number at
+//! most the requests in flight across it (every sidecar's
+//! `/debug/fleet` `in_flight_local` to the other side's pods, read just
+//! before and just after the link went down, the larger); the requests
+//! started after the last heal lose none. While cut, each side's sidecars
+//! drop the other side's pods from `/debug/fleet` (bounded wait) instead of
+//! routing to them. After the heal, the time until every sidecar's
+//! `/debug/fleet` lists all four pods, healthy, is the figure (docs/robustness.md).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_tests::netns::NodePair;
+use serde_json::json;
+use tokio::runtime::Handle;
+use tokio::time::Instant;
+
+use crate::fleet::{Fleet, Place, Role};
+use crate::load::{self, Control, Outcome};
+
+/// Pods per node.
+const PER_NODE: usize = 2;
+/// Load before the first cut.
+const BASELINE: Duration = Duration::from_millis(1000);
+/// How long a cut lasts: past the sidecars' `mesh.stale_after` (1 s), so each
+/// side forgets the other's pods, and past `timeouts.stream_idle` (5 s) would
+/// fail every stream across the cut; 3 s leaves some to resume at the heal.
+const CUT_FOR: Duration = Duration::from_millis(3000);
+/// Load after a heal, before the next cut.
+const HEALED_FOR: Duration = Duration::from_millis(1500);
+/// Bounds on the waits for the mesh to notice.
+const NOTICE_WITHIN: Duration = Duration::from_secs(20);
+
+/// One cut and heal.
+#[derive(Debug, Clone)]
+pub struct Round {
+    /// Requests in flight across the cut when it came.
+    pub bound: u64,
+    /// From the link going down to every sidecar seeing only its own side.
+    pub split_ms: u128,
+    /// From the link coming up to every sidecar's `/debug/fleet` agreeing.
+    pub converge_ms: u128,
+    /// Requests started from the previous cut (or the start) to the heal,
+    /// and how many of them failed.
+    pub requests: usize,
+    pub lost: usize,
+}
+
+/// What a run measured; [`Report::check`] asserts the accounting.
+pub struct Report {
+    pub violations: Vec<String>,
+    pub stuck: Vec<String>,
+    pub total: usize,
+    pub complete: usize,
+}
+
+impl Report {
+    pub fn check(&self) {
+        assert!(
+            self.stuck.is_empty(),
+            "in-flight gauges not back to 0: {:?}",
+            self.stuck
+        );
+        assert!(
+            self.complete > self.total / 2,
+            "most requests complete: {} of {}",
+            self.complete,
+            self.total
+        );
+        assert!(
+            self.violations.is_empty(),
+            "partition accounting failed:\n{}",
+            self.violations.join("\n")
+        );
+    }
+}
+
+fn env_num(name: &str, default: f64) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Requests every sidecar has outstanding to the other node's pods.
+async fn across(fleet: &Fleet) -> u64 {
+    let mut n = 0;
+    for p in &fleet.pods {
+        let Some(v) = p.fleet_json().await else {
+            continue;
+        };
+        let mine = p.place.ip.to_string();
+        for pod in v["pods"].as_array().into_iter().flatten() {
+            let id = pod["info"]["id"].as_str().unwrap_or("");
+            if !id.starts_with(&format!("{mine}:")) {
+                n += pod["in_flight_local"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    n
+}
+
+/// Waits (bounded) until every sidecar lists exactly its own node's pods,
+/// healthy; returns how long that took.
+async fn split(fleet: &Fleet, within: Duration) -> Duration {
+    let start = Instant::now();
+    let mut last = Vec::new();
+    while start.elapsed() < within {
+        let mut ok = true;
+        last.clear();
+        for p in &fleet.pods {
+            let mut want: Vec<(String, bool)> = fleet
+                .pods
+                .iter()
+                .filter(|q| q.place.ip == p.place.ip)
+                .map(|q| (q.id(), true))
+                .collect();
+            want.sort();
+            let view = p.fleet_view().await;
+            ok &= view.as_ref() == Some(&want);
+            last.push(view);
+        }
+        if ok {
+            return start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "during the partition the sidecars still listed pods across the cut after {within:?}: {last:?}"
+    );
+}
+
+/// Runs the fault on `pair` (`a`, `b`: runtimes in its namespaces).
+pub async fn run(
+    pair: &NodePair,
+    a: Handle,
+    b: Handle,
+    sim_bin: std::path::PathBuf,
+    proxy_bin: std::path::PathBuf,
+) -> Report {
+    let rounds = env_num("KVMESH_PARTITION_ROUNDS", 1.0).max(1.0) as usize;
+    let rate = env_num("KVMESH_PARTITION_RATE", 20.0);
+    let load_before = loadavg();
+    let node_a = Place {
+        ip: pair.a.pod_ip,
+        node: Some((pair.a.ns.clone(), a.clone())),
+    };
+    let node_b = Place {
+        ip: pair.b.pod_ip,
+        node: Some((pair.b.ns.clone(), b.clone())),
+    };
+    let placed: Vec<(Role, Place)> = (0..PER_NODE)
+        .map(|_| (Role::Both, node_a.clone()))
+        .chain((0..PER_NODE).map(|_| (Role::Both, node_b.clone())))
+        .collect();
+    let started = Instant::now();
+    let fleet = Fleet::start_placed(&placed, sim_bin, proxy_bin).await;
+    let startup_ms = started.elapsed().as_millis();
+
+    // Each side's clients send to their own side's sidecars, on a runtime in
+    // that side's namespace.
+    let control = Arc::new(Control::default());
+    let mut workers = Vec::new();
+    for (seed, net, ip) in [(29, &a, pair.a.pod_ip), (31, &b, pair.b.pod_ip)] {
+        let fronts: Vec<_> = fleet
+            .pods
+            .iter()
+            .filter(|p| p.place.ip == ip)
+            .map(|p| p.client_addr())
+            .collect();
+        let _in_node = net.enter();
+        workers.extend(load::start(fronts, 6, rate / 2.0, seed, control.clone()));
+    }
+    tokio::time::sleep(BASELINE).await;
+
+    let mut rounds_out = Vec::new();
+    for r in 0..rounds {
+        // Phase 2r: since the previous heal (or the start); 2r + 1: cut.
+        let before = across(&fleet).await;
+        pair.a.set_link(false);
+        let cut_at = Instant::now();
+        control.phase.store(2 * r + 1, Ordering::Release);
+        let after = across(&fleet).await;
+        let split_ms = split(&fleet, NOTICE_WITHIN).await.as_millis();
+        let rest = CUT_FOR.saturating_sub(cut_at.elapsed());
+        tokio::time::sleep(rest).await;
+        pair.a.set_link(true);
+        let healed_at = Instant::now();
+        control.phase.store(2 * r + 2, Ordering::Release);
+        fleet.converged(NOTICE_WITHIN).await;
+        let converge_ms = healed_at.elapsed().as_millis();
+        rounds_out.push(Round {
+            bound: before.max(after),
+            split_ms,
+            converge_ms,
+            requests: 0,
+            lost: 0,
+        });
+        tokio::time::sleep(HEALED_FOR).await;
+    }
+
+    control.stop.store(true, Ordering::Release);
+    for w in workers {
+        tokio::time::timeout(load::DEADLINE * 2, w)
+            .await
+            .expect("every worker stops")
+            .expect("worker");
+    }
+    let records = control.records.lock().expect("records").clone();
+    let mut stuck = Vec::new();
+    for _ in 0..200 {
+        stuck.clear();
+        for p in &fleet.pods {
+            for (series, v) in p.in_flight_gauges().await.expect("metrics") {
+                if v != 0.0 {
+                    stuck.push(format!("{}: {series} = {v}", p.name));
+                }
+            }
+        }
+        if stuck.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let load_after = loadavg();
+    fleet.shutdown().await;
+
+    let mut violations = Vec::new();
+    for rec in &records {
+        match &rec.outcome {
+            Outcome::Hung => violations.push(format!("phase {}: a request hung", rec.phase)),
+            Outcome::Cut(m) => violations.push(format!(
+                "phase {}: a request ended without a response or an error ({m}); no sidecar died",
+                rec.phase
+            )),
+            _ => {}
+        }
+    }
+    let count = |phases: &[usize]| {
+        let mine: Vec<_> = records
+            .iter()
+            .filter(|x| phases.contains(&x.phase))
+            .collect();
+        let lost = mine.iter().filter(|x| x.outcome.failed()).count();
+        (mine.len(), lost)
+    };
+    for (r, round) in rounds_out.iter_mut().enumerate() {
+        (round.requests, round.lost) = count(&[2 * r, 2 * r + 1]);
+        println!(
+            "partition | round {} | requests {:>4} | lost {:>3} | in flight across the cut {:>3} | sides split in {:>5} ms | converged after the heal in {:>5} ms",
+            r + 1,
+            round.requests,
+            round.lost,
+            round.bound,
+            round.split_ms,
+            round.converge_ms
+        );
+        if round.lost as u64 > round.bound {
+            violations.push(format!(
+                "round {}: {} requests lost, more than the {} in flight across the cut",
+                r + 1,
+                round.lost,
+                round.bound
+            ));
+        }
+    }
+    let after = count(&[2 * rounds]);
+    println!(
+        "partition | after the last heal | requests {:>4} | lost {:>3}",
+        after.0, after.1
+    );
+    if after.1 > 0 {
+        violations.push(format!(
+            "after the last heal: {} of {} requests lost",
+            after.1, after.0
+        ));
+    }
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for rec in records.iter().filter(|x| x.outcome.failed()) {
+        let k: String = format!("{:?}", rec.outcome).chars().take(110).collect();
+        *kinds.entry(k).or_default() += 1;
+    }
+    for (k, n) in &kinds {
+        println!("partition |   {n} x {k}");
+    }
+    let total = records.len();
+    let complete = records
+        .iter()
+        .filter(|x| x.outcome == Outcome::Complete)
+        .count();
+    println!(
+        "partition | {total} requests, {complete} complete; {} pods over two nodes up in {startup_ms} ms; load average {load_before} before, {load_after} after",
+        2 * PER_NODE
+    );
+    let json = json!({
+        "pods": 2 * PER_NODE, "rounds": rounds, "rate_per_s": rate,
+        "requests": total, "complete": complete,
+        "cut_for_ms": CUT_FOR.as_millis(),
+        "per_round": rounds_out.iter().map(|x| json!({
+            "requests": x.requests, "lost": x.lost, "in_flight_across_cut": x.bound,
+            "split_ms": x.split_ms, "converge_ms": x.converge_ms,
+        })).collect::<Vec<_>>(),
+        "after_heal": {"requests": after.0, "lost": after.1},
+        "failures": kinds,
+        "loadavg_before": load_before, "loadavg_after": load_after,
+    });
+    if let Ok(path) = std::env::var("KVMESH_PARTITION_JSON") {
+        std::fs::write(&path, serde_json::to_vec_pretty(&json).expect("json"))
+            .expect("write the partition JSON");
+    }
+    Report {
+        violations,
+        stuck,
+        total,
+        complete,
+    }
+}
