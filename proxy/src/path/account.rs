@@ -1,9 +1,10 @@
 //! The accounting stage: everything a request changes in the sidecar's
-//! shared books, in one place. The execute stage calls it at two moments:
+//! shared books, in one place. The execute stage calls it as it goes:
 //!
 //! | when | what |
 //! |---|---|
-//! | [`attempt`]: a target is about to be called | blocks predicted on its pods (precise mode), the request counted in flight on its pod across the mesh (until its body ends) |
+//! | [`predict`]: a target is taken up (a split too) | blocks predicted on its pods (precise mode) |
+//! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count) |
 //! | [`served`]: a response head came back | the pod's call counted as served (outlier ejection), where it ran (mesh counters), the approximate index and the mesh publish of the decision |
 //! | [`failed`]: a target failed before any byte | the call counted as failed (outlier ejection) |
 //!
@@ -18,12 +19,6 @@ use tokio::time::Instant;
 use crate::app::App;
 use crate::fleet::Fleet;
 use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
-
-/// A target is about to be called (each fallback again: the count moves).
-pub(crate) fn attempt(app: &App, ctx: &mut RequestCtx, target: &Target) {
-    predict(app, ctx, target);
-    track(app, ctx, target);
-}
 
 /// A response head came back from `upstream`.
 pub(crate) fn served(app: &App, ctx: &RequestCtx, upstream: &Upstream) {
@@ -65,7 +60,7 @@ pub(crate) fn served_pod(app: &App, s: Served) -> String {
 /// Counts the request towards the pod `target` runs on (its decode pod when
 /// disaggregated), for as long as the response lasts. Called by the execute
 /// stage for each target it tries, so a fallback moves the count.
-fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
+pub(crate) fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
     let guard = if ctx.already_routed && *target == Target::LocalEngine {
         // Forwarded here by a peer, which publishes it to the mesh itself.
         app.fleet.begin_received()
@@ -81,7 +76,7 @@ fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
 /// its blocks (both legs of a split: prefill computes them, decode receives
 /// them), until their engines' KV events say so. A request a peer already
 /// routed was predicted there.
-fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
+pub(crate) fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
     if ctx.already_routed || ctx.block_keys.is_empty() {
         return;
     }

@@ -61,6 +61,7 @@ pub async fn execute(
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
+        super::account::predict(app, ctx, &target);
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
@@ -97,7 +98,7 @@ pub async fn execute(
             break;
         }
         ctx.attempts += 1;
-        super::account::attempt(app, ctx, &target);
+        super::account::track(app, ctx, &target);
         match forward(app, ctx, upstream.clone(), &mut req).await {
             Ok(Forwarded::Served(resp)) => {
                 super::account::served(app, ctx, &upstream);
