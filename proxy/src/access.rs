@@ -52,6 +52,9 @@ struct Line {
     reason: &'static str,
     /// The pod that served the response (its id; the local pod's for the engine).
     pod: Option<String>,
+    /// The local engine's data-parallel rank this sidecar named in
+    /// `X-data-parallel-rank` (`engine.data_parallel_size` above 1).
+    rank: Option<u32>,
     prefill: Option<String>,
     decode: Option<String>,
     /// `disaggregated`, `recompute`, `fallback_aggregated`, `decode_refused`, `failed`.
@@ -128,6 +131,11 @@ impl AccessLog {
     pub fn legs(&mut self, prefill: String, decode: String) {
         self.line.prefill = Some(prefill);
         self.line.decode = Some(decode);
+    }
+
+    /// The data-parallel rank the request was sent to (the first call's).
+    pub fn rank(&mut self, rank: Option<u32>) {
+        self.line.rank = rank;
     }
 
     /// What observe knows when the response head goes out.

@@ -102,6 +102,7 @@ async fn a_request_writes_exactly_one_line_with_its_fields() {
     assert_eq!(l["attempts"], 1);
     assert_eq!(l["end"], "complete");
     assert_eq!(l["pd"], Value::Null);
+    assert_eq!(l["rank"], Value::Null, "no data parallelism: {l}");
     assert!(l["ts"].as_str().unwrap().ends_with('Z'), "{l}");
     let (ttft, total) = (
         l["ttft_ms"].as_f64().unwrap(),
@@ -226,6 +227,56 @@ async fn a_pd_split_logs_both_legs_and_its_outcome() {
     assert_eq!(l["decode"], sidecar.fleet().local_id(), "{l}");
     assert_eq!(l["status"], 200);
     sidecar.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_data_parallel_engine_logs_the_rank_the_request_was_sent_to() {
+    use kvmesh_engine_sim::SimConfig;
+    use kvmesh_tests::route::{config, sim_with, MODEL};
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let engine = sim_with(SimConfig::new(MODEL).with_data_parallel_size(2)).await;
+    let mut c = config(&engine, &[], None);
+    c.engine.data_parallel_size = 2;
+    c.logging.access_log = true;
+    let sidecar = start(c).await;
+    for i in 0..4 {
+        let req = request(
+            "POST",
+            sidecar.addr(),
+            "/v1/completions",
+            format!(r#"{{"model":"{MODEL}","prompt":"request {i}","max_tokens":1}}"#),
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", &format!("dp-{i}")),
+            ],
+        );
+        assert_eq!(fetch(&client::http1(), req).await.status, 200);
+    }
+    let got = lines.wait_for(4).await;
+    // The simulator records the requests of its rank 0 only: those carry
+    // `X-data-parallel-rank: 0`; every other request went to rank 1.
+    let on_rank0: std::collections::HashMap<String, String> = engine
+        .received_requests()
+        .iter()
+        .filter(|r| r.path == "/v1/completions")
+        .map(|r| {
+            let rank = r.header("x-data-parallel-rank").expect("a rank named");
+            (
+                r.header("x-request-id").unwrap().to_owned(),
+                rank.to_owned(),
+            )
+        })
+        .collect();
+    assert!(on_rank0.values().all(|r| r == "0"), "{on_rank0:?}");
+    assert_eq!(got.len(), 4, "{got:?}");
+    for l in &got {
+        let id = l["request_id"].as_str().unwrap();
+        let rank = if on_rank0.contains_key(id) { 0 } else { 1 };
+        assert_eq!(l["rank"], rank, "{l}");
+    }
+    sidecar.shutdown().await;
+    engine.shutdown().await;
 }
 
 #[tokio::test]

@@ -6,13 +6,17 @@
 //! the rank and why. A shared prefix follows the rank that holds it even
 //! when that rank is the busier one (without the header the engine would
 //! balance it to the idle rank), and a fresh prompt goes to the idle rank.
+//! Each call to the engine's span (`kvmesh.forward`) carries the rank it
+//! named (`kvmesh.dp_rank`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
 use kvmesh_engine_sim::{Engine, KvEventsConfig, SimConfig, SimHandle};
+use kvmesh_proxy::config::{OtlpProtocol, Tracing};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{admin_get, fetch, http1, post_json, request};
+use kvmesh_tests::otlp::Collector;
 use kvmesh_tests::prefix::{kv_config, words, BLOCK};
 use kvmesh_tests::route::MODEL;
 use kvmesh_tests::sidecar::start;
@@ -32,7 +36,7 @@ fn consecutive_ports() -> u16 {
     panic!("no two consecutive free ports in 100 tries");
 }
 
-async fn dp_fleet() -> (SimHandle, SidecarHandle) {
+async fn dp_fleet(collector: &Collector) -> (SimHandle, SidecarHandle) {
     let base = consecutive_ports();
     let endpoint = format!("tcp://127.0.0.1:{base}");
     let mut kv = KvEventsConfig::new(endpoint.clone());
@@ -54,6 +58,11 @@ async fn dp_fleet() -> (SimHandle, SidecarHandle) {
     assert_eq!(eps, [endpoint.as_str(), rank1.as_str()]);
     let mut c = kv_config(&sim, &endpoint, None);
     c.engine.data_parallel_size = 2;
+    c.tracing = Some(Tracing {
+        otlp_endpoint: collector.endpoint().parse().unwrap(),
+        protocol: OtlpProtocol::Http,
+        sample_ratio: 1.0,
+    });
     let sidecar = start(c).await;
     (sim, sidecar)
 }
@@ -124,7 +133,8 @@ async fn per_rank(sim: &SimHandle, name: &str) -> [f64; 2] {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_prefix_follows_its_rank_and_a_fresh_prompt_the_idle_one() {
-    let (sim, h) = dp_fleet().await;
+    let collector = Collector::start().await;
+    let (sim, h) = dp_fleet(&collector).await;
     let shared = words("shared", 0, 120);
     // Rank 0 computes the shared prefix (straight to the engine); the
     // sidecar learns it from rank 0's KV events, under rank 0.
@@ -220,5 +230,38 @@ async fn a_shared_prefix_follows_its_rank_and_a_fresh_prompt_the_idle_one() {
     );
     long.abort();
     h.shutdown().await;
+
+    // The span of each call to the engine names the rank its request got:
+    // the probe went to rank 0 (the simulator records rank 0's requests, with
+    // the span's traceparent and the header), the fresh prompt to rank 1.
+    let on_rank0: Vec<(String, String)> = sim
+        .received_requests()
+        .iter()
+        .filter_map(|r| {
+            let tp = r.header("traceparent")?.to_owned();
+            Some((tp, r.header("x-data-parallel-rank")?.to_owned()))
+        })
+        .collect();
+    let spans = collector.spans();
+    let mut forwards: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name() == "kvmesh.forward")
+        .map(|f| {
+            let tp = format!("00-{}-{}-01", f.trace_id(), f.span_id());
+            (f.attr("kvmesh.dp_rank"), tp)
+        })
+        .collect();
+    forwards.sort();
+    assert_eq!(
+        forwards.len(),
+        2,
+        "the sidecar's two requests: {forwards:?}"
+    );
+    assert_eq!(forwards[0].0.as_deref(), Some("0"), "{forwards:?}");
+    assert_eq!(forwards[1].0.as_deref(), Some("1"), "{forwards:?}");
+    assert!(
+        on_rank0.contains(&(forwards[0].1.clone(), "0".to_owned())),
+        "{forwards:?} {on_rank0:?}"
+    );
     sim.shutdown().await;
 }

@@ -268,6 +268,12 @@ impl Hop {
         }
     }
 
+    /// The local engine's data-parallel rank this call was sent to
+    /// (`X-data-parallel-rank`).
+    pub fn rank(&self, rank: u32) {
+        set(&self.0, KeyValue::new("kvmesh.dp_rank", i64::from(rank)));
+    }
+
     /// The upstream's response status (5xx marks the span failed).
     pub fn status(&self, code: u16) {
         set(

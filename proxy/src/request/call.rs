@@ -146,7 +146,12 @@ async fn send_as(
 ) -> Result<Response<ReplyBody>, ProxyError> {
     let mut out = build_request(up, ctx, upstream, authority, head, body)?;
     if matches!(upstream, Upstream::Engine) {
-        crate::fleet::ranks::stamp(up.config, up.fleet, up.prefix, ctx, out.headers_mut());
+        if let Some(rank) =
+            crate::fleet::ranks::stamp(up.config, up.fleet, up.prefix, ctx, out.headers_mut())
+        {
+            hop.rank(rank);
+            let _ = ctx.dp_rank.set(rank);
+        }
     }
     hop.inject(out.headers_mut());
     let timeouts = &up.config.timeouts;
