@@ -3,6 +3,10 @@
 //! (`/proc/PID/status` VmRSS) and open file descriptors (`/proc/PID/fd`)
 //! after a warm-up and then after each slice of the run. A leak shows as
 //! growth from the warm-up sample to the last one; the target is under 5%.
+//! The warm-up is not a fixed size: it runs in steps until the RSS readings
+//! after the last few agree (bounded), so what fills once (allocator caches,
+//! bounded caches) is counted in it however long it takes, while a leak,
+//! which grows the same in every slice, still shows in the measured run.
 //!
 //! Three modes, each on fresh processes:
 //! * `single`: one sidecar, nothing else touching it;
@@ -66,8 +70,15 @@ pub struct SoakConfig {
     pub proxy_bin: PathBuf,
     /// Requests after the warm-up.
     pub requests: usize,
-    /// Requests before the first sample.
-    pub warmup: usize,
+    /// The warm-up runs in steps of this many requests, RSS read after each,
+    /// until it has settled (see [`SoakConfig::settle_pct`]).
+    pub warmup_step: usize,
+    /// At most this many warm-up requests: a sidecar whose RSS never settles
+    /// is measured from there, and its growth shows.
+    pub warmup_max: usize,
+    /// Settled: the last [`SETTLE_READINGS`] warm-up readings lie within
+    /// this many percent of each other.
+    pub settle_pct: f64,
     pub concurrency: usize,
     /// Samples after the warm-up one (the run is cut into this many slices).
     pub slices: usize,
@@ -83,10 +94,12 @@ impl SoakConfig {
         SoakConfig {
             proxy_bin,
             requests: if quick { 20_000 } else { 1_000_000 },
-            // The allocator's arenas and the bounded caches (token prefixes,
-            // the approximate prefix index) fill during the first few
-            // hundred thousand requests; the warm-up lets them.
-            warmup: if quick { 5_000 } else { 200_000 },
+            // The allocator's caches and the sidecar's bounded ones (token
+            // prefixes, the approximate prefix index) fill over the first
+            // requests; the warm-up lasts until RSS says they have.
+            warmup_step: if quick { 1_000 } else { 50_000 },
+            warmup_max: if quick { 10_000 } else { 500_000 },
+            settle_pct: 1.0,
             concurrency: 32,
             slices: 10,
             scrape_every: Duration::from_millis(100),
@@ -95,6 +108,9 @@ impl SoakConfig {
         }
     }
 }
+
+/// Warm-up readings that must agree (within `settle_pct`) to end it.
+pub const SETTLE_READINGS: usize = 3;
 
 /// One reading of the measured sidecar.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -111,7 +127,13 @@ pub struct Sample {
 pub struct SoakRun {
     pub mode: SoakMode,
     pub requests: usize,
+    /// Requests before the first sample: the warm-up steps run until RSS
+    /// settled, or `warmup_max`.
     pub warmup: usize,
+    /// Whether RSS settled within `warmup_max`.
+    pub warmup_settled: bool,
+    /// VmRSS after each warm-up step, KiB.
+    pub warmup_rss_kib: Vec<u64>,
     pub errors: u64,
     pub req_per_s: f64,
     pub scrapes: u64,
@@ -329,15 +351,27 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
     let mut errors = 0u64;
     let mut samples = Vec::new();
     let mut sent = 0usize;
-    let res = run(
-        &rc,
-        &tiny(cfg.warmup, 0),
-        &Load::closed(cfg.concurrency, cfg.warmup),
-    )
-    .await?;
-    errors += res.summary().errors;
-    sent += cfg.warmup;
-    samples.push(sample(pid, sent, started).await?);
+    // Warm-up: steps until the last readings agree, or the bound. Each step
+    // has its own seed, as the measured slices do, so the caches fill as
+    // they will over the run.
+    let step = cfg.warmup_step.max(1);
+    let mut warm_rss = Vec::new();
+    let mut settled = false;
+    let mut last = None;
+    while !settled && (sent < cfg.warmup_max || last.is_none()) {
+        let seed = u64::MAX - warm_rss.len() as u64;
+        let res = run(&rc, &tiny(step, seed), &Load::closed(cfg.concurrency, step)).await?;
+        errors += res.summary().errors;
+        sent += step;
+        let s = sample(pid, sent, started).await?;
+        warm_rss.push(s.rss_kib);
+        settled = settled_within(&warm_rss, cfg.settle_pct);
+        last = Some(s);
+    }
+    let warmup = sent;
+    if let Some(s) = last {
+        samples.push(s);
+    }
     let slices = cfg.slices.max(1);
     for k in 0..slices {
         let n = cfg.requests * (k + 1) / slices - cfg.requests * k / slices;
@@ -370,9 +404,11 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
     Ok(SoakRun {
         mode,
         requests: cfg.requests,
-        warmup: cfg.warmup,
+        warmup,
+        warmup_settled: settled,
+        warmup_rss_kib: warm_rss,
         errors,
-        req_per_s: (cfg.requests + cfg.warmup) as f64 / elapsed.max(1e-9),
+        req_per_s: (cfg.requests + warmup) as f64 / elapsed.max(1e-9),
         scrapes: scrapes.load(Ordering::Relaxed),
         restarts: restarts.load(Ordering::Relaxed),
         restart_failures: restart_failures.load(Ordering::Relaxed),
@@ -386,6 +422,22 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         },
         samples,
     })
+}
+
+/// Whether the last [`SETTLE_READINGS`] readings lie within `pct` percent
+/// of the smallest of them.
+fn settled_within(rss_kib: &[u64], pct: f64) -> bool {
+    let Some(tail) = rss_kib
+        .len()
+        .checked_sub(SETTLE_READINGS)
+        .map(|from| &rss_kib[from..])
+    else {
+        return false;
+    };
+    let (lo, hi) = tail
+        .iter()
+        .fold((u64::MAX, 0), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    lo > 0 && (hi - lo) as f64 * 100.0 / lo as f64 <= pct
 }
 
 /// Reads the sidecar once its descriptor count has settled: the load
@@ -433,4 +485,24 @@ pub fn open_fds(pid: u32) -> Result<u64, LoadgenError> {
         source,
     })?;
     Ok(dir.count() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_warm_up_ends_only_when_the_last_readings_agree() {
+        // Too few readings to judge.
+        assert!(!settled_within(&[], 1.0));
+        assert!(!settled_within(&[10_000, 10_000], 1.0));
+        // Still climbing: 10 000 to 10 300 KiB is 3%.
+        assert!(!settled_within(&[9_000, 10_000, 10_150, 10_300], 1.0));
+        // Earlier readings do not count, only the last three.
+        assert!(settled_within(&[9_000, 10_000, 10_050, 10_100], 1.0));
+        // Down counts as much as up.
+        assert!(!settled_within(&[10_300, 10_150, 10_000], 1.0));
+        // A dead process reads 0 and never settles.
+        assert!(!settled_within(&[0, 0, 0], 1.0));
+    }
 }
