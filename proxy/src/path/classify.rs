@@ -9,21 +9,31 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use crate::app::App;
+use crate::config::Config;
 use crate::error::ProxyError;
-use crate::metrics::Route;
+use crate::fleet::Fleet;
+use crate::metrics::{Metrics, Route};
 use crate::otel::Stage;
 use crate::request::view::{RequestView, Shape};
 use crate::request::{ClientBody, ClientRequest, RequestCtx};
 use opentelemetry::KeyValue;
 
+/// What classify reads: the limits and deadlines, the counters, and the
+/// fleet (an llm-d prefiller must be a pod it knows).
+#[derive(Clone, Copy)]
+pub struct Classify<'a> {
+    pub config: &'a Config,
+    pub metrics: &'a Metrics,
+    pub fleet: &'a Fleet,
+}
+
 pub async fn classify(
-    app: &App,
+    h: Classify<'_>,
     ctx: &mut RequestCtx,
     req: Request<Incoming>,
 ) -> Result<ClientRequest, ProxyError> {
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.classify");
-    let r = read(app, ctx, req).await;
+    let r = read(h, ctx, req).await;
     if span.recording() {
         span.set(KeyValue::new("kvmesh.route", ctx.route.as_str()));
         span.set(KeyValue::new("kvmesh.request_id", ctx.id().to_owned()));
@@ -41,12 +51,12 @@ pub async fn classify(
 }
 
 async fn read(
-    app: &App,
+    h: Classify<'_>,
     ctx: &mut RequestCtx,
     req: Request<Incoming>,
 ) -> Result<ClientRequest, ProxyError> {
     check_method(ctx)?;
-    let limit = app.config.limits.max_body_bytes.0;
+    let limit = h.config.limits.max_body_bytes.0;
     let (head, body) = req.into_parts();
     let declared = head
         .headers
@@ -68,9 +78,9 @@ async fn read(
         }
     };
     // Refused (403) before the body is read or any connection made.
-    ctx.epp_prefiller = crate::pd::llmd::prefiller(app, &head.headers)?;
-    let bytes = read_body(app, ctx, body, limit).await?;
-    app.metrics.bytes_in(ctx.route, bytes.len() as u64);
+    ctx.epp_prefiller = crate::pd::llmd::prefiller(&h.config.pd, h.fleet, &head.headers)?;
+    let bytes = read_body(h, ctx, body, limit).await?;
+    h.metrics.bytes_in(ctx.route, bytes.len() as u64);
     let view =
         RequestView::parse_shared(&bytes, shape).map_err(|source| ProxyError::MalformedJson {
             route: ctx.route.as_str(),
@@ -109,13 +119,13 @@ fn check_method(ctx: &RequestCtx) -> Result<(), ProxyError> {
 /// `timeouts.request_body` (or the overall deadline, if sooner): a client
 /// that stalls or trickles its upload is cut and counted.
 async fn read_body(
-    app: &App,
+    h: Classify<'_>,
     ctx: &RequestCtx,
     body: Incoming,
     limit: u64,
 ) -> Result<Bytes, ProxyError> {
     let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-    let t = &app.config.timeouts;
+    let t = &h.config.timeouts;
     let after = t.request_body.get().min(t.overall.get());
     let collected = tokio::time::timeout_at(
         ctx.started + after,
@@ -125,8 +135,7 @@ async fn read_body(
     match collected {
         Err(_) => {
             let reason = crate::metrics::RejectReason::BodyTimeout;
-            app.metrics
-                .rejected(crate::metrics::Listener::Client, reason);
+            h.metrics.rejected(crate::metrics::Listener::Client, reason);
             Err(ProxyError::ClientTimeout { after })
         }
         Ok(Ok(c)) => Ok(c.to_bytes()),

@@ -48,7 +48,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
         }
     }
     let result = async {
-        let req = classify::classify(&app, &mut ctx, req).await?;
+        let h = classify::Classify {
+            config: &app.config,
+            metrics: &app.metrics,
+            fleet: &app.fleet,
+        };
+        let req = classify::classify(h, &mut ctx, req).await?;
         prefix::prefix(&app, &mut ctx).await?;
         let plan = schedule::schedule(&app, &mut ctx)?;
         execute::execute(&app, &mut ctx, plan, req).await

@@ -20,8 +20,9 @@ use std::net::{IpAddr, SocketAddr};
 use http::uri::Authority;
 use http::HeaderMap;
 
-use crate::app::App;
+use crate::config::Pd;
 use crate::error::ProxyError;
+use crate::fleet::Fleet;
 use crate::request::Leg;
 
 pub use crate::headers::PREFILLER;
@@ -29,8 +30,11 @@ pub use crate::headers::PREFILLER;
 /// Where the prefill leg goes for the prefiller the header names, when the
 /// sidecar accepts the header; refused unless the fleet knows the pod or
 /// `pd.allowed_prefillers` lists it.
-pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Leg>, ProxyError> {
-    let pd = &app.config.pd;
+pub(crate) fn prefiller(
+    pd: &Pd,
+    fleet: &Fleet,
+    headers: &HeaderMap,
+) -> Result<Option<Leg>, ProxyError> {
     let Some(value) = headers.get(&PREFILLER) else {
         return Ok(None);
     };
@@ -53,7 +57,7 @@ pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Leg>, P
     if pd.allowed_prefillers.iter().any(|a| a == first) {
         return Ok(Some(Leg::Direct(authority)));
     }
-    known_peer(app, &authority)
+    known_peer(fleet, &authority)
         .map(|sidecar_addr| Some(Leg::Peer { sidecar_addr }))
         .ok_or(refused(
             "not a pod the fleet knows, nor in pd.allowed_prefillers",
@@ -62,17 +66,17 @@ pub(crate) fn prefiller(app: &App, headers: &HeaderMap) -> Result<Option<Leg>, P
 
 /// The sidecar of the peer `authority` names: by sidecar address, else by an
 /// IP only one peer has.
-fn known_peer(app: &App, authority: &Authority) -> Option<SocketAddr> {
+fn known_peer(fleet: &Fleet, authority: &Authority) -> Option<SocketAddr> {
     let host = authority
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']');
     let ip: IpAddr = host.parse().ok()?;
     let exact = SocketAddr::new(ip, authority.port_u16()?);
-    if app.fleet.is_peer_addr(exact) {
+    if fleet.is_peer_addr(exact) {
         return Some(exact);
     }
-    let mut at_ip = app.fleet.peer_addrs_at(ip);
+    let mut at_ip = fleet.peer_addrs_at(ip);
     match (at_ip.pop(), at_ip.is_empty()) {
         (Some(addr), true) => Some(addr),
         _ => None,
