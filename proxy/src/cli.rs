@@ -179,14 +179,7 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     if let Some(n) = args.pd_min_uncached_tokens {
         c.pd.min_uncached_tokens = Some(n);
     }
-    config::load::validate(&c).map_err(|(path, message)| ConfigError {
-        file: "<flags>".to_owned(),
-        line: None,
-        column: None,
-        path,
-        message,
-        kind: config::ConfigErrorKind::Invalid,
-    })?;
+    config::load::validate_built(&c, "<flags>")?;
     Ok(c)
 }
 

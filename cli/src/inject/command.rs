@@ -205,15 +205,7 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
         extra_args.push(format!("--pd-connector={name}"));
         effective.pd.connector = connector;
     }
-    kvmesh_proxy::config::load::validate(&effective).map_err(|(field, message)| {
-        kvmesh_proxy::config::ConfigError {
-            file: format!("{origin} with the flags"),
-            line: None,
-            column: None,
-            field,
-            message,
-        }
-    })?;
+    kvmesh_proxy::config::load::validate_built(&effective, &format!("{origin} with the flags"))?;
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let opts = InjectOptions {
         image: args

@@ -87,6 +87,19 @@ fn strip_path_prefix(message: String, field: &str) -> String {
     message
 }
 
+/// [`validate`] for a config that was not read from text (built from flags,
+/// or a file with flags applied): its errors name `origin` and no line.
+pub fn validate_built(c: &Config, origin: &str) -> Result<(), ConfigError> {
+    validate(c).map_err(|(path, message)| ConfigError {
+        file: origin.to_owned(),
+        line: None,
+        column: None,
+        path,
+        message,
+        kind: ConfigErrorKind::Invalid,
+    })
+}
+
 /// Rules that one field's type cannot express. Returns the dotted field and why.
 pub fn validate(c: &Config) -> Result<(), (String, String)> {
     let err = |field: &str, msg: String| Err((field.to_owned(), msg));
