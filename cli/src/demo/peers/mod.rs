@@ -143,7 +143,7 @@ const ALWAYS: &str = "always-disagg-pd-decider";
 fn pd_filters_with(decider: &str, kind: &str) -> Result<FilterConfig, DemoError> {
     let pd = Policy::Pd;
     let text = include_str!("../../../../deploy/examples/filters-pd-disaggregated.yaml");
-    let builtin = "  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      promptTokens: 1024\n";
+    let builtin = "  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      promptTokens: 1024\n      batchStallTokens: 14300\n";
     if !text.contains(builtin) {
         return Err(DemoError::Config(format!(
             "{} no longer has the decider the benchmark replaces",

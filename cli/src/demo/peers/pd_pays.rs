@@ -3,16 +3,25 @@
 //! split (half the pods prefill, every long prompt disaggregated, the short
 //! ones served whole on a decode pod) at equal pod count, and once more split
 //! with kvmesh's P/D decider on (the built-in P/D
-//! config: `nonCachedTokens` 2048, what `--pd-min-uncached-tokens 2048` in
-//! docs/pd.md sets). A cell says which option measured better, what the
-//! decider chose (the share of requests it split) and whether that was the
-//! better option.
+//! config, [`DECIDER`]: llm-d's `nonCachedTokens` 2048, what
+//! `--pd-min-uncached-tokens 2048` in docs/pd.md sets, and kvmesh's
+//! load-aware `batchStallTokens`). A cell says which option measured better,
+//! what the decider chose (the share of requests it split) and whether that
+//! was the better option.
 
 use serde::Serialize;
 
 use super::sweep::{self, Point, Run, Slo};
 use super::{pd_setup, progress_line, run_one, say, Bench, PeersOpts, Router};
 use crate::demo::DemoError;
+
+/// The decider's rule, as the table's "Decider:" line states it (the
+/// decider entry of deploy/examples/filters-pd-disaggregated.yaml).
+pub const DECIDER: &str = "prefix-based-pd-decider: split when the prompt is at least promptTokens 1024 \
+     and its uncached part U on the chosen decode pod is at least nonCachedTokens 2048 (llm-d's rule), \
+     or when U x the requests at that decode pod reaches batchStallTokens 14300 (kvmesh's load-aware \
+     rule: each of them would sit through U x 0.07 ms of prefill; 14300 = the 1000 ms TTFT SLO / 0.07 ms \
+     per token) (deploy/examples/filters-pd-disaggregated.yaml; --pd-min-uncached-tokens 2048)";
 
 /// Goodput closer than this is a tie, settled by ITL p99.
 const GOODPUT_TIE: f64 = 0.02;
@@ -160,9 +169,7 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
     Ok(PdPays {
         description,
         slo,
-        decider: "prefix-based-pd-decider, nonCachedTokens 2048 and promptTokens 1024 \
-                  (deploy/examples/filters-pd-disaggregated.yaml; --pd-min-uncached-tokens 2048)"
-            .to_owned(),
+        decider: DECIDER.to_owned(),
         prefill_pods: prefill,
         seeds,
         cells,
@@ -298,6 +305,19 @@ mod tests {
             goodput: Some(goodput),
             goodput_range: None,
             errors: 0,
+        }
+    }
+
+    #[test]
+    fn the_decider_line_states_the_built_in_config() {
+        let yaml = include_str!("../../../../deploy/examples/filters-pd-disaggregated.yaml");
+        for (key, value) in [
+            ("nonCachedTokens", "2048"),
+            ("promptTokens", "1024"),
+            ("batchStallTokens", "14300"),
+        ] {
+            assert!(yaml.contains(&format!("      {key}: {value}\n")), "{key}");
+            assert!(DECIDER.contains(&format!("{key} {value}")), "{key}");
         }
     }
 
