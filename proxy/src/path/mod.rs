@@ -6,8 +6,12 @@
 //! | classify | `classify.rs` | method check, bounded body read, parse the [`RequestView`] once |
 //! | prefix | `prefix.rs` | prompt to block keys, once, inference calls only (`crate::prefix`) |
 //! | schedule | `schedule.rs` | choose a [`Target`] and fallbacks |
-//! | execute | `execute.rs` | forward to the engine or a peer sidecar, relay the response |
+//! | execute | `execute.rs` | walk the plan's targets, each call and relay through [`crate::request`], or run a P/D split (`crate::pd`) |
+//! | account | `account.rs` | called by execute as it goes: predictions, in-flight counts, outlier calls, mesh counters, the approximate index, the mesh publish |
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
+//!
+//! The types every stage shares ([`RequestCtx`], [`RequestView`], [`Plan`])
+//! are the request core's, re-exported here.
 
 pub mod account;
 pub mod classify;
