@@ -198,7 +198,6 @@ fn run(args: RunArgs) -> ExitCode {
         }
     }
     crate::logging::init(&config.logging);
-    crate::malloc::tune();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

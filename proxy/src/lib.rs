@@ -27,7 +27,6 @@ pub mod fleet;
 pub mod headers;
 pub mod kvevents;
 pub mod logging;
-pub mod malloc;
 pub mod mesh;
 pub mod metrics;
 pub mod otel;
