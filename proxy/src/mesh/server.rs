@@ -210,7 +210,6 @@ where
     let _ = tokio::time::timeout(drain, conn).await;
 }
 
-
 fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
     if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {
         return status(StatusCode::NOT_FOUND);
