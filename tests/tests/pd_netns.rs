@@ -245,13 +245,7 @@ fn fleet(
     decode_node_ip: impl FnOnce(&NodePair) -> Option<IpAddr>,
     load_deadline: Duration,
 ) -> Option<Fleet> {
-    let pair = match NodePair::create() {
-        Ok(p) => p,
-        Err(why) => {
-            eprintln!("SKIPPED: two-node P/D needs network namespaces: {}", why.0);
-            return None;
-        }
-    };
+    let pair = NodePair::create_or_skip("two-node P/D")?;
     let bin = kvagent_bin();
     let dir = tempfile::Builder::new()
         .prefix("kvmesh-netns-")
