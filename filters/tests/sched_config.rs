@@ -108,14 +108,19 @@ fn default_example_is_the_builtin_default() {
     Scheduler::new(&builtin).unwrap();
 }
 
-#[test]
-fn pd_example_disaggregates_long_uncached_prompts() {
+/// The scheduler of deploy/examples/filters-pd-disaggregated.yaml.
+fn pd_example() -> Scheduler {
     let text = examples()
         .into_iter()
         .find(|(n, _)| n == "filters-pd-disaggregated.yaml")
         .unwrap()
         .1;
-    let sched = Scheduler::new(&FilterConfig::from_yaml(&text, "pd.yaml").unwrap()).unwrap();
+    Scheduler::new(&FilterConfig::from_yaml(&text, "pd.yaml").unwrap()).unwrap()
+}
+
+#[test]
+fn pd_example_disaggregates_long_uncached_prompts() {
+    let sched = pd_example();
     let req = RequestView {
         prompt_tokens: 5000,
         prompt_blocks: 312,
@@ -155,12 +160,7 @@ fn loaded_pool(running: u32) -> Vec<EndpointView> {
 
 #[test]
 fn pd_example_splits_a_shorter_prompt_only_on_a_busy_decode_pod() {
-    let text = examples()
-        .into_iter()
-        .find(|(n, _)| n == "filters-pd-disaggregated.yaml")
-        .unwrap()
-        .1;
-    let sched = Scheduler::new(&FilterConfig::from_yaml(&text, "pd.yaml").unwrap()).unwrap();
+    let sched = pd_example();
     let req = RequestView {
         prompt_tokens: 1000,
         prompt_blocks: 62,

@@ -364,32 +364,11 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
     }
 
     // Stop the load; every request ends (bounded by its deadline).
-    control.stop.store(true, Ordering::Release);
-    for w in workers {
-        tokio::time::timeout(load::DEADLINE * 2, w)
-            .await
-            .expect("every worker stops")
-            .expect("worker");
-    }
-    let records = control.records.lock().expect("records").clone();
+    let records = load::stop(&control, workers).await;
 
     // Afterwards: in-flight gauges back to 0 everywhere (bodies end as the
     // clients' last responses do; bounded wait).
-    let mut stuck = Vec::new();
-    for _ in 0..200 {
-        stuck.clear();
-        for p in &fleet.pods {
-            for (series, v) in p.in_flight_gauges().await.expect("metrics") {
-                if v != 0.0 {
-                    stuck.push(format!("{}: {series} = {v}", p.name));
-                }
-            }
-        }
-        if stuck.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let stuck = fleet.in_flight_settled().await;
     // Prefill engines hold no KV once their hold timeout passed.
     let mut held = None;
     for _ in 0..400 {

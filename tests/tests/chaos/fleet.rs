@@ -446,6 +446,27 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// Waits (bounded, 10 s) until every sidecar's in-flight gauges are back
+    /// to 0; returns the series still above 0 (empty when all are).
+    pub async fn in_flight_settled(&self) -> Vec<String> {
+        let mut stuck = Vec::new();
+        for _ in 0..200 {
+            stuck.clear();
+            for p in &self.pods {
+                for (series, v) in p.in_flight_gauges().await.expect("metrics") {
+                    if v != 0.0 {
+                        stuck.push(format!("{}: {series} = {v}", p.name));
+                    }
+                }
+            }
+            if stuck.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stuck
+    }
+
     /// Starts `roles.len()` pods, engines first, then sidecars meshed over a
     /// peers file listing every mesh port; waits until every sidecar sees
     /// every pod healthy.

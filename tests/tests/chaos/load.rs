@@ -105,6 +105,19 @@ impl Control {
     }
 }
 
+/// Stops the load: every worker ends (each request within its deadline),
+/// and the requests' records come back.
+pub async fn stop(control: &Control, workers: Vec<JoinHandle<()>>) -> Vec<Record> {
+    control.stop.store(true, Ordering::Release);
+    for w in workers {
+        tokio::time::timeout(DEADLINE * 2, w)
+            .await
+            .expect("every worker stops")
+            .expect("worker");
+    }
+    control.records.lock().expect("records").clone()
+}
+
 /// Starts `workers` client loops at `rate` requests per second in all
 /// against `fronts`.
 pub fn start(

@@ -216,29 +216,8 @@ pub async fn run(
         tokio::time::sleep(HEALED_FOR).await;
     }
 
-    control.stop.store(true, Ordering::Release);
-    for w in workers {
-        tokio::time::timeout(load::DEADLINE * 2, w)
-            .await
-            .expect("every worker stops")
-            .expect("worker");
-    }
-    let records = control.records.lock().expect("records").clone();
-    let mut stuck = Vec::new();
-    for _ in 0..200 {
-        stuck.clear();
-        for p in &fleet.pods {
-            for (series, v) in p.in_flight_gauges().await.expect("metrics") {
-                if v != 0.0 {
-                    stuck.push(format!("{}: {series} = {v}", p.name));
-                }
-            }
-        }
-        if stuck.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let records = load::stop(&control, workers).await;
+    let stuck = fleet.in_flight_settled().await;
     let load_after = loadavg();
     fleet.shutdown().await;
 
