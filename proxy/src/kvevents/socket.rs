@@ -58,12 +58,25 @@ fn bindable(endpoint: &str) -> String {
 
 /// Opens the SUB socket, subscribed to topics starting with `topic`.
 /// Returns it and the endpoint actually bound or dialled.
+///
+/// The subscription comes first, before the bind or the dial. The zeromq
+/// crate sends a connecting peer the subscriptions it holds at that moment,
+/// and `subscribe` sends only to the peers it already lists, so a peer whose
+/// handshake ends between a bind and a later `subscribe` is sent neither, and
+/// its PUB drops every message. vLLM's PUB redials a bound sidecar every
+/// 100 ms, so on a loaded machine (the thread pre-empted between the two
+/// calls) it can land there: the failure this closes read as a socket open,
+/// a replay answered and no live batch ever (real vLLM with data
+/// parallelism, docs/vllm-e2e.md).
 pub async fn open_sub(
     endpoint: &str,
     bind: bool,
     topic: &str,
 ) -> Result<(SubSocket, String), SocketError> {
     let mut sub = SubSocket::new();
+    sub.subscribe(topic)
+        .await
+        .map_err(|e| zmq_err("subscribe", endpoint, e))?;
     let resolved = if bind {
         let ep = tokio::time::timeout(OPEN_TIMEOUT, sub.bind(&bindable(endpoint)))
             .await
@@ -77,9 +90,6 @@ pub async fn open_sub(
             .map_err(|e| zmq_err("connect", endpoint, e))?;
         endpoint.to_owned()
     };
-    sub.subscribe(topic)
-        .await
-        .map_err(|e| zmq_err("subscribe", endpoint, e))?;
     Ok((sub, resolved))
 }
 
@@ -133,4 +143,65 @@ pub async fn replay(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use zeromq::PubSocket;
+
+    use super::*;
+
+    /// A publisher already dialling when the SUB binds (vLLM's PUB redials every 100 ms) gets the
+    /// subscription, so what it publishes arrives. Each round dials as fast as it can, so its
+    /// handshake ends as close to the bind as this machine allows. (On an idle machine the
+    /// pre-emption that opened the gap `open_sub` closes is rare, so this is the contract, not a
+    /// reproduction of the race.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publisher_dialling_before_the_bind_gets_the_subscription() {
+        for round in 0..20 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let endpoint = format!("tcp://127.0.0.1:{port}");
+            let dial = endpoint.clone();
+            let dialler = tokio::spawn(async move {
+                let mut publ = PubSocket::new();
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while publ.connect(&dial).await.is_err() {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "round {round}: the publisher never connected"
+                    );
+                    tokio::task::yield_now().await;
+                }
+                publ
+            });
+            let (mut sub, _) = open_sub(&endpoint, true, "kv@").await.unwrap();
+            let mut publ = dialler.await.unwrap();
+            let received = tokio::time::timeout(Duration::from_secs(3), async {
+                loop {
+                    let msg = ZmqMessage::try_from(vec![
+                        Bytes::from_static(b"kv@pod@model"),
+                        Bytes::from_static(b"batch"),
+                    ])
+                    .unwrap();
+                    publ.send(msg).await.unwrap();
+                    if let Ok(Ok(m)) =
+                        tokio::time::timeout(Duration::from_millis(20), sub.recv()).await
+                    {
+                        return m;
+                    }
+                }
+            })
+            .await;
+            assert!(
+                received.is_ok(),
+                "round {round}: the publisher that dialled before the bind was never sent the \
+                 subscription, so it dropped every message"
+            );
+        }
+    }
 }
