@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use kvmesh_engine_sim::{Engine, SimConfig, SimHandle};
+use kvmesh_engine_sim::{Engine, Flavor, Role as SimRole, SimConfig, SimHandle};
 use kvmesh_filters::sched::Role;
 use kvmesh_proxy::config::{Config, Duration as CfgDuration};
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
@@ -25,6 +25,17 @@ pub async fn sim() -> SimHandle {
 
 pub async fn sim_with(config: SimConfig) -> SimHandle {
     Engine::start_local(config).await.expect("simulator starts")
+}
+
+/// A vLLM-flavoured simulated engine in a P/D `role`, ten times real time.
+pub async fn pd_sim(role: SimRole) -> SimHandle {
+    sim_with(
+        SimConfig::new(MODEL)
+            .with_time_scale(10.0)
+            .with_role(role)
+            .with_flavor(Flavor::Vllm),
+    )
+    .await
 }
 
 /// A sidecar config in front of `engine`: this pod serves [`MODEL`], carries

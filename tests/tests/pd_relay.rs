@@ -7,26 +7,16 @@
 
 use std::net::{SocketAddr, TcpListener};
 
-use kvmesh_engine_sim::{Flavor, Role as SimRole, SimConfig, SimHandle};
+use kvmesh_engine_sim::{Role as SimRole, SimHandle};
 use kvmesh_filters::sched::Role;
 use kvmesh_proxy::fleet::PodInfo;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, request, Whole};
-use kvmesh_tests::route::{config, sim_with, MODEL};
+use kvmesh_tests::route::{config, pd_sim, MODEL};
 use kvmesh_tests::sidecar::start;
 use serde_json::json;
 
 const PREFILLER: &str = "x-prefiller-host-port";
-
-async fn engine(role: SimRole) -> SimHandle {
-    sim_with(
-        SimConfig::new(MODEL)
-            .with_time_scale(10.0)
-            .with_role(role)
-            .with_flavor(Flavor::Vllm),
-    )
-    .await
-}
 
 async fn completion(sidecar: &SidecarHandle, prefiller: &str) -> Whole {
     let body = json!({"model": MODEL, "prompt": "the quick brown fox ".repeat(20), "max_tokens": 4, "temperature": 0});
@@ -77,7 +67,7 @@ fn saw_a_connection(listener: &TcpListener) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_prefiller_is_refused_before_any_connection() {
-    let decode = engine(SimRole::Decode).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let sidecar = start(config(&decode, &[], None)).await;
     let target = TcpListener::bind("127.0.0.1:0").unwrap();
     let named = target.local_addr().unwrap().to_string();
@@ -101,8 +91,8 @@ async fn an_unknown_prefiller_is_refused_before_any_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_pod_is_followed_through_its_sidecar() {
-    let prefill = engine(SimRole::Prefill).await;
-    let decode = engine(SimRole::Decode).await;
+    let prefill = pd_sim(SimRole::Prefill).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let mut pc = config(&prefill, &[], None);
     pc.pod.role = Role::Prefill;
     let prefill_sidecar = start(pc).await;
@@ -138,7 +128,7 @@ async fn a_known_pod_is_followed_through_its_sidecar() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ip_shared_by_several_peers_needs_the_exact_sidecar_address() {
-    let decode = engine(SimRole::Decode).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let sidecar = start(config(&decode, &[], None)).await;
     let a = TcpListener::bind("127.0.0.1:0").unwrap();
     let b = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -154,8 +144,8 @@ async fn an_ip_shared_by_several_peers_needs_the_exact_sidecar_address() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allow_listed_engine_outside_the_fleet_is_called_directly() {
-    let prefill = engine(SimRole::Prefill).await;
-    let decode = engine(SimRole::Decode).await;
+    let prefill = pd_sim(SimRole::Prefill).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let mut c = config(&decode, &[], None);
     c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
     let sidecar = start(c).await;
@@ -178,8 +168,8 @@ async fn with_mesh_tls_the_prefill_leg_to_a_known_pod_goes_over_it() {
     // prefill leg to it would fail, so a served request proves the leg took
     // the mesh port's mutual TLS.
     let client_cert = TestCert::new();
-    let prefill = engine(SimRole::Prefill).await;
-    let decode = engine(SimRole::Decode).await;
+    let prefill = pd_sim(SimRole::Prefill).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let mut sidecars = Vec::new();
     for (i, (e, role)) in [(&prefill, Role::Prefill), (&decode, Role::Decode)]
         .into_iter()

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use kvmesh_engine_sim::{Flavor, ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
+use kvmesh_engine_sim::{ReceivedRequest, Role as SimRole, SimConfig, SimHandle};
 use kvmesh_proxy::config::{OtlpProtocol, Tracing};
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, request};
@@ -16,7 +16,7 @@ use kvmesh_tests::mesh::{
     forwarded, indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
 };
 use kvmesh_tests::otlp::{Collector, Received};
-use kvmesh_tests::route::{add_peer, config, eventually, sim, sim_with, MODEL};
+use kvmesh_tests::route::{add_peer, config, eventually, pd_sim, sim, sim_with, MODEL};
 use kvmesh_tests::sidecar::{refused_addr, start};
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -27,17 +27,6 @@ fn tracing(c: &Collector, protocol: OtlpProtocol, sample_ratio: f64) -> Option<T
         protocol,
         sample_ratio,
     })
-}
-
-/// A vLLM-flavoured simulated engine in a P/D `role`, ten times real time.
-async fn pd_engine(role: SimRole) -> SimHandle {
-    sim_with(
-        SimConfig::new(MODEL)
-            .with_time_scale(10.0)
-            .with_role(role)
-            .with_flavor(Flavor::Vllm),
-    )
-    .await
 }
 
 /// The client's trace id and span id for request `i`, and its `traceparent`.
@@ -288,8 +277,8 @@ async fn a_request_across_the_mesh_is_one_trace_over_grpc() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pd_split_is_one_trace_with_a_span_per_leg_over_http() {
     let collector = Collector::start().await;
-    let prefill = pd_engine(SimRole::Prefill).await;
-    let decode = pd_engine(SimRole::Decode).await;
+    let prefill = pd_sim(SimRole::Prefill).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let mut c = config(&decode, &[], None);
     c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
     c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
@@ -534,8 +523,8 @@ async fn a_refused_target_and_its_fallback_are_two_forward_spans() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_split_through_a_peer_sidecar_is_one_trace() {
     let collector = Collector::start().await;
-    let prefill = pd_engine(SimRole::Prefill).await;
-    let decode = pd_engine(SimRole::Decode).await;
+    let prefill = pd_sim(SimRole::Prefill).await;
+    let decode = pd_sim(SimRole::Decode).await;
     let mut b = config(&prefill, &[], None);
     b.pod.role = kvmesh_filters::sched::Role::Prefill;
     b.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
