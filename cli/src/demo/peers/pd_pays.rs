@@ -58,8 +58,9 @@ pub struct PdPaysCell {
     pub decider_split: Option<f64>,
     /// `pd` when it split at least half of the long prompts, else `aggregated`.
     pub decider_choice: Option<&'static str>,
-    /// The option that measured better: higher goodput, then ITL p99 lower
-    /// by 10%; `either` when neither is.
+    /// The option that measured better: the one that meets the SLO when the
+    /// other does not, else higher goodput, then ITL p99 lower by 10%;
+    /// `either` when neither is.
     pub better: Option<&'static str>,
     /// Whether the decider chose the better option (any choice is right
     /// when it is `either`).
@@ -159,7 +160,7 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
         }
         let points = sweep::points(&runs);
         for &rate in &rates {
-            cells.push(cell(len, rate, &points, &runs, prefill));
+            cells.push(cell(len, rate, &points, &runs, prefill, &slo));
         }
         all.extend(runs.into_iter().map(|run| PdPaysRun {
             prompt_tokens: len,
@@ -222,7 +223,14 @@ pub fn table(out: &mut String, g: &PdPays) {
 }
 
 /// The cell of `len`-token prompts at `rate`.
-fn cell(len: usize, rate: f64, points: &[Point], runs: &[Run], prefill: usize) -> PdPaysCell {
+fn cell(
+    len: usize,
+    rate: f64,
+    points: &[Point],
+    runs: &[Run],
+    prefill: usize,
+    slo: &Slo,
+) -> PdPaysCell {
     let at = |r: Router| {
         points
             .iter()
@@ -253,7 +261,7 @@ fn cell(len: usize, rate: f64, points: &[Point], runs: &[Run], prefill: usize) -
     // A quarter of the requests are long: it chose P/D when it split at
     // least half of them.
     let choice = split.map(|s| if s >= 0.125 { "pd" } else { "aggregated" });
-    let better = agg.zip(pd).map(|(a, p)| better(a, p));
+    let better = agg.zip(pd).map(|(a, p)| better(a, p, slo));
     PdPaysCell {
         prompt_tokens: len,
         rate,
@@ -267,9 +275,19 @@ fn cell(len: usize, rate: f64, points: &[Point], runs: &[Run], prefill: usize) -
     }
 }
 
-/// The better of aggregated and P/D: higher goodput (failed requests count
-/// against it), then ITL p99 lower by at least 10%.
-fn better(agg: &Point, pd: &Point) -> &'static str {
+/// The better of aggregated and P/D. First the SLO, as capacity at SLO
+/// judges it (TTFT p90 and ITL p99, [`sweep::meets`]): an option that meets
+/// it beats one that does not. Goodput cannot stand in for that: it judges
+/// each request by its mean gap, so a batch whose every request stalls now
+/// and then (an ITL p99 far over the SLO) still counts as good. Then higher
+/// goodput (failed requests count against it), then ITL p99 lower by at
+/// least 10%.
+fn better(agg: &Point, pd: &Point, slo: &Slo) -> &'static str {
+    match (sweep::meets(agg, slo), sweep::meets(pd, slo)) {
+        (true, false) => return "aggregated",
+        (false, true) => return "pd",
+        _ => {}
+    }
     let g = |p: &Point| p.goodput.unwrap_or(0.0);
     if (g(agg) - g(pd)).abs() > GOODPUT_TIE {
         return if g(agg) > g(pd) { "aggregated" } else { "pd" };
@@ -321,13 +339,51 @@ mod tests {
         }
     }
 
+    const SLO: Slo = Slo {
+        ttft_p90_ms: 1000.0,
+        itl_p99_ms: 100.0,
+    };
+
     #[test]
     fn goodput_decides_then_a_clear_itl_gap_then_it_is_a_tie() {
-        let b = |ga, ia, gp, ip| better(&point("a", ga, ia), &point("p", gp, ip));
+        let b = |ga, ia, gp, ip| better(&point("a", ga, ia), &point("p", gp, ip), &SLO);
         assert_eq!(b(1.0, 20.0, 0.9, 10.0), "aggregated");
         assert_eq!(b(0.8, 20.0, 0.95, 40.0), "pd");
         assert_eq!(b(1.0, 200.0, 0.99, 30.0), "pd");
         assert_eq!(b(1.0, 20.0, 1.0, 40.0), "aggregated");
         assert_eq!(b(1.0, 24.0, 1.0, 23.0), "either");
+    }
+
+    #[test]
+    fn the_option_that_meets_the_slo_wins_over_more_goodput() {
+        // Measured at 3000-token prompts, 24 req/s: aggregated kept its mean
+        // gaps in the SLO (goodput 0.99) but stalled its batches (ITL p99
+        // 236 ms against the 100 ms SLO); the split met both.
+        let agg = Point {
+            ttft_p90_ms: Some(499.0),
+            ..point("a", 0.99, 236.0)
+        };
+        let pd = Point {
+            ttft_p90_ms: Some(596.0),
+            ..point("p", 0.96, 30.0)
+        };
+        assert_eq!(better(&agg, &pd, &SLO), "pd");
+        assert_eq!(better(&pd, &agg, &SLO), "aggregated");
+        // Both miss (TTFT over the SLO): goodput decides again.
+        let slow = |g, itl| Point {
+            ttft_p90_ms: Some(1528.0),
+            ..point("x", g, itl)
+        };
+        assert_eq!(better(&slow(0.72, 472.0), &slow(0.86, 28.0), &SLO), "pd");
+        assert_eq!(
+            better(&slow(0.9, 472.0), &slow(0.7, 28.0), &SLO),
+            "aggregated"
+        );
+        // A point with errors does not meet the SLO.
+        let failed = Point {
+            errors: 1,
+            ..point("p", 1.0, 30.0)
+        };
+        assert_eq!(better(&point("a", 0.9, 80.0), &failed, &SLO), "aggregated");
     }
 }
