@@ -15,13 +15,21 @@
 //!   without scrapes, so both are measured);
 //! * `mesh`: four meshed sidecars, each in front of its own fake engine,
 //!   load on the first (it forwards to the pod each prompt's prefix calls
-//!   home) and scrapes on it, while the other three are restarted in turn
-//!   every `restart_every` (peers leaving and joining). Only the first,
-//!   never restarted, is measured.
+//!   home) and scrapes on it, while the other three are restarted in turn,
+//!   one in every load step (warm-up steps and slices), `restart_delay`
+//!   into it, under load (peers leaving and joining). Only the first, never
+//!   restarted, is measured.
 //!
 //! Samples are taken between slices, when the closed loop has drained and
 //! the sidecar's descriptor count has settled, so connection counts are
-//! alike at every sample.
+//! alike at every sample. In the mesh that needs the restarts tied to the
+//! steps: the measured sidecar holds a pool of connections to each peer,
+//! grown to the most requests it had in flight there, and a restarted
+//! peer's pool starts empty. With one restart per step, every sample sees
+//! the same mix (one peer restarted during the step just run, one a step
+//! earlier, one two steps earlier), where restarts on a clock of their own
+//! had the count swing by 12 between samples with whichever peer was down
+//! or freshly back (58 to 70 over one run, no trend).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,7 +44,7 @@ use crate::error::LoadgenError;
 use crate::fake::{FastEngine, FastEngineConfig};
 use crate::load::Load;
 use crate::overhead::procs::{free_port, Proc};
-use crate::runner::{run, RunConfig};
+use crate::runner::{run, RunConfig, RunResult};
 use crate::workload::tiny;
 
 /// Which soak to run.
@@ -83,8 +91,8 @@ pub struct SoakConfig {
     /// Samples after the warm-up one (the run is cut into this many slices).
     pub slices: usize,
     pub scrape_every: Duration,
-    /// Mesh mode: one peer restarted this often, in turn.
-    pub restart_every: Duration,
+    /// Mesh mode: how long into each load step its peer restarts.
+    pub restart_delay: Duration,
     pub work_dir: PathBuf,
 }
 
@@ -103,7 +111,7 @@ impl SoakConfig {
             concurrency: 32,
             slices: 10,
             scrape_every: Duration::from_millis(100),
-            restart_every: Duration::from_secs(if quick { 2 } else { 10 }),
+            restart_delay: Duration::from_millis(if quick { 20 } else { 500 }),
             work_dir,
         }
     }
@@ -135,6 +143,7 @@ pub struct SoakRun {
     /// VmRSS after each warm-up step, KiB.
     pub warmup_rss_kib: Vec<u64>,
     pub errors: u64,
+    /// Requests per second under load (the readings between steps excluded).
     pub req_per_s: f64,
     pub scrapes: u64,
     pub restarts: u64,
@@ -213,12 +222,32 @@ pub async fn soak(cfg: &SoakConfig, modes: &[SoakMode]) -> Result<SoakReport, Lo
         path: cfg.work_dir.clone(),
         source,
     })?;
+    let config = cfg.work_dir.join("soak-proxy.yaml");
+    std::fs::write(&config, PROXY_YAML).map_err(|source| LoadgenError::Io {
+        path: config.clone(),
+        source,
+    })?;
     let mut runs = Vec::new();
     for &mode in modes {
         runs.push(soak_one(cfg, mode).await?);
     }
     Ok(SoakReport { runs })
 }
+
+/// How long a pooled upstream connection stays idle in the soak's sidecars
+/// (`upstream.idle_timeout`; 90 s by default).
+const POOL_IDLE: Duration = Duration::from_secs(1);
+
+/// The proxy.yaml every soak sidecar runs with, flags on top. A sidecar
+/// pools its connections to the engine and to each peer, each pool grown to
+/// the most requests it had in flight there over the last `idle_timeout`;
+/// with the default 90 s a reading counts whatever the last minute and a
+/// half's peaks left (in the mesh, 8 to 13 per peer, none to a peer just
+/// restarted: the count swung between 55 and 84 from one reading to the
+/// next, with no trend). With the pools drained before each reading (see
+/// [`sample`]), what remains is what the sidecar holds for itself, where a
+/// leak would show; the pools' reaper runs at every slice.
+const PROXY_YAML: &str = "upstream:\n  idle_timeout: 1s\n";
 
 /// How to start one sidecar (again, for restarts).
 struct Pod {
@@ -234,6 +263,8 @@ impl Pod {
     async fn start(&self, cfg: &SoakConfig, probe: &Client) -> Result<Proc, LoadgenError> {
         let mut cmd = Command::new(&cfg.proxy_bin);
         cmd.arg("run")
+            .arg("--config")
+            .arg(cfg.work_dir.join("soak-proxy.yaml"))
             .args(["--listen", &format!("127.0.0.1:{}", self.listen)])
             .args(["--admin", &format!("127.0.0.1:{}", self.admin)])
             .args(["--engine", &format!("http://127.0.0.1:{}", self.engine)])
@@ -252,6 +283,49 @@ impl Pod {
         let ready = format!("http://127.0.0.1:{}/ready", self.admin);
         p.wait_ready(probe, &ready, Duration::from_secs(30)).await?;
         Ok(p)
+    }
+}
+
+/// The mesh's peers, restarted one at a time in turn.
+struct Restarter {
+    peers: Vec<Pod>,
+    running: Vec<Option<Proc>>,
+    next: usize,
+    restarts: u64,
+    /// Starts that failed (their port taken meanwhile as another socket's
+    /// ephemeral port); the peer is tried again at its next turn.
+    failures: u64,
+}
+
+impl Restarter {
+    /// Stops the next peer (SIGTERM) and starts it again on its ports.
+    async fn restart_next(&mut self, cfg: &SoakConfig, probe: &Client) {
+        if self.peers.is_empty() {
+            return;
+        }
+        let i = self.next % self.peers.len();
+        self.next += 1;
+        if let Some(p) = self.running[i].take() {
+            p.stop().await;
+        }
+        match self.peers[i].start(cfg, probe).await {
+            Ok(p) => {
+                self.running[i] = Some(p);
+                self.restarts += 1;
+            }
+            Err(e) => {
+                self.failures += 1;
+                eprintln!("soak: restarting {} failed: {e}", self.peers[i].name);
+            }
+        }
+    }
+
+    /// Stops every peer; the restarts and failed starts counted.
+    async fn stop(self) -> (u64, u64) {
+        for p in self.running.into_iter().flatten() {
+            p.stop().await;
+        }
+        (self.restarts, self.failures)
     }
 }
 
@@ -306,48 +380,20 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
             }
         })
     });
-    // Mesh mode: the peers, restarted in turn on their own ports. A start
-    // that fails (its port taken meanwhile as another socket's ephemeral
-    // port) is counted and tried again at the peer's next turn.
-    let restarts = Arc::new(AtomicU64::new(0));
-    let restart_failures = Arc::new(AtomicU64::new(0));
-    let restarter = (mode == SoakMode::Mesh).then(|| {
-        let (stop, restarts, failures) = (stop.clone(), restarts.clone(), restart_failures.clone());
-        let cfg = cfg.clone();
-        let peers: Vec<Pod> = specs.drain(1..).collect();
-        let mut running: Vec<Option<Proc>> = procs.drain(..).map(Some).collect();
-        tokio::spawn(async move {
-            let probe = Client::new(ClientConfig::default());
-            let mut next = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                tokio::time::sleep(cfg.restart_every).await;
-                if stop.load(Ordering::Relaxed) || peers.is_empty() {
-                    break;
-                }
-                let i = next % peers.len();
-                next += 1;
-                if let Some(p) = running[i].take() {
-                    p.stop().await;
-                }
-                match peers[i].start(&cfg, &probe).await {
-                    Ok(p) => {
-                        running[i] = Some(p);
-                        restarts.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        failures.fetch_add(1, Ordering::Relaxed);
-                        eprintln!("soak: restarting {} failed: {e}", peers[i].name);
-                    }
-                }
-            }
-            for p in running.into_iter().flatten() {
-                p.stop().await;
-            }
-        })
+    // Mesh mode: the peers, restarted in turn on their own ports, one in
+    // every load step.
+    let mut restarter = (mode == SoakMode::Mesh).then(|| Restarter {
+        peers: specs.drain(1..).collect(),
+        running: procs.drain(..).map(Some).collect(),
+        next: 0,
+        restarts: 0,
+        failures: 0,
     });
 
     let rc = RunConfig::new(std::slice::from_ref(&url), "fake")?;
     let started = Instant::now();
+    // Time under load, readings excluded.
+    let mut loaded = Duration::ZERO;
     let mut errors = 0u64;
     let mut samples = Vec::new();
     let mut sent = 0usize;
@@ -360,7 +406,9 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
     let mut last = None;
     while !settled && (sent < cfg.warmup_max || last.is_none()) {
         let seed = u64::MAX - warm_rss.len() as u64;
-        let res = run(&rc, &tiny(step, seed), &Load::closed(cfg.concurrency, step)).await?;
+        let t = Instant::now();
+        let res = step_run(&rc, cfg, &probe, restarter.as_mut(), step, seed).await?;
+        loaded += t.elapsed();
         errors += res.summary().errors;
         sent += step;
         let s = sample(pid, sent, started).await?;
@@ -375,24 +423,21 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
     let slices = cfg.slices.max(1);
     for k in 0..slices {
         let n = cfg.requests * (k + 1) / slices - cfg.requests * k / slices;
-        let res = run(
-            &rc,
-            &tiny(n, k as u64 + 1),
-            &Load::closed(cfg.concurrency, n),
-        )
-        .await?;
+        let t = Instant::now();
+        let res = step_run(&rc, cfg, &probe, restarter.as_mut(), n, k as u64 + 1).await?;
+        loaded += t.elapsed();
         errors += res.summary().errors;
         sent += n;
         samples.push(sample(pid, sent, started).await?);
     }
-    let elapsed = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     if let Some(t) = scraper {
         let _ = t.await;
     }
-    if let Some(t) = restarter {
-        let _ = t.await;
-    }
+    let (restarts, restart_failures) = match restarter {
+        Some(r) => r.stop().await,
+        None => (0, 0),
+    };
     measured.stop().await;
     for e in engines {
         e.shutdown().await;
@@ -408,10 +453,10 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         warmup_settled: settled,
         warmup_rss_kib: warm_rss,
         errors,
-        req_per_s: (cfg.requests + warmup) as f64 / elapsed.max(1e-9),
+        req_per_s: (cfg.requests + warmup) as f64 / loaded.as_secs_f64().max(1e-9),
         scrapes: scrapes.load(Ordering::Relaxed),
-        restarts: restarts.load(Ordering::Relaxed),
-        restart_failures: restart_failures.load(Ordering::Relaxed),
+        restarts,
+        restart_failures,
         rss_growth_pct: growth(|s| s.rss_kib),
         fd_growth_pct: growth(|s| s.fds),
         rss_tail_growth_pct: match (samples.get(samples.len() / 2), samples.last()) {
@@ -422,6 +467,27 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         },
         samples,
     })
+}
+
+/// One load step: `n` requests with their own seed, and in the mesh one
+/// peer restarted `restart_delay` into it.
+async fn step_run(
+    rc: &RunConfig,
+    cfg: &SoakConfig,
+    probe: &Client,
+    restarter: Option<&mut Restarter>,
+    n: usize,
+    seed: u64,
+) -> Result<RunResult, LoadgenError> {
+    let (workload, load) = (tiny(n, seed), Load::closed(cfg.concurrency, n));
+    let restart = async {
+        if let Some(r) = restarter {
+            tokio::time::sleep(cfg.restart_delay).await;
+            r.restart_next(cfg, probe).await;
+        }
+    };
+    let (res, ()) = tokio::join!(run(rc, &workload, &load), restart);
+    res
 }
 
 /// Whether the last [`SETTLE_READINGS`] readings lie within `pct` percent
@@ -442,9 +508,12 @@ fn settled_within(rss_kib: &[u64], pct: f64) -> bool {
 
 /// Reads the sidecar once its descriptor count has settled: the load
 /// generator's connections of the slice just run are closing (the sidecar
-/// sees their EOF a moment later), and a sample taken in between would count
-/// them. Two equal readings 100 ms apart, or the last of 30.
+/// sees their EOF a moment later), and its idle pooled connections close
+/// after [`POOL_IDLE`] (their reaper runs every half of it); a sample taken
+/// in between would count them. Twice [`POOL_IDLE`], then two equal readings
+/// 100 ms apart, or the last of 30.
 async fn sample(pid: u32, requests: usize, started: Instant) -> Result<Sample, LoadgenError> {
+    tokio::time::sleep(2 * POOL_IDLE).await;
     let mut fds = open_fds(pid)?;
     for _ in 0..30 {
         tokio::time::sleep(Duration::from_millis(100)).await;
