@@ -425,6 +425,8 @@ fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
             (s - r).abs() / r
         }
     };
+    // Printed with its sign (the simulator above real vLLM is +), checked as a distance.
+    let signed = |s: f64, r: f64| if s >= r { rel(s, r) } else { -rel(s, r) };
     let pooled = |side: fn(&(Observed, Observed)) -> &Observed| {
         let (hits, queries) = rounds
             .iter()
@@ -442,27 +444,27 @@ fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
     );
     for (i, (r, s)) in rounds.iter().enumerate() {
         table.push_str(&format!(
-            "\n{:>24} {:>10.1} {:>10.1} {:>7.0}%\n{:>24} {:>10.3} {:>10.3} {:>7.0}%",
+            "\n{:>24} {:>10.1} {:>10.1} {:>+7.0}%\n{:>24} {:>10.3} {:>10.3} {:>+7.0}%",
             format!("round {i}: TTFT p50 (ms)"),
             r.ttft_p50_ms,
             s.ttft_p50_ms,
-            100.0 * rel(s.ttft_p50_ms, r.ttft_p50_ms),
+            100.0 * signed(s.ttft_p50_ms, r.ttft_p50_ms),
             "hit rate",
             r.hit_rate(),
             s.hit_rate(),
-            100.0 * rel(s.hit_rate(), r.hit_rate()),
+            100.0 * signed(s.hit_rate(), r.hit_rate()),
         ));
     }
     table.push_str(&format!(
-        "\n{:>24} {:>10.1} {:>10.1} {:>7.0}%\n{:>24} {:>10.3} {:>10.3} {:>7.0}%",
+        "\n{:>24} {:>10.1} {:>10.1} {:>+7.0}%\n{:>24} {:>10.3} {:>10.3} {:>+7.0}%",
         "median TTFT p50 (ms)",
         real_p50,
         sim_p50,
-        100.0 * rel(sim_p50, real_p50),
+        100.0 * signed(sim_p50, real_p50),
         "pooled hit rate",
         real_hit,
         sim_hit,
-        100.0 * rel(sim_hit, real_hit),
+        100.0 * signed(sim_hit, real_hit),
     ));
     note(&table);
     ensure!(
