@@ -134,7 +134,7 @@ fn calibration(round: usize) -> Vec<Group> {
         .collect()
 }
 
-/// The whole case: calibration and compared groups alternate, so a change in the machine's load
+/// One pass of round `round`: calibration and compared groups alternate, so a change in the machine's load
 /// (other processes, the engine's own warm-up) weighs on the fit and on the compared requests alike
 /// instead of on whichever ran during it. Nothing is shared between groups, and the KV cache holds
 /// the two live prefixes, so the compared requests hit exactly what they would alone.
@@ -293,10 +293,10 @@ pub async fn check(base_url: &str, kv_cache_blocks: usize, max_num_seqs: usize) 
     compare(&rounds)
 }
 
-/// Rounds of [`calibrated_profile`]: a plain correction, then secant steps through the last two
-/// rounds (the simulator's own time grows with the time it is given, and not along a straight line:
-/// several timer sleeps per request each round up to tokio's 1 ms tick, so the slope is measured
-/// where the rounds are). Every profile tried is measured; the one used is the best measured.
+/// Steps of [`calibrated_profile`]: a plain correction, then secant steps through the last two
+/// (the simulator's own time grows with the time it is given, and not along a straight line, likely
+/// several timer sleeps per request each rounded to tokio's 1 ms tick, so the slope is measured
+/// where the steps are). Every profile tried is measured; the one used is the best measured.
 const CORRECTION_ROUNDS: usize = 4;
 
 /// The 60th percentile of `samples`' TTFT at `tokens` uncached tokens: the fitted line there plus
