@@ -93,6 +93,9 @@ pub struct SoakConfig {
     pub scrape_every: Duration,
     /// Mesh mode: how long into each load step its peer restarts.
     pub restart_delay: Duration,
+    /// The sidecars' `upstream.idle_timeout` (see [`proxy_yaml`]); readings
+    /// wait twice this for the pools to drain.
+    pub pool_idle: Duration,
     pub work_dir: PathBuf,
 }
 
@@ -112,6 +115,10 @@ impl SoakConfig {
             slices: 10,
             scrape_every: Duration::from_millis(100),
             restart_delay: Duration::from_millis(if quick { 20 } else { 500 }),
+            // 250 ms left one reading in 11 a descriptor apart over 300k
+            // requests (a peer's stream still reconnecting), 1 s none; quick
+            // runs keep their readings short, and their bound is loose.
+            pool_idle: Duration::from_millis(if quick { 250 } else { 1000 }),
             work_dir,
         }
     }
@@ -223,7 +230,7 @@ pub async fn soak(cfg: &SoakConfig, modes: &[SoakMode]) -> Result<SoakReport, Lo
         source,
     })?;
     let config = cfg.work_dir.join("soak-proxy.yaml");
-    std::fs::write(&config, PROXY_YAML).map_err(|source| LoadgenError::Io {
+    std::fs::write(&config, proxy_yaml(cfg)).map_err(|source| LoadgenError::Io {
         path: config.clone(),
         source,
     })?;
@@ -234,10 +241,6 @@ pub async fn soak(cfg: &SoakConfig, modes: &[SoakMode]) -> Result<SoakReport, Lo
     Ok(SoakReport { runs })
 }
 
-/// How long a pooled upstream connection stays idle in the soak's sidecars
-/// (`upstream.idle_timeout`; 90 s by default).
-const POOL_IDLE: Duration = Duration::from_secs(1);
-
 /// The proxy.yaml every soak sidecar runs with, flags on top. A sidecar
 /// pools its connections to the engine and to each peer, each pool grown to
 /// the most requests it had in flight there over the last `idle_timeout`;
@@ -246,8 +249,13 @@ const POOL_IDLE: Duration = Duration::from_secs(1);
 /// restarted: the count swung between 55 and 84 from one reading to the
 /// next, with no trend). With the pools drained before each reading (see
 /// [`sample`]), what remains is what the sidecar holds for itself, where a
-/// leak would show; the pools' reaper runs at every slice.
-const PROXY_YAML: &str = "upstream:\n  idle_timeout: 1s\n";
+/// leak would show; the pools' reaper runs at every step.
+fn proxy_yaml(cfg: &SoakConfig) -> String {
+    format!(
+        "upstream:\n  idle_timeout: {}ms\n",
+        cfg.pool_idle.as_millis()
+    )
+}
 
 /// How to start one sidecar (again, for restarts).
 struct Pod {
@@ -411,7 +419,7 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         loaded += t.elapsed();
         errors += res.summary().errors;
         sent += step;
-        let s = sample(pid, sent, started).await?;
+        let s = sample(cfg, pid, sent, started).await?;
         warm_rss.push(s.rss_kib);
         settled = settled_within(&warm_rss, cfg.settle_pct);
         last = Some(s);
@@ -428,7 +436,7 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         loaded += t.elapsed();
         errors += res.summary().errors;
         sent += n;
-        samples.push(sample(pid, sent, started).await?);
+        samples.push(sample(cfg, pid, sent, started).await?);
     }
     stop.store(true, Ordering::Relaxed);
     if let Some(t) = scraper {
@@ -509,11 +517,16 @@ fn settled_within(rss_kib: &[u64], pct: f64) -> bool {
 /// Reads the sidecar once its descriptor count has settled: the load
 /// generator's connections of the slice just run are closing (the sidecar
 /// sees their EOF a moment later), and its idle pooled connections close
-/// after [`POOL_IDLE`] (their reaper runs every half of it); a sample taken
-/// in between would count them. Twice [`POOL_IDLE`], then two equal readings
+/// after `pool_idle` (their reaper runs every half of it); a sample taken
+/// in between would count them. Twice `pool_idle`, then two equal readings
 /// 100 ms apart, or the last of 30.
-async fn sample(pid: u32, requests: usize, started: Instant) -> Result<Sample, LoadgenError> {
-    tokio::time::sleep(2 * POOL_IDLE).await;
+async fn sample(
+    cfg: &SoakConfig,
+    pid: u32,
+    requests: usize,
+    started: Instant,
+) -> Result<Sample, LoadgenError> {
+    tokio::time::sleep(2 * cfg.pool_idle).await;
     let mut fds = open_fds(pid)?;
     for _ in 0..30 {
         tokio::time::sleep(Duration::from_millis(100)).await;
