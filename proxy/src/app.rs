@@ -46,4 +46,14 @@ impl App {
             prefix: &self.prefix,
         }
     }
+
+    /// The narrow handle the accounting stage takes: borrowed, nothing cloned.
+    pub fn accounting(&self) -> crate::path::account::Accounting<'_> {
+        crate::path::account::Accounting {
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+            metrics: &self.metrics,
+            mesh: &self.mesh,
+        }
+    }
 }

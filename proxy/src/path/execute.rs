@@ -61,7 +61,7 @@ pub async fn execute(
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
-        super::account::predict(app, ctx, &target);
+        super::account::predict(app.accounting(), ctx, &target);
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
@@ -81,7 +81,7 @@ pub async fn execute(
                 ctx.access = access;
                 match r {
                     Err(e) if failed_before_any_byte(&e, &decode_name) => {
-                        super::account::failed(app, &decode_upstream);
+                        super::account::failed(app.accounting(), &decode_upstream);
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
                         last = Some(e);
@@ -98,21 +98,21 @@ pub async fn execute(
             break;
         }
         ctx.attempts += 1;
-        super::account::track(app, ctx, &target);
+        super::account::track(app.accounting(), ctx, &target);
         match forward(app, ctx, upstream.clone(), &mut req).await {
             Ok(Forwarded::Served(resp)) => {
-                super::account::served(app, ctx, &upstream);
+                super::account::served(app.accounting(), ctx, &upstream);
                 ctx.served_by = Some(upstream.served());
                 return Ok(resp);
             }
             Ok(Forwarded::Unserved(reply)) => {
-                super::account::failed(app, &upstream);
+                super::account::failed(app.accounting(), &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), status = %reply.resp.status(), "target answered 5xx before any byte; trying the next fallback");
                 last_reply = Some((upstream, reply));
             }
             Err(e) if crate::error::next_target_may_serve(&e) => {
-                super::account::failed(app, &upstream);
+                super::account::failed(app.accounting(), &upstream);
                 app.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
@@ -198,7 +198,7 @@ fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
 
 /// The pod a P/D leg goes to, for the access line.
 fn leg_pod(app: &App, leg: &Leg) -> String {
-    super::account::upstream_pod(app, &leg_upstream(leg))
+    super::account::upstream_pod(&app.fleet, &leg_upstream(leg))
 }
 
 /// One attempt: request head rewritten for the hop, body as the client sent it.

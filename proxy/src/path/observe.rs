@@ -63,7 +63,9 @@ pub fn observe(
     };
     let resp = match ctx.access.take() {
         Some(mut log) => {
-            let pod = ctx.served_by.map(|s| super::account::served_pod(app, s));
+            let pod = ctx
+                .served_by
+                .map(|s| super::account::served_pod(&app.fleet, s));
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
             log.head(status, model, ctx.route_reason, pod, ctx.attempts);
             log.rank(ctx.dp_rank.get().copied());
