@@ -58,8 +58,16 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
             fleet: &app.fleet,
         };
         let req = classify::classify(h, &mut ctx, req).await?;
-        prefix::prefix(&app, &mut ctx).await?;
-        let plan = schedule::schedule(&app, &mut ctx)?;
+        let h = prefix::Prefix {
+            state: &app.prefix,
+            compute: app.prefix_inputs(),
+        };
+        prefix::prefix(h, &mut ctx).await?;
+        let h = schedule::Schedule {
+            routing: &app.routing,
+            inputs: app.routing_inputs(),
+        };
+        let plan = schedule::schedule(h, &mut ctx)?;
         execute::execute(&app, &mut ctx, plan, req).await
     }
     .await;
