@@ -71,5 +71,9 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
         execute::execute(&app, &mut ctx, plan, req).await
     }
     .await;
-    observe::observe(&app, ctx, result)
+    let h = observe::Observe {
+        metrics: &app.metrics,
+        fleet: &app.fleet,
+    };
+    observe::observe(h, ctx, result)
 }
