@@ -68,6 +68,16 @@ impl App {
         }
     }
 
+    /// The narrow handle the execute stage takes: the upstream calls, the
+    /// books, the engine's readiness; borrowed, nothing cloned.
+    pub fn execution(&self) -> crate::path::execute::Execute<'_> {
+        crate::path::execute::Execute {
+            up: self.upstreams(),
+            books: self.accounting(),
+            engine_ready: &self.engine_ready,
+        }
+    }
+
     /// The narrow handle the accounting stage takes: borrowed, nothing cloned.
     pub fn accounting(&self) -> crate::path::account::Accounting<'_> {
         crate::path::account::Accounting {

@@ -68,7 +68,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
             inputs: app.routing_inputs(),
         };
         let plan = schedule::schedule(h, &mut ctx)?;
-        execute::execute(&app, &mut ctx, plan, req).await
+        execute::execute(app.execution(), &mut ctx, plan, req).await
     }
     .await;
     let h = observe::Observe {
