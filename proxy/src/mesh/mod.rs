@@ -224,14 +224,14 @@ impl Mesh {
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
     /// when the sidecar is shutting down. `stats`: the subscriber also takes
     /// `Stats` frames (out of sequence, see [`Hub::publish_stats`]).
-    pub fn subscribe(&self, app: &App, stats: bool) -> Option<Subscription> {
+    pub fn subscribe(&self, metrics: &Metrics, stats: bool) -> Option<Subscription> {
         let mut hub = self.hub.lock();
         if hub.closed {
             return None;
         }
         hub.subs.retain(|s| !s.tx.is_closed());
         if hub.subs.len() >= self.max_subscribers {
-            app.metrics.mesh.dropped("over_limit");
+            metrics.mesh.dropped("over_limit");
             return None;
         }
         let seq = hub.seq;
@@ -264,28 +264,28 @@ impl Mesh {
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
         hub.subs.push(Sub { tx, stats });
-        app.metrics.mesh.subscribers(hub.subs.len());
+        metrics.mesh.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
 
-    fn local_kv(&self, app: &App, update: LocalKvUpdate) {
+    fn local_kv(&self, metrics: &Metrics, update: LocalKvUpdate) {
         let mut hub = self.hub.lock();
         match update {
             LocalKvUpdate::Batch { model, batch, .. } => {
                 hub.mirror.apply(&model, &batch);
                 hub.publish(
-                    &app.metrics,
+                    metrics,
                     &Msg::Kv {
                         model: model.to_string(),
                         batch: (*batch).clone(),
                     },
                 );
             }
-            LocalKvUpdate::Cleared => self.cleared(app, &mut hub),
+            LocalKvUpdate::Cleared => self.cleared(metrics, &mut hub),
         }
     }
 
-    fn cleared(&self, app: &App, hub: &mut Hub) {
+    fn cleared(&self, metrics: &Metrics, hub: &mut Hub) {
         hub.mirror.clear();
         let batch = kvmesh_filters::prefix::kvevents::EventBatch {
             ts: 0.0,
@@ -294,7 +294,7 @@ impl Mesh {
             unknown_events: 0,
         };
         hub.publish(
-            &app.metrics,
+            metrics,
             &Msg::Kv {
                 model: String::new(),
                 batch,
@@ -420,13 +420,13 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
             }
             _ = tick.tick() => mesh.tick(&app),
             u = recv(&mut kv) => match u {
-                Ok(update) => mesh.local_kv(&app, update),
+                Ok(update) => mesh.local_kv(&app.metrics, update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Batches were lost: the mirror cannot be trusted, so the
                     // peers forget this pod's blocks and relearn them live.
                     tracing::warn!(lost = n, "mesh: local KV updates lagged; peers told to clear this pod");
                     let mut hub = mesh.hub.lock();
-                    mesh.cleared(&app, &mut hub);
+                    mesh.cleared(&app.metrics, &mut hub);
                 }
                 Err(broadcast::error::RecvError::Closed) => kv = None,
             },
