@@ -46,4 +46,45 @@ impl App {
             prefix: &self.prefix,
         }
     }
+
+    /// What the prefix stage reads besides the prefix state: borrowed.
+    pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
+        crate::prefix::Compute {
+            config: &self.config,
+            metrics: &self.metrics,
+            client: &self.client,
+            engine_block_size: &self.engine_block_size,
+        }
+    }
+
+    /// What planning one request reads besides the filter config: borrowed.
+    pub fn routing_inputs(&self) -> crate::routing::Inputs<'_> {
+        crate::routing::Inputs {
+            config: &self.config,
+            metrics: &self.metrics,
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+            engine_block_size: &self.engine_block_size,
+        }
+    }
+
+    /// The narrow handle the execute stage takes: the upstream calls, the
+    /// books, the engine's readiness; borrowed, nothing cloned.
+    pub fn execution(&self) -> crate::path::execute::Execute<'_> {
+        crate::path::execute::Execute {
+            up: self.upstreams(),
+            books: self.accounting(),
+            engine_ready: &self.engine_ready,
+        }
+    }
+
+    /// The narrow handle the accounting stage takes: borrowed, nothing cloned.
+    pub fn accounting(&self) -> crate::path::account::Accounting<'_> {
+        crate::path::account::Accounting {
+            fleet: &self.fleet,
+            prefix: &self.prefix,
+            metrics: &self.metrics,
+            mesh: &self.mesh,
+        }
+    }
 }

@@ -36,6 +36,7 @@ use tokio::time::Instant;
 
 use crate::app::App;
 use crate::kvevents::LocalKvUpdate;
+use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 use mirror::Mirror;
 use wire::{Announce, LoadMsg, Msg};
@@ -199,7 +200,7 @@ impl Mesh {
     }
 
     /// Publishes an approximate routing decision: `pod` was sent `keys`.
-    pub fn decision(&self, app: &App, pod: &str, keys: &[u64]) {
+    pub fn decision(&self, metrics: &Metrics, pod: &str, keys: &[u64]) {
         if !self.enabled || keys.is_empty() {
             return;
         }
@@ -210,7 +211,7 @@ impl Mesh {
         }
         hub.decisions.push_back((pod.to_owned(), keys.clone()));
         hub.publish(
-            app,
+            metrics,
             &Msg::Decision {
                 pod: pod.to_owned(),
                 keys,
@@ -223,14 +224,14 @@ impl Mesh {
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
     /// when the sidecar is shutting down. `stats`: the subscriber also takes
     /// `Stats` frames (out of sequence, see [`Hub::publish_stats`]).
-    pub fn subscribe(&self, app: &App, stats: bool) -> Option<Subscription> {
+    pub fn subscribe(&self, metrics: &Metrics, stats: bool) -> Option<Subscription> {
         let mut hub = self.hub.lock();
         if hub.closed {
             return None;
         }
         hub.subs.retain(|s| !s.tx.is_closed());
         if hub.subs.len() >= self.max_subscribers {
-            app.metrics.mesh.dropped("over_limit");
+            metrics.mesh.dropped("over_limit");
             return None;
         }
         let seq = hub.seq;
@@ -263,28 +264,28 @@ impl Mesh {
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
         hub.subs.push(Sub { tx, stats });
-        app.metrics.mesh.subscribers(hub.subs.len());
+        metrics.mesh.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
 
-    fn local_kv(&self, app: &App, update: LocalKvUpdate) {
+    fn local_kv(&self, metrics: &Metrics, update: LocalKvUpdate) {
         let mut hub = self.hub.lock();
         match update {
             LocalKvUpdate::Batch { model, batch, .. } => {
                 hub.mirror.apply(&model, &batch);
                 hub.publish(
-                    app,
+                    metrics,
                     &Msg::Kv {
                         model: model.to_string(),
                         batch: (*batch).clone(),
                     },
                 );
             }
-            LocalKvUpdate::Cleared => self.cleared(app, &mut hub),
+            LocalKvUpdate::Cleared => self.cleared(metrics, &mut hub),
         }
     }
 
-    fn cleared(&self, app: &App, hub: &mut Hub) {
+    fn cleared(&self, metrics: &Metrics, hub: &mut Hub) {
         hub.mirror.clear();
         let batch = kvmesh_filters::prefix::kvevents::EventBatch {
             ts: 0.0,
@@ -293,7 +294,7 @@ impl Mesh {
             unknown_events: 0,
         };
         hub.publish(
-            app,
+            metrics,
             &Msg::Kv {
                 model: String::new(),
                 batch,
@@ -319,38 +320,38 @@ impl Mesh {
         let mut hub = self.hub.lock();
         if let Some(l) = load {
             hub.last_load = Some(l);
-            hub.publish(app, &Msg::Load(l));
+            hub.publish(&app.metrics, &Msg::Load(l));
         }
         hub.last_in_flight = in_flight.clone();
-        hub.publish(app, &Msg::InFlight(in_flight));
-        hub.publish_stats(app, crate::stat::local_stats(app));
+        hub.publish(&app.metrics, &Msg::InFlight(in_flight));
+        hub.publish_stats(&app.metrics, crate::stat::local_stats(app));
     }
 }
 
 impl Hub {
     /// Queues one delta to every subscriber; a full queue drops its subscriber.
-    fn publish(&mut self, app: &App, msg: &Msg) {
+    fn publish(&mut self, metrics: &Metrics, msg: &Msg) {
         self.seq += 1;
         if self.subs.is_empty() {
             return;
         }
         let frame = wire::encode(self.seq, msg);
-        self.send(app, &frame, false);
+        self.send(metrics, &frame, false);
     }
 
     /// Queues the local pod's counters to the subscribers that asked for
     /// them. Outside the sequence: the frame carries the last delta's number
     /// and takes none, so the other subscribers see no gap.
-    fn publish_stats(&mut self, app: &App, stats: crate::stat::PodStats) {
+    fn publish_stats(&mut self, metrics: &Metrics, stats: crate::stat::PodStats) {
         if self.subs.iter().any(|s| s.stats) {
             let frame = wire::encode(self.seq, &Msg::Stats(stats));
-            self.send(app, &frame, true);
+            self.send(metrics, &frame, true);
         }
     }
 
     /// Queues `frame` to every subscriber (`stats_only`: to those that take
     /// `Stats`); a full queue drops its subscriber.
-    fn send(&mut self, app: &App, frame: &Bytes, stats_only: bool) {
+    fn send(&mut self, metrics: &Metrics, frame: &Bytes, stats_only: bool) {
         let before = self.subs.len();
         let mut slow = 0;
         let mut sent = 0u64;
@@ -370,7 +371,7 @@ impl Hub {
                 Err(mpsc::error::TrySendError::Closed(_)) => false,
             }
         });
-        let m = &app.metrics.mesh;
+        let m = &metrics.mesh;
         for _ in 0..slow {
             m.dropped("slow");
         }
@@ -419,13 +420,13 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
             }
             _ = tick.tick() => mesh.tick(&app),
             u = recv(&mut kv) => match u {
-                Ok(update) => mesh.local_kv(&app, update),
+                Ok(update) => mesh.local_kv(&app.metrics, update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Batches were lost: the mirror cannot be trusted, so the
                     // peers forget this pod's blocks and relearn them live.
                     tracing::warn!(lost = n, "mesh: local KV updates lagged; peers told to clear this pod");
                     let mut hub = mesh.hub.lock();
-                    mesh.cleared(&app, &mut hub);
+                    mesh.cleared(&app.metrics, &mut hub);
                 }
                 Err(broadcast::error::RecvError::Closed) => kv = None,
             },

@@ -226,7 +226,7 @@ fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
         }
     }
     let stats = req.headers().contains_key(TAKES_STATS);
-    match app.mesh.subscribe(app, stats) {
+    match app.mesh.subscribe(&app.metrics, stats) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

@@ -41,7 +41,8 @@ use super::wire::{self, Announce, Msg, WireError};
 use crate::app::App;
 use crate::backoff::Backoff;
 use crate::config::mesh::Follow;
-use crate::fleet::PodInfo;
+use crate::fleet::{Fleet, PodInfo};
+use crate::prefix::PrefixState;
 
 /// First pause before reconnecting.
 const BACKOFF_START: Duration = Duration::from_millis(50);
@@ -119,7 +120,7 @@ pub async fn run(
                 tracing::debug!(%addr, reason = %ended, "mesh: peer not followed");
                 // It may have served this pod's models before a restart.
                 if let Some(id) = known.take() {
-                    forget(&app, &id);
+                    forget(&app.fleet, &app.prefix, &id);
                 }
                 lost_at = None;
                 status.send_modify(|s| s.other_models = true);
@@ -155,7 +156,7 @@ pub async fn run(
             || now.duration_since(since) >= cfg.stale_after.get();
         if stale {
             if let Some(id) = known.take() {
-                forget(&app, &id);
+                forget(&app.fleet, &app.prefix, &id);
             }
         }
         tokio::select! {
@@ -167,7 +168,7 @@ pub async fn run(
         }
     }
     if let Some(id) = known {
-        forget(&app, &id);
+        forget(&app.fleet, &app.prefix, &id);
     }
     app.mesh.routes().remove_mesh(addr);
     if let Some(client) = app.mesh.tls_client() {
@@ -195,10 +196,10 @@ where
 }
 
 /// Removes a peer from scheduling and from the index.
-fn forget(app: &App, id: &str) {
+fn forget(fleet: &Fleet, prefix: &PrefixState, id: &str) {
     tracing::info!(peer = id, "mesh: peer left the scheduling set");
-    app.fleet.remove_peer(id);
-    app.prefix.remove_pod(id);
+    fleet.remove_peer(id);
+    prefix.remove_pod(id);
 }
 
 /// One connection: returns why it ended.

@@ -16,56 +16,72 @@ use std::net::SocketAddr;
 
 use tokio::time::Instant;
 
-use crate::app::App;
 use crate::fleet::Fleet;
+use crate::mesh::Mesh;
+use crate::metrics::Metrics;
+use crate::prefix::PrefixState;
 use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
 
+/// The books the accounting stage keeps, borrowed for one request (built by
+/// `App::accounting`): nothing cloned, no reference count touched.
+#[derive(Clone, Copy)]
+pub struct Accounting<'a> {
+    /// In-flight counts, outlier calls, pod ids.
+    pub fleet: &'a Fleet,
+    /// Predicted blocks; the approximate index.
+    pub prefix: &'a PrefixState,
+    /// Outlier ejections and the mesh counters.
+    pub metrics: &'a Metrics,
+    /// Where approximate decisions are published.
+    pub mesh: &'a Mesh,
+}
+
 /// A response head came back from `upstream`.
-pub(crate) fn served(app: &App, ctx: &RequestCtx, upstream: &Upstream) {
-    app.fleet
-        .call_served(&upstream_pod(app, upstream), Instant::now());
+pub(crate) fn served(a: Accounting<'_>, ctx: &RequestCtx, upstream: &Upstream) {
+    a.fleet
+        .call_served(&upstream_pod(a.fleet, upstream), Instant::now());
     let peer = match upstream {
-        Upstream::Peer(a) => Some(*a),
+        Upstream::Peer(addr) => Some(*addr),
         _ => None,
     };
-    ran_on(app, ctx, peer);
+    ran_on(a, ctx, peer);
 }
 
 /// `upstream` failed before any byte: counts towards its pod's ejection.
-pub(crate) fn failed(app: &App, upstream: &Upstream) {
-    let pod = upstream_pod(app, upstream);
-    if let Some(period) = app.fleet.call_failed(&pod, Instant::now()) {
-        app.metrics.outlier_ejected();
+pub(crate) fn failed(a: Accounting<'_>, upstream: &Upstream) {
+    let pod = upstream_pod(a.fleet, upstream);
+    if let Some(period) = a.fleet.call_failed(&pod, Instant::now()) {
+        a.metrics.outlier_ejected();
         tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
     }
 }
 
 /// The pod id behind an upstream (an llm-d prefiller: its address).
-pub(crate) fn upstream_pod(app: &App, u: &Upstream) -> String {
+pub(crate) fn upstream_pod(fleet: &Fleet, u: &Upstream) -> String {
     match u {
-        Upstream::Engine => app.fleet.local_id().to_owned(),
-        Upstream::Peer(a) => app.fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
+        Upstream::Engine => fleet.local_id().to_owned(),
+        Upstream::Peer(a) => fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
         Upstream::Direct(a) => a.to_string(),
     }
 }
 
 /// The pod id of where a response came from, for the access line.
-pub(crate) fn served_pod(app: &App, s: Served) -> String {
+pub(crate) fn served_pod(fleet: &Fleet, s: Served) -> String {
     match s {
-        Served::LocalEngine => app.fleet.local_id().to_owned(),
-        Served::Peer(addr) => app.fleet.peer_id(addr).unwrap_or_else(|| addr.to_string()),
+        Served::LocalEngine => fleet.local_id().to_owned(),
+        Served::Peer(addr) => fleet.peer_id(addr).unwrap_or_else(|| addr.to_string()),
     }
 }
 
 /// Counts the request towards the pod `target` runs on (its decode pod when
 /// disaggregated), for as long as the response lasts. Called by the execute
 /// stage for each target it tries, so a fallback moves the count.
-pub(crate) fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
+pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
     let guard = if ctx.already_routed && *target == Target::LocalEngine {
         // Forwarded here by a peer, which publishes it to the mesh itself.
-        app.fleet.begin_received()
+        a.fleet.begin_received()
     } else {
-        pod_of(&app.fleet, target).and_then(|id| app.fleet.begin(&id))
+        pod_of(a.fleet, target).and_then(|id| a.fleet.begin(&id))
     };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);
@@ -76,17 +92,17 @@ pub(crate) fn track(app: &App, ctx: &mut RequestCtx, target: &Target) {
 /// its blocks (both legs of a split: prefill computes them, decode receives
 /// them), until their engines' KV events say so. A request a peer already
 /// routed was predicted there.
-pub(crate) fn predict(app: &App, ctx: &RequestCtx, target: &Target) {
+pub(crate) fn predict(a: Accounting<'_>, ctx: &RequestCtx, target: &Target) {
     if ctx.already_routed || ctx.block_keys.is_empty() {
         return;
     }
     if let Target::Disaggregated { prefill, .. } = target {
-        if let Some(id) = leg_id(&app.fleet, prefill) {
-            app.prefix.predict(&id, ctx);
+        if let Some(id) = leg_id(a.fleet, prefill) {
+            a.prefix.predict(&id, ctx);
         }
     }
-    if let Some(id) = pod_of(&app.fleet, target) {
-        app.prefix.predict(&id, ctx);
+    if let Some(id) = pod_of(a.fleet, target) {
+        a.prefix.predict(&id, ctx);
     }
 }
 
@@ -110,11 +126,11 @@ fn leg_id(fleet: &Fleet, leg: &Leg) -> Option<String> {
 /// Where the request ran, as the mesh counts it (`None`: the local
 /// engine); in approximate mode the decision is recorded in the local index
 /// and published to the peers.
-fn ran_on(app: &App, ctx: &RequestCtx, peer: Option<SocketAddr>) {
+fn ran_on(a: Accounting<'_>, ctx: &RequestCtx, peer: Option<SocketAddr>) {
     if ctx.view.is_none() {
         return;
     }
-    let m = &app.metrics.mesh;
+    let m = &a.metrics.mesh;
     let pod = match peer {
         None if ctx.already_routed => {
             m.request("received");
@@ -122,19 +138,19 @@ fn ran_on(app: &App, ctx: &RequestCtx, peer: Option<SocketAddr>) {
         }
         None => {
             m.request("local");
-            app.fleet.local_id().to_owned()
+            a.fleet.local_id().to_owned()
         }
         Some(addr) => {
             m.request("forwarded");
-            let Some(id) = app.fleet.peer_id(addr) else {
+            let Some(id) = a.fleet.peer_id(addr) else {
                 return;
             };
             m.forwarded(&id);
             id
         }
     };
-    if app.prefix.mode() == crate::prefix::Mode::Approximate && !ctx.block_keys.is_empty() {
-        app.prefix.record(&pod, ctx);
-        app.mesh.decision(app, &pod, &ctx.block_keys);
+    if a.prefix.mode() == crate::prefix::Mode::Approximate && !ctx.block_keys.is_empty() {
+        a.prefix.record(&pod, ctx);
+        a.mesh.decision(a.metrics, &pod, &ctx.block_keys);
     }
 }

@@ -12,23 +12,40 @@
 //! request whole (the prefill pod frees the blocks it held
 //! for that decode when its own hold timeout expires).
 
+use std::sync::atomic::AtomicBool;
+
 use http::{HeaderValue, Response};
 use http_body_util::{Full, Limited};
 use tokio::time::Instant;
 
-use crate::app::App;
 use crate::body::{ResponseBody, UpstreamBody};
+use crate::config::Config;
 use crate::error::{ProxyError, UpstreamName};
+use crate::fleet::Fleet;
 use crate::headers::UNSERVED;
 use crate::otel::Hop;
 use crate::request::{
     leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Target, Upstream,
-    FORWARD, MAX_ATTEMPTS,
+    Upstreams, FORWARD, MAX_ATTEMPTS,
 };
 use crate::upstream::ReplyBody;
 
+use super::account::Accounting;
+
+/// What the execute stage reads, borrowed for one request (`App::execution`):
+/// the upstream calls (pools, fleet view, deadlines, counters), the books
+/// it keeps as it goes, and whether the local engine is up (the last
+/// resort).
+#[derive(Clone, Copy)]
+pub struct Execute<'a> {
+    pub up: Upstreams<'a>,
+    pub books: Accounting<'a>,
+    /// Set by the readiness probe once the local engine answers.
+    pub engine_ready: &'a AtomicBool,
+}
+
 pub async fn execute(
-    app: &App,
+    h: Execute<'_>,
     ctx: &mut RequestCtx,
     plan: Plan,
     mut req: ClientRequest,
@@ -53,7 +70,7 @@ pub async fn execute(
             // Every target of the plan failed before any byte: the local
             // engine is the last resort, once.
             None => match planned.take() {
-                Some(tried) if last_resort_is_local(app, ctx, &tried) => Target::LocalEngine,
+                Some(tried) if last_resort_is_local(h, ctx, &tried) => Target::LocalEngine,
                 _ => break,
             },
         };
@@ -61,27 +78,27 @@ pub async fn execute(
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
-        super::account::predict(app, ctx, &target);
+        super::account::predict(h.books, ctx, &target);
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
                 let decode_upstream = leg_upstream(&decode);
-                let decode_name = decode_upstream.name(&app.config);
+                let decode_name = decode_upstream.name(h.up.config);
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
                 if let Some(a) = access.as_mut() {
-                    a.legs(leg_pod(app, &prefill), leg_pod(app, &decode));
+                    a.legs(leg_pod(h.up.fleet, &prefill), leg_pod(h.up.fleet, &decode));
                 }
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
-                let pd = Box::pin(crate::pd::execute(app, ctx, pd, &req));
+                let pd = Box::pin(crate::pd::execute(h.up, ctx, pd, &req));
                 let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
                 ctx.access = access;
                 match r {
                     Err(e) if failed_before_any_byte(&e, &decode_name) => {
-                        super::account::failed(app, &decode_upstream);
+                        super::account::failed(h.books, &decode_upstream);
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
                         refused_decode = Some(whole_on_decode);
                         last = Some(e);
@@ -98,22 +115,22 @@ pub async fn execute(
             break;
         }
         ctx.attempts += 1;
-        super::account::track(app, ctx, &target);
-        match forward(app, ctx, upstream.clone(), &mut req).await {
+        super::account::track(h.books, ctx, &target);
+        match forward(h.up, ctx, upstream.clone(), &mut req).await {
             Ok(Forwarded::Served(resp)) => {
-                super::account::served(app, ctx, &upstream);
+                super::account::served(h.books, ctx, &upstream);
                 ctx.served_by = Some(upstream.served());
                 return Ok(resp);
             }
             Ok(Forwarded::Unserved(reply)) => {
-                super::account::failed(app, &upstream);
-                app.metrics.fallback();
+                super::account::failed(h.books, &upstream);
+                h.up.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), status = %reply.resp.status(), "target answered 5xx before any byte; trying the next fallback");
                 last_reply = Some((upstream, reply));
             }
             Err(e) if crate::error::next_target_may_serve(&e) => {
-                super::account::failed(app, &upstream);
-                app.metrics.fallback();
+                super::account::failed(h.books, &upstream);
+                h.up.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
                 last = Some(e);
             }
@@ -134,7 +151,7 @@ pub async fn execute(
                 .insert(UNSERVED, HeaderValue::from_static("1"));
         }
         ctx.served_by = Some(upstream.served());
-        return Ok(relay(&app.upstreams(), ctx, name, resp, hop));
+        return Ok(relay(&h.up, ctx, name, resp, hop));
     }
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
 }
@@ -168,13 +185,13 @@ fn unserved_status(status: http::StatusCode) -> bool {
 /// Only when the local engine is not in the plan already, can take the
 /// request (not a prefill-only pod, serving its model, ready, not ejected),
 /// and the request was not routed here (it runs locally anyway).
-fn last_resort_is_local(app: &App, ctx: &RequestCtx, targets: &[Target]) -> bool {
+fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) -> bool {
     let local = |t: &Target| match t {
         Target::LocalEngine => true,
         Target::Disaggregated { decode, .. } => *decode == Leg::LocalEngine,
         Target::Peer { .. } => false,
     };
-    let pod = &app.config.pod;
+    let pod = &h.up.config.pod;
     let model_served = match ctx.view.as_ref().and_then(|v| v.model.as_deref()) {
         Some(m) => pod.models.is_empty() || pod.models.iter().any(|s| s == m),
         None => true,
@@ -184,8 +201,8 @@ fn last_resort_is_local(app: &App, ctx: &RequestCtx, targets: &[Target]) -> bool
         && !targets.iter().any(local)
         && pod.role != kvmesh_filters::sched::Role::Prefill
         && model_served
-        && app.engine_ready.load(std::sync::atomic::Ordering::Acquire)
-        && !app.fleet.ejected(app.fleet.local_id(), Instant::now())
+        && h.engine_ready.load(std::sync::atomic::Ordering::Acquire)
+        && !h.up.fleet.ejected(h.up.fleet.local_id(), Instant::now())
 }
 
 /// Whether `e` is `upstream` failing before any byte reached the client, so
@@ -197,28 +214,20 @@ fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
 }
 
 /// The pod a P/D leg goes to, for the access line.
-fn leg_pod(app: &App, leg: &Leg) -> String {
-    super::account::upstream_pod(app, &leg_upstream(leg))
+fn leg_pod(fleet: &Fleet, leg: &Leg) -> String {
+    super::account::upstream_pod(fleet, &leg_upstream(leg))
 }
 
 /// One attempt: request head rewritten for the hop, body as the client sent it.
 async fn forward(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &RequestCtx,
     upstream: Upstream,
     req: &mut ClientRequest,
 ) -> Result<Forwarded, ProxyError> {
-    let body = client_body(app, req)?;
-    let (mut resp, name, hop) = send(
-        &app.upstreams(),
-        ctx,
-        &upstream,
-        &req.head,
-        body,
-        FORWARD,
-        ctx.attempts,
-    )
-    .await?;
+    let body = client_body(up.config, req)?;
+    let (mut resp, name, hop) =
+        send(&up, ctx, &upstream, &req.head, body, FORWARD, ctx.attempts).await?;
     let unserved = match upstream {
         // The peer did not serve it and sent nothing: its engine refused or
         // failed before any byte, as if that engine were ours.
@@ -228,24 +237,18 @@ async fn forward(
     if unserved {
         return Ok(Forwarded::Unserved(Unserved { resp, name, hop }));
     }
-    Ok(Forwarded::Served(relay(
-        &app.upstreams(),
-        ctx,
-        name,
-        resp,
-        hop,
-    )))
+    Ok(Forwarded::Served(relay(&up, ctx, name, resp, hop)))
 }
 
 /// The client's body for one attempt: buffered bodies can be sent again.
-fn client_body(app: &App, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
+fn client_body(config: &Config, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
     Ok(match &mut req.body {
         ClientBody::Buffered(b) => UpstreamBody::Full(Full::new(b.clone())),
         ClientBody::Streaming(b) => {
             let incoming = b
                 .take()
                 .ok_or_else(|| ProxyError::Internal("streamed body sent twice".to_owned()))?;
-            let limit = usize::try_from(app.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+            let limit = usize::try_from(config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
             UpstreamBody::Stream(Limited::new(incoming, limit))
         }
     })

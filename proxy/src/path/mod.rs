@@ -58,10 +58,22 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseB
             fleet: &app.fleet,
         };
         let req = classify::classify(h, &mut ctx, req).await?;
-        prefix::prefix(&app, &mut ctx).await?;
-        let plan = schedule::schedule(&app, &mut ctx)?;
-        execute::execute(&app, &mut ctx, plan, req).await
+        let h = prefix::Prefix {
+            state: &app.prefix,
+            compute: app.prefix_inputs(),
+        };
+        prefix::prefix(h, &mut ctx).await?;
+        let h = schedule::Schedule {
+            routing: &app.routing,
+            inputs: app.routing_inputs(),
+        };
+        let plan = schedule::schedule(h, &mut ctx)?;
+        execute::execute(app.execution(), &mut ctx, plan, req).await
     }
     .await;
-    observe::observe(&app, ctx, result)
+    let h = observe::Observe {
+        metrics: &app.metrics,
+        fleet: &app.fleet,
+    };
+    observe::observe(h, ctx, result)
 }

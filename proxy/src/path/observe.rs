@@ -5,14 +5,23 @@
 
 use http::Response;
 
-use crate::app::App;
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
 use crate::request::RequestCtx;
 use crate::respond::error_response;
 
+/// What the observe stage reads: the counters, and the fleet (the served
+/// pod's id for the access line).
+#[derive(Clone, Copy)]
+pub struct Observe<'a> {
+    pub metrics: &'a Metrics,
+    pub fleet: &'a Fleet,
+}
+
 pub fn observe(
-    app: &App,
+    h: Observe<'_>,
     mut ctx: RequestCtx,
     result: Result<Response<ResponseBody>, ProxyError>,
 ) -> Response<ResponseBody> {
@@ -37,7 +46,7 @@ pub fn observe(
         }
     };
     let status = resp.status().as_u16();
-    app.metrics.request_done(ctx.route, status);
+    h.metrics.request_done(ctx.route, status);
     tracing::debug!(
         request_id = ctx.id(),
         route = ctx.route.as_str(),
@@ -63,7 +72,9 @@ pub fn observe(
     };
     let resp = match ctx.access.take() {
         Some(mut log) => {
-            let pod = ctx.served_by.map(|s| super::account::served_pod(app, s));
+            let pod = ctx
+                .served_by
+                .map(|s| super::account::served_pod(h.fleet, s));
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
             log.head(status, model, ctx.route_reason, pod, ctx.attempts);
             log.rank(ctx.dp_rank.get().copied());

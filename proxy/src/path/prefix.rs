@@ -8,23 +8,31 @@
 //! it reads `ctx.view` and never re-serializes the body. It never fails the
 //! request: an untokenizable prompt is routed without prefix information.
 
-use crate::app::App;
 use crate::error::ProxyError;
 use crate::otel::Stage;
+use crate::prefix::{Compute, PrefixState};
 use crate::request::RequestCtx;
 use opentelemetry::KeyValue;
 
-pub async fn prefix(app: &App, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+/// What the prefix stage reads: the prefix state, and what computing keys
+/// needs besides it (the engine's tokenizer endpoint, counters, block size).
+#[derive(Clone, Copy)]
+pub struct Prefix<'a> {
+    pub state: &'a PrefixState,
+    pub compute: Compute<'a>,
+}
+
+pub async fn prefix(h: Prefix<'_>, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
     if ctx.view.is_none() || ctx.already_routed || ctx.epp_prefiller.is_some() {
         return Ok(());
     }
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.prefix");
-    app.prefix.compute(app, ctx).await;
+    h.state.compute(h.compute, ctx).await;
     if span.recording() {
         // The per-pod match is the schedule stage's work; a sampled request
         // looks it up once more here, so the span says what was matched.
-        let best = app
-            .prefix
+        let best = h
+            .state
             .matches(ctx)
             .into_iter()
             .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)));

@@ -11,15 +11,23 @@
 //! EPP split (`ctx.epp_prefiller`) runs the split it names. Non-inference
 //! calls run locally.
 
-use crate::app::App;
 use crate::error::ProxyError;
 use crate::otel::Stage;
 use crate::request::{Plan, RequestCtx};
+use crate::routing::{Inputs, Routing};
 use opentelemetry::KeyValue;
 
-pub fn schedule(app: &App, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
+/// What the schedule stage reads: the active scheduler, and the fleet, the
+/// prefix index, the local models and the counters it plans with.
+#[derive(Clone, Copy)]
+pub struct Schedule<'a> {
+    pub routing: &'a Routing,
+    pub inputs: Inputs<'a>,
+}
+
+pub fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.schedule");
-    let plan = app.routing.plan(app, ctx, &span);
+    let plan = h.routing.plan(h.inputs, ctx, &span);
     if span.recording() {
         match &plan {
             Ok(p) => {

@@ -27,12 +27,11 @@ mod twoleg;
 use http::Response;
 use serde_json::{json, Map, Value};
 
-use crate::app::App;
 use crate::body::ResponseBody;
 use crate::config::PdConnector;
 use crate::error::ProxyError;
 use crate::request::{leg_upstream, Upstream};
-use crate::request::{ClientBody, ClientRequest};
+use crate::request::{ClientBody, ClientRequest, Upstreams};
 use crate::request::{Leg, RequestCtx};
 
 /// Where the legs of one disaggregated request go.
@@ -58,7 +57,7 @@ impl PdPlan {
 
 /// Runs the configured connector for one request.
 pub async fn execute(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &mut RequestCtx,
     plan: PdPlan,
     req: &ClientRequest,
@@ -69,20 +68,20 @@ pub async fn execute(
         ));
     };
     let client = body::object(bytes)?;
-    match app.config.pd.connector {
-        PdConnector::Nixl => twoleg::run(app, ctx, &plan, req, &client, "nixl", &Map::new()).await,
+    match up.config.pd.connector {
+        PdConnector::Nixl => twoleg::run(up, ctx, &plan, req, &client, "nixl", &Map::new()).await,
         PdConnector::Kvagent => {
-            let extra = kvagent_params(app, &plan);
-            twoleg::run(app, ctx, &plan, req, &client, "kvagent", &extra).await
+            let extra = kvagent_params(up, &plan);
+            twoleg::run(up, ctx, &plan, req, &client, "kvagent", &extra).await
         }
-        PdConnector::Sglang => sglang::run(app, ctx, &plan, req, &client).await,
+        PdConnector::Sglang => sglang::run(up, ctx, &plan, req, &client).await,
     }
 }
 
 /// What the kvagent connector adds to the prefill leg: a transfer id both
 /// engines' connectors use, and the decode node's agent that receives the
 /// blocks ([`decode_agent`]).
-fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
+fn kvagent_params(up: Upstreams<'_>, plan: &PdPlan) -> Map<String, Value> {
     let mut m = Map::new();
     m.insert(
         "kvmesh_transfer_id".to_owned(),
@@ -90,7 +89,7 @@ fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
     );
     m.insert(
         "kvmesh_dest_agent".to_owned(),
-        json!(decode_agent(app, &plan.decode)),
+        json!(decode_agent(up, &plan.decode)),
     );
     m
 }
@@ -102,16 +101,15 @@ fn kvagent_params(app: &App, plan: &PdPlan) -> Map<String, Value> {
 /// sidecar older than the announcement) is taken to share its host with its
 /// agent: the peer's sidecar IP, the local engine's host, or the engine an
 /// llm-d header named, at `pd.kvagent_port`.
-fn decode_agent(app: &App, decode: &Upstream) -> String {
-    let port = app.config.pd.kvagent_port;
+fn decode_agent(up: Upstreams<'_>, decode: &Upstream) -> String {
+    let port = up.config.pd.kvagent_port;
     match decode {
-        Upstream::Engine => match app.config.pod.node_ip {
+        Upstream::Engine => match up.config.pod.node_ip {
             Some(ip) => std::net::SocketAddr::new(ip, port).to_string(),
-            None => format!("{}:{port}", app.config.engine.url.authority().host()),
+            None => format!("{}:{port}", up.config.engine.url.authority().host()),
         },
-        Upstream::Peer(addr) => app
-            .mesh
-            .routes()
+        Upstream::Peer(addr) => up
+            .mesh_routes
             .kv_agent(*addr)
             .unwrap_or_else(|| std::net::SocketAddr::new(addr.ip(), port))
             .to_string(),

@@ -15,39 +15,37 @@ use super::body;
 use super::metrics::Outcome;
 use super::PdPlan;
 use super::{DECODE, PREFILL};
-use crate::app::App;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::error::ProxyError;
-use crate::request::ClientRequest;
 use crate::request::RequestCtx;
 use crate::request::{relay, send, Upstream};
+use crate::request::{ClientRequest, Upstreams};
 
 /// Largest prefill response drained (one token; streamed or not).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
 
 pub async fn run(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &mut RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
     client: &Map<String, Value>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let metrics = &app.metrics.pd;
-    let up = app.upstreams();
+    let metrics = &up.metrics.pd;
     let prefill = &plan.prefill[0];
     let rooms: Vec<u64> = (0..body::rooms_needed(client))
         // SGLang keeps rooms as int64: stay below 2^63.
         .map(|_| rand::random::<u64>() >> 1)
         .collect();
-    let host = bootstrap_host(app, prefill);
-    let legs = body::sglang_legs(client, &host, app.config.pd.sglang_bootstrap_port, &rooms)?;
+    let host = bootstrap_host(up, prefill);
+    let legs = body::sglang_legs(client, &host, up.config.pd.sglang_bootstrap_port, &rooms)?;
     let sent = Instant::now();
     let prefill_leg = async {
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();
         let bytes = tokio::time::timeout(
-            app.config.pd.prefill_timeout.get(),
+            up.config.pd.prefill_timeout.get(),
             Limited::new(resp.into_body(), MAX_PREFILL_RESPONSE).collect(),
         )
         .await
@@ -124,9 +122,9 @@ fn full(b: bytes::Bytes) -> UpstreamBody {
 
 /// Where the decode engine finds the prefill engine's bootstrap server: the
 /// prefill pod's address (its engine, not its sidecar, serves bootstrap).
-fn bootstrap_host(app: &App, prefill: &Upstream) -> String {
+fn bootstrap_host(up: Upstreams<'_>, prefill: &Upstream) -> String {
     match prefill {
-        Upstream::Engine => host_of(app.config.engine.url.authority()),
+        Upstream::Engine => host_of(up.config.engine.url.authority()),
         Upstream::Peer(addr) => addr.ip().to_string(),
         Upstream::Direct(a) => host_of(a),
     }

@@ -14,14 +14,13 @@ use super::body;
 use super::metrics::Outcome;
 use super::PdPlan;
 use super::{DECODE, PREFILL};
-use crate::app::App;
 use crate::backoff::Backoff;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
-use crate::request::ClientRequest;
 use crate::request::RequestCtx;
 use crate::request::{relay, send, Upstream};
+use crate::request::{ClientRequest, Upstreams};
 
 /// Largest prefill response read (it holds one token and the parameters).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
@@ -32,7 +31,7 @@ fn retryable(status: StatusCode) -> bool {
 }
 
 pub async fn run(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &mut RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
@@ -40,9 +39,9 @@ pub async fn run(
     connector: &'static str,
     extra: &Map<String, Value>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let metrics = &app.metrics.pd;
+    let metrics = &up.metrics.pd;
     let prefill_body = body::prefill_leg(client, req.head.uri.path(), extra)?;
-    let (decode_body, outcome) = match prefill(app, ctx, plan, req, prefill_body).await {
+    let (decode_body, outcome) = match prefill(up, ctx, plan, req, prefill_body).await {
         Ok(Some(params)) => (
             body::decode_leg(client, Some(&params))?,
             Outcome::Disaggregated,
@@ -54,7 +53,7 @@ pub async fn run(
             );
             (body::decode_leg(client, None)?, Outcome::Recompute)
         }
-        Err(e) => match app.config.pd.on_prefill_failure {
+        Err(e) => match up.config.pd.on_prefill_failure {
             OnPrefillFailure::Aggregated => {
                 tracing::warn!(request_id = ctx.id(), error = %e, "prefill failed; serving aggregated on the decode pod");
                 (body::decode_leg(client, None)?, Outcome::FallbackAggregated)
@@ -69,7 +68,7 @@ pub async fn run(
     let sent = Instant::now();
     let body = UpstreamBody::Full(Full::new(decode_body));
     let decode = send(
-        &app.upstreams(),
+        &up,
         ctx,
         &plan.decode,
         &req.head,
@@ -95,7 +94,7 @@ pub async fn run(
             metrics.leg("decode", sent.elapsed().as_secs_f64());
             metrics.outcome(connector, outcome);
             super::traced(ctx, connector, outcome);
-            Ok(relay(&app.upstreams(), ctx, name, resp, hop))
+            Ok(relay(&up, ctx, name, resp, hop))
         }
         Err(e) => {
             if outcome == Outcome::Disaggregated {
@@ -113,13 +112,13 @@ pub async fn run(
 /// The prefill leg, retried on the plan's prefill pods in turn: the transfer
 /// parameters it returned (`None` when it sent none), or why it failed.
 async fn prefill(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
     body: Bytes,
 ) -> Result<Option<Value>, ProxyError> {
-    let pd = &app.config.pd;
+    let pd = &up.config.pd;
     let attempts = pd.prefill_retries as usize + 1;
     // Doubling from `retry_backoff` with jitter; the cap only bounds a
     // configuration with many retries (each attempt has its own deadline).
@@ -128,24 +127,24 @@ async fn prefill(
     let mut last = None;
     for attempt in 0..attempts {
         if attempt > 0 {
-            app.metrics.pd.prefill_retry();
+            up.metrics.pd.prefill_retry();
             tokio::time::sleep(backoff.next_delay()).await;
         }
         let upstream = &plan.prefill[attempt % plan.prefill.len()];
         let leg = tokio::time::timeout(
             pd.prefill_timeout.get(),
-            prefill_once(app, ctx, upstream, req, body.clone(), attempt_no(attempt)),
+            prefill_once(up, ctx, upstream, req, body.clone(), attempt_no(attempt)),
         )
         .await
         .unwrap_or_else(|_| {
             Err(ProxyError::PrefillFailed {
-                upstream: upstream.name(&app.config),
+                upstream: upstream.name(up.config),
                 status: StatusCode::GATEWAY_TIMEOUT.as_u16(),
                 message: format!("no prefill response within {}", pd.prefill_timeout),
                 retryable: true,
             })
         })
-        .map_err(|e| as_prefill_failure(e, || upstream.name(&app.config)));
+        .map_err(|e| as_prefill_failure(e, || upstream.name(up.config)));
         match leg {
             Ok(params) => return Ok(params),
             Err(e) if prefill_retryable(&e) => {
@@ -191,7 +190,7 @@ fn attempt_no(attempt: usize) -> u8 {
 }
 
 async fn prefill_once(
-    app: &App,
+    up: Upstreams<'_>,
     ctx: &RequestCtx,
     upstream: &Upstream,
     req: &ClientRequest,
@@ -200,7 +199,7 @@ async fn prefill_once(
 ) -> Result<Option<Value>, ProxyError> {
     let sent = Instant::now();
     let (resp, name, hop) = send(
-        &app.upstreams(),
+        &up,
         ctx,
         upstream,
         &req.head,
@@ -223,7 +222,7 @@ async fn prefill_once(
         })?
         .to_bytes();
     drop(hop);
-    app.metrics.pd.leg("prefill", sent.elapsed().as_secs_f64());
+    up.metrics.pd.leg("prefill", sent.elapsed().as_secs_f64());
     if !status.is_success() {
         return Err(ProxyError::PrefillFailed {
             upstream: name,

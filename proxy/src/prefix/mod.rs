@@ -24,7 +24,7 @@ pub mod metrics;
 pub mod tokenize;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use kvmesh_filters::prefix::approx::{ApproxConfig, ApproxIndex};
@@ -33,14 +33,27 @@ use kvmesh_filters::prefix::kvevents::EventBatch;
 use kvmesh_filters::prefix::predicted::PredictedIndex;
 use tokio::sync::broadcast;
 
-use crate::app::App;
 use crate::config::{Config, TokenizerChoice};
 use crate::kvevents::LocalKvUpdate;
+use crate::metrics::Metrics;
 use crate::request::{RequestCtx, RequestView};
+use crate::upstream::UpstreamClient;
 pub use tokenize::{LocalTokenizer, PrefixError, Tokenized};
 
 /// Local KV updates buffered for slow mesh subscribers before they lag.
 pub const LOCAL_UPDATES_CAPACITY: usize = 4096;
+
+/// What computing one request's keys reads besides [`PrefixState`]: the
+/// engine's address and the pooled client (`tokenizer: engine`), the
+/// counters, and the block size the engine reported. Borrowed per request.
+#[derive(Clone, Copy)]
+pub struct Compute<'a> {
+    pub config: &'a Config,
+    pub metrics: &'a Metrics,
+    pub client: &'a UpstreamClient,
+    /// The local engine's KV block size from its metrics (0: not yet known).
+    pub engine_block_size: &'a AtomicU32,
+}
 
 /// How prompts are matched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,9 +184,9 @@ impl PrefixState {
 
     /// Tokens per KV block: learned from events, else the engine's metrics,
     /// else `prefix.block_size`.
-    pub fn block_size(&self, app: &App) -> u32 {
+    pub fn block_size(&self, engine_block_size: &AtomicU32) -> u32 {
         match self.index.block_size() {
-            0 => match app.engine_block_size.load(Ordering::Relaxed) {
+            0 => match engine_block_size.load(Ordering::Relaxed) {
                 0 => self.config.block_size,
                 n => n,
             },
@@ -221,24 +234,24 @@ impl PrefixState {
     /// The prefix stage: fills `ctx.block_keys` and `ctx.prompt_tokens` for an
     /// inference request. Never fails the request: a prompt that cannot be
     /// tokenized is routed without prefix information (and counted).
-    pub async fn compute(&self, app: &App, ctx: &mut RequestCtx) {
+    pub async fn compute(&self, c: Compute<'_>, ctx: &mut RequestCtx) {
         let Some(view) = ctx.view.as_ref() else {
             return;
         };
         let started = std::time::Instant::now();
-        let (keys, tokens, outcome) = self.keys_for(app, view, ctx.id()).await;
+        let (keys, tokens, outcome) = self.keys_for(c, view, ctx.id()).await;
         ctx.block_keys = keys;
         if tokens.is_some() {
             ctx.prompt_tokens = tokens;
         }
-        app.metrics
+        c.metrics
             .prefix
             .tokenized(outcome, started.elapsed().as_secs_f64());
     }
 
     async fn keys_for(
         &self,
-        app: &App,
+        c: Compute<'_>,
         view: &RequestView,
         request_id: &str,
     ) -> (Vec<u64>, Option<u32>, &'static str) {
@@ -259,7 +272,7 @@ impl PrefixState {
             Source::Local(t) => {
                 let r = t.tokenize(&view.prompt, add_gen, max);
                 let s = t.cache().stats();
-                app.metrics
+                c.metrics
                     .prefix
                     .token_cache(s.reused_bytes, s.tokenized_bytes);
                 r
@@ -269,8 +282,8 @@ impl PrefixState {
                     return (Vec::new(), None, "capped");
                 }
                 tokenize::engine_tokenize(
-                    &app.client,
-                    &app.config.engine.url.to_string(),
+                    c.client,
+                    &c.config.engine.url.to_string(),
                     view.model.as_deref(),
                     &view.prompt,
                     add_gen,
@@ -282,7 +295,7 @@ impl PrefixState {
         };
         match tokenized {
             Ok(Some(t)) => {
-                let bs = self.block_size(app) as usize;
+                let bs = self.block_size(c.engine_block_size) as usize;
                 let keys = self.keys_of(view, &t.ids, bs);
                 let tokens = Some(u32::try_from(t.prompt_tokens).unwrap_or(u32::MAX));
                 (keys, tokens, if t.capped { "capped" } else { "ok" })

@@ -1,7 +1,9 @@
 //! The request core stays a leaf: no file under `request/`, `routing/`,
 //! `pd/` or `mesh/` names the stages (`crate::path`), and the request core
-//! names none of `routing`, `pd` or `mesh`. Read from the sources, so a new
-//! import that would close the circle again fails here.
+//! names none of `routing`, `pd` or `mesh`. The stages take narrow handles:
+//! no file under `path/` but `mod.rs` (which builds them), and none under
+//! `pd/`, names `crate::app`. Read from the sources, so a new import that
+//! would close the circle again fails here.
 
 use std::path::{Path, PathBuf};
 
@@ -61,10 +63,25 @@ fn no_cycle() {
         "the request core is no leaf:\n{}",
         bad.join("\n")
     );
+    let mut bad = offenders("pd", &["crate::app"]);
+    let wiring = Path::new("src").join("path").join("mod.rs");
+    let wiring = wiring.to_string_lossy();
+    bad.extend(
+        offenders("path", &["crate::app"])
+            .into_iter()
+            .filter(|b| !b.contains(&format!("{wiring}:"))),
+    );
+    assert!(
+        bad.is_empty(),
+        "a stage takes the whole App, not a narrow handle:\n{}",
+        bad.join("\n")
+    );
 }
 
 #[test]
 fn the_check_sees_an_import() {
     // The scan finds what it looks for: `path/` names the request core.
     assert!(!offenders("path", &["crate::request"]).is_empty());
+    // And sees the one file allowed to name `App`: the stages' wiring.
+    assert!(!offenders("path", &["crate::app"]).is_empty());
 }

@@ -137,7 +137,7 @@ async fn route(app: &App, req: Request<Incoming>) -> Result<Value, ProxyError> {
     ctx.view = Some(view);
     // As the prefix stage does: a request a peer routed here is not tokenized.
     if !ctx.already_routed {
-        app.prefix.compute(app, &mut ctx).await;
+        app.prefix.compute(app.prefix_inputs(), &mut ctx).await;
     }
     Ok(explain(app, &ctx))
 }
@@ -172,7 +172,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
         return json!({"decision": "local", "reason": "passthrough"});
     };
     let now = Instant::now();
-    let (req, endpoints) = super::request::build(app, ctx, view, now);
+    let (req, endpoints) = super::request::build(app.routing_inputs(), ctx, view, now);
     let (route, trace) = active.scheduler.explain(&req, &endpoints, rand::random());
     let mut out = json!({
         "filters": active.origin,

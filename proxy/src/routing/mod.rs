@@ -18,6 +18,7 @@ pub mod reload;
 pub mod request;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use kvmesh_filters::sched::{
@@ -27,15 +28,29 @@ use opentelemetry::KeyValue;
 use parking_lot::RwLock;
 use tokio::time::Instant;
 
-use crate::app::App;
 use crate::config::Config;
 use crate::error::ProxyError;
-use crate::fleet::PodInfo;
+use crate::fleet::{Fleet, PodInfo};
+use crate::metrics::Metrics;
 use crate::otel::Stage;
+use crate::prefix::PrefixState;
 use crate::request::{Plan, RequestCtx};
 
 /// Block size assumed until the engine reports its own (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// What planning one request reads besides the filter config: the fleet's
+/// pods, the prefix index and its block size, the local models, the
+/// counters. Borrowed per request (`App::routing_inputs`).
+#[derive(Clone, Copy)]
+pub struct Inputs<'a> {
+    pub config: &'a Config,
+    pub metrics: &'a Metrics,
+    pub fleet: &'a Fleet,
+    pub prefix: &'a PrefixState,
+    /// The local engine's KV block size from its metrics (0: not yet known).
+    pub engine_block_size: &'a AtomicU32,
+}
 
 /// A filter config that could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -168,8 +183,8 @@ impl Routing {
     /// The plan for one request: the scheduler's decision as targets.
     /// `span`: the schedule stage's span; a recording one gets the chosen
     /// pods, the top scores and the reason ([`record`]).
-    pub fn plan(&self, app: &App, ctx: &RequestCtx, span: &Stage) -> Result<Plan, ProxyError> {
-        let m = &app.metrics.routing;
+    pub fn plan(&self, h: Inputs<'_>, ctx: &RequestCtx, span: &Stage) -> Result<Plan, ProxyError> {
+        let m = &h.metrics.routing;
         if let Some(prefiller) = &ctx.epp_prefiller {
             let plan = Plan::epp(prefiller.clone());
             m.decision(plan.decision(), plan.reason);
@@ -185,7 +200,7 @@ impl Routing {
         };
         let started = std::time::Instant::now();
         let now = Instant::now();
-        let (req, endpoints) = request::build(app, ctx, view, now);
+        let (req, endpoints) = request::build(h, ctx, view, now);
         // The debug line below prints the handler's reason, which a summary
         // trace has; the full trace (every plugin and endpoint name) costs
         // more than the decision on a small fleet, so it is built only when
@@ -206,7 +221,7 @@ impl Routing {
         m.scheduling_latency(started.elapsed().as_secs_f64());
         match decision {
             Ok(Decision { route, trace }) => {
-                let plan = plan::from_route(&app.fleet, &route);
+                let plan = plan::from_route(h.fleet, &route);
                 tracing::debug!(
                     request_id = ctx.id(),
                     decision = plan.as_ref().map_or("error", Plan::decision),

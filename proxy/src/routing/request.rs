@@ -11,8 +11,7 @@
 use kvmesh_filters::sched::{prefix_anchor, EndpointView, PathKind, RequestView as SchedView};
 use tokio::time::Instant;
 
-use super::DEFAULT_BLOCK_SIZE;
-use crate::app::App;
+use super::{Inputs, DEFAULT_BLOCK_SIZE};
 use crate::metrics::Route;
 use crate::request::{Prompt, RequestCtx, RequestView};
 
@@ -21,26 +20,26 @@ const BYTES_PER_TOKEN: usize = 4;
 
 /// The request view and the endpoint views for one scheduling cycle.
 pub fn build(
-    app: &App,
+    h: Inputs<'_>,
     ctx: &RequestCtx,
     view: &RequestView,
     now: Instant,
 ) -> (SchedView, Vec<EndpointView>) {
     // The block size the prefix stage cut the keys with, so matches and
     // prompt blocks count the same blocks.
-    let block_size = match app.prefix.block_size(app) {
+    let block_size = match h.prefix.block_size(h.engine_block_size) {
         0 => DEFAULT_BLOCK_SIZE,
         n => n,
     };
-    let matches = app.prefix.matches(ctx);
-    let endpoints = app
+    let matches = h.prefix.matches(ctx);
+    let endpoints = h
         .fleet
         .endpoints(now, block_size, |id| matches.get(id).copied().unwrap_or(0));
     let req = request_view(
         ctx,
         view,
         &endpoints,
-        app.config.pod.models.first(),
+        h.config.pod.models.first(),
         block_size,
     );
     (req, endpoints)
