@@ -192,6 +192,93 @@ async fn a_lost_batch_is_replayed_and_the_index_converges() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_stream_that_delivers_nothing_is_caught_by_the_silence_check() {
+    let sim = sim_with_events(4096).await;
+    let (events, replay) = endpoints(&sim);
+    // The sidecar's live stream is a PUB that forwards none of the engine's
+    // batches: no gap ever shows, since no later batch arrives either.
+    let (silent, task) = relay(
+        &events,
+        RelayScript {
+            drop_seqs: (0..100_000).collect(),
+            ..RelayScript::default()
+        },
+    )
+    .await;
+    let mut config = kv_config(&sim, &silent, Some(&replay));
+    if let Some(kv) = config.engine.kv_events.as_mut() {
+        kv.silence_check = kvmesh_proxy::config::Duration::from_millis(300);
+    }
+    let h = start(config).await;
+    eventually("subscribed", || async {
+        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
+    })
+    .await;
+    let prompts: Vec<String> = (0..3).map(|i| words(&format!("s{i}l"), 0, 64)).collect();
+    for p in &prompts {
+        complete(h.addr(), p).await;
+    }
+    eventually("the index holds every prompt's blocks", || async {
+        prompts
+            .iter()
+            .all(|p| held(&h, p) == full_blocks(p))
+            .then_some(())
+    })
+    .await;
+    wait_synced(&h, &sim).await;
+    assert!(
+        metric(&h, "kvmesh_kv_event_silent_streams_total")
+            .await
+            .unwrap()
+            >= 1.0
+    );
+    assert_eq!(metric(&h, "kvmesh_kv_event_gaps_total").await, Some(0.0));
+    task.abort();
+    h.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_engine_costs_no_replay() {
+    let sim = sim_with_events(4096).await;
+    let (events, replay) = endpoints(&sim);
+    let mut config = kv_config(&sim, &events, Some(&replay));
+    if let Some(kv) = config.engine.kv_events.as_mut() {
+        kv.silence_check = kvmesh_proxy::config::Duration::from_millis(100);
+    }
+    let h = start(config).await;
+    eventually("subscribed", || async {
+        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
+    })
+    .await;
+    let p = words("quiet", 0, 64);
+    complete(h.addr(), &p).await;
+    eventually("the prompt's blocks arrive live", || async {
+        (held(&h, &p) == full_blocks(&p)).then_some(())
+    })
+    .await;
+    let replays = metric(&h, "kvmesh_kv_event_replays_total{outcome=\"ok\"}").await;
+    // Silence checks run every 100 ms from here on and find nothing new:
+    // not counted as replays, and the socket stays open.
+    eventually("several silence checks", || async {
+        let checks = metric(&h, "kvmesh_kv_event_silence_checks_total").await;
+        checks.is_some_and(|c| c >= 5.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        metric(&h, "kvmesh_kv_event_replays_total{outcome=\"ok\"}").await,
+        replays
+    );
+    assert_eq!(
+        metric(&h, "kvmesh_kv_event_silent_streams_total").await,
+        Some(0.0)
+    );
+    assert_eq!(metric(&h, "kvmesh_kv_events_connected").await, Some(1.0));
+    h.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_frames_are_counted_and_do_not_stop_ingestion() {
     let sim = sim_with_events(4096).await;
     let (events, _) = endpoints(&sim);

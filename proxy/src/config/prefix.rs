@@ -76,6 +76,9 @@ pub struct KvEvents {
     pub replay_timeout: Duration,
     /// Longest pause between reconnect attempts (the backoff doubles up to it).
     pub reconnect_max: Duration,
+    /// With a replay endpoint: after this long without a live batch, the
+    /// replay socket is asked for what followed the last applied one (0: off).
+    pub silence_check: Duration,
 }
 
 /// Bind or connect the SUB socket.
@@ -115,6 +118,7 @@ impl Default for KvEvents {
             socket: SocketMode::Auto,
             replay_timeout: Duration::from_secs(2),
             reconnect_max: Duration::from_secs(5),
+            silence_check: Duration::from_secs(5),
         }
     }
 }

@@ -16,7 +16,14 @@
 //! * a sequence going backwards (engine restart): the local pod is cleared,
 //!   then resynced by a replay from 0 where possible;
 //! * `AllBlocksCleared` clears the pod inside the index as the batch is
-//!   applied; the stream itself is intact, so no replay is needed.
+//!   applied; the stream itself is intact, so no replay is needed;
+//! * silence: a gap only shows when a later batch arrives, so a stream that
+//!   stops delivering (a PUB that never got this SUB's subscription, a link
+//!   that drops everything) would show none. After `silence_check` without a
+//!   live batch the replay socket is asked for what followed the last
+//!   applied one; if it holds any, they are applied, counted
+//!   (`kvmesh_kv_event_silent_streams_total`) and the socket is reopened, so
+//!   a new subscription handshake replaces the one that went quiet.
 //!
 //! A socket error drops the socket and reopens it after a backoff that doubles
 //! up to `engine.kv_events.reconnect_max`, with jitter ([`crate::backoff`]).
@@ -161,13 +168,26 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
                 feed.resync(&shutdown, 0).await;
             }
         }
+        let silence = feed.silence_check();
         loop {
             let msg = tokio::select! {
                 _ = shutdown.triggered() => {
                     feed.app.metrics.prefix.connected(false);
                     return;
                 }
-                m = sub.recv() => m,
+                m = sub.recv() => Some(m),
+                _ = tokio::time::sleep(silence.unwrap_or_default()), if silence.is_some() => None,
+            };
+            let Some(msg) = msg else {
+                if feed.silent(&shutdown).await {
+                    tracing::warn!(
+                        after = ?silence.unwrap_or_default(),
+                        "KV events: the live stream missed batches the replay socket holds; reopening"
+                    );
+                    feed.app.metrics.prefix.connected(false);
+                    break;
+                }
+                continue;
             };
             match msg {
                 Ok(m) => {
@@ -229,24 +249,57 @@ impl Feed {
         }
     }
 
-    /// Replays from `from` and applies what is new.
-    async fn resync(&mut self, shutdown: &Shutdown, from: u64) {
-        let Some(ep) = self.replay.clone() else {
-            return;
-        };
+    /// How long the live stream may stay silent before [`Feed::silent`]
+    /// asks the replay socket; `None` without one, or when configured off.
+    fn silence_check(&self) -> Option<Duration> {
+        let d = self.cfg.silence_check.get();
+        (self.replay.is_some() && !d.is_zero()).then_some(d)
+    }
+
+    /// The live stream has been silent for the silence check: asks the
+    /// replay socket for what followed the last applied batch and applies
+    /// it. Returns whether there was any: a batch the engine published a
+    /// whole check ago that the stream never delivered means the stream is
+    /// not delivering (a gap only shows when a later batch arrives, so a
+    /// stream that stopped shows none), and the caller reopens the socket.
+    /// A batch sent in the last instant may arrive live after its replay;
+    /// the tracker skips it as a duplicate.
+    /// A check that finds nothing is not counted as a replay.
+    async fn silent(&mut self, shutdown: &Shutdown) -> bool {
+        let before = self.tracker.last_applied();
+        let outcome = self.replay_from(shutdown, self.tracker.next()).await;
+        let missed = self.tracker.last_applied() != before;
         let m = &self.app.metrics.prefix;
+        m.silence_check(missed);
+        if let Some(o) = outcome.filter(|&o| missed || o == "failed") {
+            m.replay(o);
+        }
+        missed
+    }
+
+    /// Replays from `from`, applies what is new and counts the replay.
+    async fn resync(&mut self, shutdown: &Shutdown, from: u64) {
+        if let Some(outcome) = self.replay_from(shutdown, from).await {
+            self.app.metrics.prefix.replay(outcome);
+        }
+    }
+
+    /// Replays from `from` and applies what is new; returns the outcome (ok,
+    /// incomplete, failed), `None` without a replay socket or on shutdown.
+    async fn replay_from(&mut self, shutdown: &Shutdown, from: u64) -> Option<&'static str> {
+        let ep = self.replay.clone()?;
         let got = tokio::select! {
-            _ = shutdown.triggered() => return,
+            _ = shutdown.triggered() => return None,
             r = socket::replay(&ep, from, self.cfg.replay_timeout.get()) => r,
         };
         let replayed = match got {
             Ok(r) => r,
             Err(e) => {
-                m.replay("failed");
                 tracing::warn!(error = %e, from, "KV events: replay failed; continuing with a gap");
-                return;
+                return Some("failed");
             }
         };
+        let m = &self.app.metrics.prefix;
         for _ in 0..replayed.decode_errors {
             m.decode_error();
         }
@@ -264,10 +317,7 @@ impl Feed {
             }
             self.apply(b);
         }
-        self.app
-            .metrics
-            .prefix
-            .replay(if contiguous { "ok" } else { "incomplete" });
+        Some(if contiguous { "ok" } else { "incomplete" })
     }
 
     fn apply(&mut self, m: &KvMessage) {

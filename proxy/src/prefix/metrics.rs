@@ -32,6 +32,8 @@ pub struct PrefixMetrics {
     replays: Family<OutcomeLabels, Counter>,
     decode_errors: Counter,
     restarts: Counter,
+    silence_checks: Counter,
+    silent_streams: Counter,
     connected: Gauge,
     index_blocks: Gauge,
     index_keys: Gauge,
@@ -54,6 +56,8 @@ impl PrefixMetrics {
             replays: Family::default(),
             decode_errors: Counter::default(),
             restarts: Counter::default(),
+            silence_checks: Counter::default(),
+            silent_streams: Counter::default(),
             connected: Gauge::default(),
             index_blocks: Gauge::default(),
             index_keys: Gauge::default(),
@@ -114,6 +118,16 @@ impl PrefixMetrics {
             "kv_event_restarts",
             "Engine restarts detected (sequence going backwards): the pod was cleared and resynced",
             m.restarts.clone(),
+        );
+        r.register(
+            "kv_event_silence_checks",
+            "Replays asked after kv_events.silence_check without a live batch",
+            m.silence_checks.clone(),
+        );
+        r.register(
+            "kv_event_silent_streams",
+            "Times the live KV event stream stayed silent for kv_events.silence_check while the replay socket held newer batches (applied; the socket was reopened)",
+            m.silent_streams.clone(),
         );
         r.register(
             "kv_events_connected",
@@ -182,6 +196,15 @@ impl PrefixMetrics {
 
     pub fn restart(&self) {
         self.restarts.inc();
+    }
+
+    /// One silence check; `missed`: it found batches the stream had not
+    /// delivered.
+    pub fn silence_check(&self, missed: bool) {
+        self.silence_checks.inc();
+        if missed {
+            self.silent_streams.inc();
+        }
     }
 
     pub fn connected(&self, up: bool) {
