@@ -91,6 +91,41 @@ pub struct Control {
     /// as Kubernetes takes a terminating pod out of its Service's endpoints
     /// before the SIGTERM (after its preStop hook).
     pub excluded: AtomicU64,
+    /// What the clients have sent each front (`fronts[i]`), as they count it.
+    pub sent: [FrontCount; MAX_FRONTS],
+}
+
+/// The most fronts [`start`] takes.
+pub const MAX_FRONTS: usize = 8;
+
+/// The clients' own count of one front's requests. A sidecar's in-flight
+/// gauge misses what it has not yet read off its sockets (a request sent
+/// while it is scraped, or just before it dies), so a bound on what a killed
+/// sidecar may lose takes these as well.
+#[derive(Default)]
+pub struct FrontCount {
+    /// Attempts on this front begun.
+    pub begun: AtomicU64,
+    /// Attempts on this front not yet ended (a refused connection ends one).
+    pub open: AtomicUsize,
+}
+
+/// One attempt on a front, counted open until dropped (also when its
+/// request's deadline cancels it).
+struct Attempt<'a>(&'a FrontCount);
+
+impl<'a> Attempt<'a> {
+    fn begin(c: &'a FrontCount) -> Self {
+        c.begun.fetch_add(1, Ordering::AcqRel);
+        c.open.fetch_add(1, Ordering::AcqRel);
+        Self(c)
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Control {
@@ -127,6 +162,7 @@ pub fn start(
     seed: u64,
     control: Arc<Control>,
 ) -> Vec<JoinHandle<()>> {
+    assert!(fronts.len() <= MAX_FRONTS, "at most {MAX_FRONTS} fronts");
     let period = Duration::from_secs_f64(workers as f64 / rate.max(0.1));
     (0..workers)
         .map(|w| {
@@ -158,6 +194,7 @@ pub fn start(
                         one(
                             &client,
                             &fronts,
+                            &control.sent,
                             excluded,
                             first,
                             body,
@@ -202,6 +239,7 @@ fn request_body(rng: &mut Rng, worker: usize, n: u64) -> String {
 async fn one(
     client: &kvmesh_tests::client::TestClient,
     fronts: &[SocketAddr],
+    sent: &[FrontCount],
     excluded: u64,
     first: usize,
     body: String,
@@ -221,6 +259,7 @@ async fn one(
         let Ok(req) = req else {
             return Outcome::CleanError("bad test request".into());
         };
+        let _attempt = Attempt::begin(&sent[i]);
         match client.request(req).await {
             Ok(resp) => return read(resp, stream, disconnect_after).await,
             Err(e) if e.is_connect() => continue,
