@@ -54,6 +54,7 @@ impl App {
             metrics: &self.metrics,
             client: &self.client,
             engine_block_size: &self.engine_block_size,
+            approx_max_blocks: self.routing.approx_max_blocks(),
         }
     }
 

@@ -290,6 +290,9 @@ pub fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
             Ok(active) => {
                 let profiles: Vec<&str> = active.scheduler.profile_names().collect();
                 println!("{}: ok (profiles: {})", f.display(), profiles.join(", "));
+                for note in &active.prefix.notes {
+                    println!("{}: note: {note}", f.display());
+                }
             }
             Err(e) => {
                 eprintln!("{e}");

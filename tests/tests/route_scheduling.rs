@@ -246,6 +246,48 @@ async fn a_request_scheduled_to_a_peer_is_forwarded_there_and_served_by_its_engi
 }
 
 #[tokio::test]
+async fn the_approximate_window_is_the_filter_configs_max_prefix_blocks_and_follows_a_reload() {
+    let engine = sim().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("filters.yaml");
+    let scorer = "  - type: prefix-cache-scorer\n  - type: max-score-picker\n";
+    let producer = |n: u32| {
+        filters_yaml(&format!(
+            "  - type: approx-prefix-cache-producer\n    parameters:\n      \
+             maxPrefixBlocksToMatch: {n}\n{scorer}"
+        ))
+    };
+    std::fs::write(&file, producer(4)).unwrap();
+    let proxy = sidecar(&engine, &[], Some(&file)).await;
+    // 300 approximate blocks of 256 characters (no tokenizer: approximate mode).
+    let body =
+        serde_json::json!({"model": MODEL, "prompt": "w".repeat(256 * 300), "max_tokens": 1})
+            .to_string();
+    let blocks = || async {
+        let r = fetch(
+            &http1(),
+            post_json(proxy.admin_addr(), "/debug/route", &body),
+        )
+        .await;
+        r.json()["request"]["prompt_blocks"].as_u64()
+    };
+    assert_eq!(blocks().await, Some(4));
+    std::fs::write(&file, producer(16)).unwrap();
+    eventually("the reloaded window", || async {
+        (blocks().await == Some(16)).then_some(())
+    })
+    .await;
+    // No producer: llm-d's default window.
+    std::fs::write(&file, filters_yaml(scorer)).unwrap();
+    eventually("the default window", || async {
+        (blocks().await == Some(256)).then_some(())
+    })
+    .await;
+    proxy.shutdown().await;
+    engine.shutdown().await;
+}
+
+#[tokio::test]
 async fn the_autoscaling_hook_sizes_each_pool_from_the_fleets_load() {
     use kvmesh_filters::sched::Role;
     use kvmesh_proxy::fleet::{EngineLoad, PodInfo};

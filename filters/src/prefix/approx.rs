@@ -74,9 +74,16 @@ impl ApproxIndex {
 
     /// Keys of every full chunk of `text` for `model`.
     pub fn keys(&self, model: &str, text: &str) -> Vec<BlockKey> {
+        self.keys_upto(model, text, usize::MAX)
+    }
+
+    /// Keys of the first `max_blocks` full chunks of `text` for `model`
+    /// (`maxPrefixBlocksToMatch`): two prompts alike up to there are one
+    /// prompt to the index, and the text beyond is not read.
+    pub fn keys_upto(&self, model: &str, text: &str, max_blocks: usize) -> Vec<BlockKey> {
         let n = self.chunk_chars;
         let mut key = self.hasher.root(model, Some("\0approx"));
-        let mut out = Vec::with_capacity(text.len() / n);
+        let mut out = Vec::with_capacity((text.len() / n).min(max_blocks));
         let mut buf = Vec::with_capacity(8 + 4 * n);
         let mut push = |chunk: &[u8], key: &mut u64| {
             buf.clear();
@@ -85,12 +92,14 @@ impl ApproxIndex {
             *key = xxh3_64(&buf);
             out.push(*key);
         };
-        if text.is_ascii() {
-            for chunk in text.as_bytes().chunks_exact(n) {
+        // Within an ASCII window a character is a byte.
+        let window = &text.as_bytes()[..text.len().min(n.saturating_mul(max_blocks))];
+        if window.is_ascii() {
+            for chunk in window.chunks_exact(n) {
                 push(chunk, &mut key);
             }
         } else {
-            let (mut start, mut count) = (0, 0);
+            let (mut start, mut count, mut blocks) = (0, 0, 0);
             for (i, c) in text.char_indices() {
                 count += 1;
                 if count == n {
@@ -98,6 +107,10 @@ impl ApproxIndex {
                     push(&text.as_bytes()[start..end], &mut key);
                     start = end;
                     count = 0;
+                    blocks += 1;
+                    if blocks == max_blocks {
+                        break;
+                    }
                 }
             }
         }
@@ -222,6 +235,23 @@ mod tests {
         a.record("p", &shared);
         a.record("p", &a.keys("m", &"o".repeat(8 * 24)));
         assert_eq!(a.match_prefix(&shared)[0].blocks, 40);
+    }
+
+    #[test]
+    fn the_window_keeps_the_leading_keys_and_ignores_the_rest() {
+        let a = idx(100);
+        for text in ["0123456789abcdef".repeat(10), "é0123456789abcde".repeat(10)] {
+            let all = a.keys("m", &text);
+            assert_eq!(all.len(), 20);
+            for max in [0, 1, 7, 20, 21] {
+                assert_eq!(a.keys_upto("m", &text, max), all[..max.min(20)], "{max}");
+            }
+            // Prompts alike up to the window are one prompt to the index.
+            let mut other = text[..text.char_indices().nth(8 * 7).unwrap().0].to_owned();
+            other.push_str(&"z".repeat(80));
+            assert_eq!(a.keys_upto("m", &other, 7), all[..7]);
+            assert_ne!(a.keys_upto("m", &other, 8), all[..8]);
+        }
     }
 
     #[test]

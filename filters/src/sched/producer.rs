@@ -9,7 +9,7 @@
 //! | parameter | default | meaning |
 //! |---|---|---|
 //! | `blockSizeTokens` | `16` | tokens per block |
-//! | `maxPrefixBlocksToMatch` | `2048` | longest prefix considered, in blocks |
+//! | `maxPrefixBlocksToMatch` | `256` | longest prefix considered, in blocks (llm-d's `DefaultMaxPrefixBlocks`) |
 //! | `lruCapacityPerServer` | `31250` | blocks remembered per endpoint |
 //! | `autoTune` | `true` | take block size and capacity from the engine's metrics |
 //!
@@ -57,7 +57,7 @@ impl Default for ApproxProducerParams {
     fn default() -> Self {
         ApproxProducerParams {
             block_size_tokens: 16,
-            max_prefix_blocks_to_match: 2048,
+            max_prefix_blocks_to_match: 256,
             lru_capacity_per_server: 31250,
             auto_tune: true,
         }

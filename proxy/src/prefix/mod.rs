@@ -53,6 +53,8 @@ pub struct Compute<'a> {
     pub client: &'a UpstreamClient,
     /// The local engine's KV block size from its metrics (0: not yet known).
     pub engine_block_size: &'a AtomicU32,
+    /// Approximate mode: most leading text blocks read (`maxPrefixBlocksToMatch`).
+    pub approx_max_blocks: usize,
 }
 
 /// How prompts are matched.
@@ -262,8 +264,11 @@ impl PrefixState {
             Source::Approx => {
                 let keys = tokenize::approx_text(&view.prompt)
                     .map(|text| {
-                        self.approx
-                            .keys(self.request_model(view.model.as_deref()), cut(&text, max))
+                        self.approx.keys_upto(
+                            self.request_model(view.model.as_deref()),
+                            cut(&text, max),
+                            c.approx_max_blocks,
+                        )
                     })
                     .unwrap_or_default();
                 let outcome = if keys.is_empty() { "none" } else { "ok" };

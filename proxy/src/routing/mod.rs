@@ -14,11 +14,12 @@ pub mod debug;
 pub mod metrics;
 pub mod pd_threshold;
 pub mod plan;
+pub mod producers;
 pub mod reload;
 pub mod request;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvmesh_filters::sched::{
@@ -35,6 +36,7 @@ use crate::metrics::Metrics;
 use crate::otel::Stage;
 use crate::prefix::PrefixState;
 use crate::request::{Plan, RequestCtx};
+pub use producers::PrefixSettings;
 
 /// Block size assumed until the engine reports its own (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -71,6 +73,17 @@ pub struct Active {
     pub scheduler: Scheduler,
     /// The file it was read from, or `<builtin>`.
     pub origin: String,
+    /// What its prefix producers set ([`producers`]).
+    pub prefix: PrefixSettings,
+}
+
+impl Active {
+    /// Logs what the config sets that this sidecar does not read.
+    fn log_notes(&self) {
+        for note in &self.prefix.notes {
+            tracing::warn!(file = %self.origin, "{note}");
+        }
+    }
 }
 
 /// The routing state every request shares.
@@ -80,6 +93,9 @@ pub struct Routing {
     file: Option<PathBuf>,
     /// Origin of the millisecond clock stateful plugins see.
     epoch: Instant,
+    /// The active config's `maxPrefixBlocksToMatch`, read by every request's
+    /// prefix stage without taking the lock.
+    approx_max_blocks: AtomicUsize,
 }
 
 /// Reads and compiles a filter config file.
@@ -105,6 +121,7 @@ pub fn compile(cfg: &FilterConfig) -> Result<Active, FiltersError> {
     Ok(Active {
         scheduler: Scheduler::new(cfg)?,
         origin: cfg.file().to_owned(),
+        prefix: PrefixSettings::of(cfg),
     })
 }
 
@@ -147,7 +164,9 @@ impl Routing {
                 config.pd.min_uncached_tokens,
             )?)?,
         };
+        active.log_notes();
         Ok(Self {
+            approx_max_blocks: AtomicUsize::new(active.prefix.approx_max_blocks),
             active: RwLock::new(Arc::new(active)),
             file,
             epoch: Instant::now(),
@@ -167,7 +186,16 @@ impl Routing {
     }
 
     fn swap(&self, active: Active) {
+        active.log_notes();
+        self.approx_max_blocks
+            .store(active.prefix.approx_max_blocks, Ordering::Relaxed);
         *self.active.write() = Arc::new(active);
+    }
+
+    /// Most leading text blocks of a prompt the approximate index reads
+    /// (`maxPrefixBlocksToMatch` of the active config).
+    pub fn approx_max_blocks(&self) -> usize {
+        self.approx_max_blocks.load(Ordering::Relaxed)
     }
 
     /// The watched filter file, if any.
