@@ -37,6 +37,26 @@ fn full_blocks(prompt: &str) -> u32 {
     (Builtin.encode(prompt, true).unwrap().len() / BLOCK) as u32
 }
 
+/// Waits until the sidecar's SUB socket to the engine is open.
+async fn subscribed(h: &kvmesh_proxy::SidecarHandle) {
+    eventually("subscribed", || async {
+        (metric(h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
+    })
+    .await;
+}
+
+/// Waits until the index holds every full block of each of `prompts` (block
+/// counts alone can match by accident while a replay is still under way).
+async fn until_held(h: &kvmesh_proxy::SidecarHandle, prompts: &[String]) {
+    eventually("the index holds every prompt's blocks", || async {
+        prompts
+            .iter()
+            .all(|p| held(h, p) == full_blocks(p))
+            .then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn index_holds_exactly_what_the_engine_reported() {
     let sim = sim_with_events(4096).await;
@@ -44,10 +64,7 @@ async fn index_holds_exactly_what_the_engine_reported() {
     // An independent tap counts what the engine published.
     let mut tap = KvSubscriber::connect(&events).await.unwrap();
     let h = start(kv_config(&sim, &events, Some(&replay))).await;
-    eventually("subscribed", || async {
-        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
-    })
-    .await;
+    subscribed(&h).await;
     let prompts: Vec<String> = (0..4).map(|i| words(&format!("p{i}w"), 0, 100)).collect();
     for p in &prompts {
         complete(h.addr(), p).await;
@@ -161,23 +178,13 @@ async fn a_lost_batch_is_replayed_and_the_index_converges() {
     )
     .await;
     let h = start(kv_config(&sim, &relayed, Some(&replay))).await;
-    eventually("subscribed", || async {
-        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
-    })
-    .await;
+    subscribed(&h).await;
     let prompts: Vec<String> = (0..5).map(|i| words(&format!("g{i}q"), 0, 64)).collect();
     for p in &prompts {
         complete(h.addr(), p).await;
     }
-    // Converged: every prompt's blocks are in the index (block counts alone
-    // can match by accident while a replay is still under way).
-    eventually("the index holds every prompt's blocks", || async {
-        prompts
-            .iter()
-            .all(|p| held(&h, p) == full_blocks(p))
-            .then_some(())
-    })
-    .await;
+    // Converged: every prompt's blocks are in the index.
+    until_held(&h, &prompts).await;
     wait_synced(&h, &sim).await;
     assert!(metric(&h, "kvmesh_kv_event_gaps_total").await.unwrap() >= 1.0);
     assert!(
@@ -210,21 +217,12 @@ async fn a_live_stream_that_delivers_nothing_is_caught_by_the_silence_check() {
         kv.silence_check = kvmesh_proxy::config::Duration::from_millis(300);
     }
     let h = start(config).await;
-    eventually("subscribed", || async {
-        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
-    })
-    .await;
+    subscribed(&h).await;
     let prompts: Vec<String> = (0..3).map(|i| words(&format!("s{i}l"), 0, 64)).collect();
     for p in &prompts {
         complete(h.addr(), p).await;
     }
-    eventually("the index holds every prompt's blocks", || async {
-        prompts
-            .iter()
-            .all(|p| held(&h, p) == full_blocks(p))
-            .then_some(())
-    })
-    .await;
+    until_held(&h, &prompts).await;
     wait_synced(&h, &sim).await;
     assert!(
         metric(&h, "kvmesh_kv_event_silent_streams_total")
@@ -247,16 +245,10 @@ async fn a_quiet_engine_costs_no_replay() {
         kv.silence_check = kvmesh_proxy::config::Duration::from_millis(100);
     }
     let h = start(config).await;
-    eventually("subscribed", || async {
-        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
-    })
-    .await;
+    subscribed(&h).await;
     let p = words("quiet", 0, 64);
     complete(h.addr(), &p).await;
-    eventually("the prompt's blocks arrive live", || async {
-        (held(&h, &p) == full_blocks(&p)).then_some(())
-    })
-    .await;
+    until_held(&h, std::slice::from_ref(&p)).await;
     let replays = metric(&h, "kvmesh_kv_event_replays_total{outcome=\"ok\"}").await;
     // Silence checks run every 100 ms from here on and find nothing new:
     // not counted as replays, and the socket stays open.
@@ -317,10 +309,7 @@ async fn garbage_frames_are_counted_and_do_not_stop_ingestion() {
     .await;
     // No replay endpoint: the garbage must not be mistaken for real sequence numbers either.
     let h = start(kv_config(&sim, &relayed, None)).await;
-    eventually("subscribed", || async {
-        (metric(&h, "kvmesh_kv_events_connected").await == Some(1.0)).then_some(())
-    })
-    .await;
+    subscribed(&h).await;
     // The first request's batch carries the garbage in front of it.
     let first = words("x", 0, 64);
     complete(h.addr(), &first).await;
@@ -332,10 +321,8 @@ async fn garbage_frames_are_counted_and_do_not_stop_ingestion() {
     .await;
     let second = words("y", 0, 64);
     complete(h.addr(), &second).await;
-    eventually("ingestion goes on", || async {
-        (held(&h, &second) == full_blocks(&second)).then_some(())
-    })
-    .await;
+    // Ingestion goes on.
+    until_held(&h, std::slice::from_ref(&second)).await;
     task.abort();
     h.shutdown().await;
     sim.shutdown().await;
