@@ -398,6 +398,12 @@ fn plugin_errors() {
         assert!(shown.contains("batchStallTokens"), "{shown}");
     }
     assert_err(
+        "plugins:\n  - type: approx-prefix-cache-producer\n    parameters:\n      maxPrefixBlocksToMatch: 0\n",
+        ConfigErrorKind::Invalid,
+        6,
+        "plugins[0].parameters.maxPrefixBlocksToMatch",
+    );
+    assert_err(
         "plugins:\n  - type: max-score-picker\n  - type: round-robin-picker\n",
         ConfigErrorKind::Invalid,
         5,

@@ -113,3 +113,17 @@ pub fn check_block_size(v: u32) -> Result<(), ParamError> {
     }
     Ok(())
 }
+
+impl ApproxProducerParams {
+    /// Positive block size and window (a window of 0 blocks would match nothing).
+    pub fn validate(&self) -> Result<(), ParamError> {
+        check_block_size(self.block_size_tokens)?;
+        if self.max_prefix_blocks_to_match == 0 {
+            return Err(ParamError::invalid(
+                "maxPrefixBlocksToMatch",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}

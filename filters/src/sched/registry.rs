@@ -300,7 +300,7 @@ pub fn register_builtin_plugins(r: &mut PluginRegistry) {
     // Producers.
     r.register(producer::APPROX_TYPE, K::Producer, |p, _| {
         let params: producer::ApproxProducerParams = parse(p)?;
-        producer::check_block_size(params.block_size_tokens)?;
+        params.validate()?;
         Ok(Plugin::Producer(ProducerSpec::Approx(params)))
     });
     r.register(producer::PRECISE_TYPE, K::Producer, |p, _| {
