@@ -252,6 +252,21 @@ mod tests {
             assert_eq!(a.keys_upto("m", &other, 7), all[..7]);
             assert_ne!(a.keys_upto("m", &other, 8), all[..8]);
         }
+        // An ASCII window with other characters after it, and a window whose
+        // byte length ends inside a two-byte character.
+        for text in [
+            "a".repeat(16) + &"é".repeat(24),
+            "a".to_owned() + &"é".repeat(40),
+        ] {
+            let all = a.keys("m", &text);
+            for max in 0..=all.len() + 1 {
+                assert_eq!(
+                    a.keys_upto("m", &text, max),
+                    all[..max.min(all.len())],
+                    "{max}"
+                );
+            }
+        }
     }
 
     #[test]

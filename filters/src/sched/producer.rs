@@ -6,6 +6,11 @@
 //! `approx-prefix-cache-producer`: the mesh records which endpoint it sent
 //! each prompt prefix to (text blocks, no tokenizer, no KV events).
 //!
+//! The sidecar reads `maxPrefixBlocksToMatch`; the other parameters of both
+//! producers load so that llm-d's files do, and have their setting in
+//! proxy.yaml or no use (`proxy/src/routing/producers.rs` says which, and
+//! notes each one a file sets).
+//!
 //! | parameter | default | meaning |
 //! |---|---|---|
 //! | `blockSizeTokens` | `16` | tokens per block |

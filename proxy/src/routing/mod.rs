@@ -187,9 +187,12 @@ impl Routing {
 
     fn swap(&self, active: Active) {
         active.log_notes();
+        // Under the lock, so two swaps at once leave the window of the config
+        // that won.
+        let mut slot = self.active.write();
         self.approx_max_blocks
             .store(active.prefix.approx_max_blocks, Ordering::Relaxed);
-        *self.active.write() = Arc::new(active);
+        *slot = Arc::new(active);
     }
 
     /// Most leading text blocks of a prompt the approximate index reads

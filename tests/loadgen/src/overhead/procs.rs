@@ -187,11 +187,18 @@ fn on_cpu_ns(pid: u32) -> Option<u64> {
         let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
             continue;
         };
-        let ns = text.split_whitespace().next()?.parse::<u64>().ok()?;
+        let Some(ns) = text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            continue;
+        };
         total += ns;
         any = true;
     }
-    any.then_some(total)
+    // A kernel without schedstat accounting prints zeros rather than no file.
+    (any && total > 0).then_some(total)
 }
 
 /// utime + stime of one process, seconds. Field 3 (state) is index 0 here,
@@ -284,30 +291,30 @@ http {{
 mod tests {
     use super::*;
 
-    /// The on-CPU reading counts what this process ran, finer than a tick,
-    /// and agrees with the ticks `stat` counts.
+    /// The on-CPU reading of a busy single-threaded process, as the bench
+    /// reads the proxy: finer than a tick, and in step with the ticks.
     #[test]
-    fn cpu_time_counts_what_ran_and_agrees_with_the_ticks() {
-        let me = std::process::id();
-        let (before, ticks_before) = (cpu_of(me).unwrap(), ticks_of(me).unwrap());
-        // About 200 ms of work on this thread (no sleeping).
-        let start = Instant::now();
-        let mut x = 1u64;
-        while start.elapsed() < Duration::from_millis(200) {
-            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-        }
-        let (after, ticks_after) = (cpu_of(me).unwrap(), ticks_of(me).unwrap());
-        let ran = after - before;
-        // On a shared machine the thread may wait for a core, and other tests
-        // of this binary run beside it: some of the 200 ms ran, at least.
+    fn cpu_time_counts_what_a_process_ran_and_agrees_with_the_ticks() {
+        let mut busy = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let pid = busy.id();
+        let (before, ticks_before) = (cpu_of(pid).unwrap(), ticks_of(pid).unwrap());
+        std::thread::sleep(Duration::from_millis(300));
+        let (after, ticks_after) = (cpu_of(pid).unwrap(), ticks_of(pid).unwrap());
+        let schedstat = on_cpu_ns(pid).is_some();
+        busy.kill().unwrap();
+        busy.wait().unwrap();
+        let (ran, ticked) = (after - before, ticks_after - ticks_before);
+        // On a shared machine it waits for a core at times: some of the 300 ms ran.
         assert!(ran > 0.01, "ran {ran} s");
-        assert!(on_cpu_ns(me).is_some(), "schedstat was read");
-        // The two clocks agree within the ticks' resolution (10 ms per busy
-        // thread, sampled at each tick).
-        let ticked = ticks_after - ticks_before;
-        assert!(
-            (ran - ticked).abs() < 0.1,
-            "schedstat {ran} s, ticks {ticked} s"
-        );
+        if schedstat {
+            // One thread, sampled at each 10 ms tick: the clocks agree to a few ticks.
+            assert!(
+                (ran - ticked).abs() < 0.05,
+                "schedstat {ran} s, ticks {ticked} s"
+            );
+        }
     }
 }
