@@ -411,8 +411,13 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// Prints every round and the result side by side, and checks the 20% agreement of the median
-/// over rounds of each side's TTFT p50 and of the hit rate pooled over rounds.
+/// Prints every round and the result side by side, and checks the 20% agreement of the TTFT p50,
+/// as the median over rounds of each round's difference, and of the hit rate pooled over rounds.
+///
+/// The difference is taken within a round, where real vLLM and the simulator ran back to back:
+/// the machine's speed drifts between rounds (real vLLM's p50 has read 8.8 to 12.0 ms in one
+/// run), and the medians of the two sides taken apart can come from different rounds (a run
+/// whose rounds read +42%, +6%, +7% had side medians 36% apart).
 fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
     let rel = |s: f64, r: f64| {
         if r == 0.0 {
@@ -437,6 +442,18 @@ fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
     let real_p50 = median(rounds.iter().map(|(r, _)| r.ttft_p50_ms).collect());
     let sim_p50 = median(rounds.iter().map(|(_, s)| s.ttft_p50_ms).collect());
     let (real_hit, sim_hit) = (pooled(|p| &p.0), pooled(|p| &p.1));
+    let paired_ms = median(
+        rounds
+            .iter()
+            .map(|(r, s)| s.ttft_p50_ms - r.ttft_p50_ms)
+            .collect(),
+    );
+    let paired_rel = median(
+        rounds
+            .iter()
+            .map(|(r, s)| signed(s.ttft_p50_ms, r.ttft_p50_ms))
+            .collect(),
+    );
     let mut table = format!(
         "single: fidelity (sim, vllm-cpu-tiny calibrated in this run, vs real vLLM)\n\
          {:>24} {:>10} {:>10} {:>8}",
@@ -466,6 +483,12 @@ fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
         sim_hit,
         100.0 * signed(sim_hit, real_hit),
     ));
+    table.push_str(&format!(
+        "\n{:>24} {:>+10.1} ms {:>+6.0}%",
+        "median of round diffs",
+        paired_ms,
+        100.0 * paired_rel,
+    ));
     note(&table);
     ensure!(
         rel(sim_hit, real_hit) <= TOLERANCE,
@@ -475,11 +498,11 @@ fn compare(rounds: &[(Observed, Observed)]) -> Result<()> {
     // The simulator sleeps on tokio's timer, whose resolution is 1 ms: two latencies closer than
     // that cannot be told apart by it. Real vLLM's TTFT here has been 5 to 10 ms (a tick is 10 to
     // 20% of it), so the bound is 20% or one tick, whichever is larger.
-    let apart = (sim_p50 - real_p50).abs();
     ensure!(
-        apart <= (TOLERANCE * real_p50).max(TIMER_RESOLUTION_MS),
-        "median TTFT p50: sim {sim_p50:.1} ms vs real {real_p50:.1} ms (more than {:.0}% and \
-         {TIMER_RESOLUTION_MS} ms apart)",
+        paired_rel.abs() <= TOLERANCE || paired_ms.abs() <= TIMER_RESOLUTION_MS,
+        "TTFT p50, median over rounds of sim - real: {paired_ms:+.1} ms, {:+.0}% (more than {:.0}% \
+         and {TIMER_RESOLUTION_MS} ms apart)",
+        100.0 * paired_rel,
         TOLERANCE * 100.0
     );
     Ok(())
