@@ -156,37 +156,6 @@ fn filters_file_must_be_yaml() {
 }
 
 #[test]
-fn a_producer_parameter_kvmesh_does_not_read_gets_a_note_naming_its_setting() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = write(
-        dir.path(),
-        "p.yaml",
-        "engine:\n  url: http://127.0.0.1:8001\n",
-    );
-    let filters = write(
-        dir.path(),
-        "filters.yaml",
-        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n  \
-         - type: approx-prefix-cache-producer\n    parameters:\n      maxPrefixBlocksToMatch: 128\n      \
-         blockSizeTokens: 64\n  - type: prefix-cache-scorer\n  - type: max-score-picker\n",
-    );
-    let out = kvmesh_proxy(&[
-        "check-config",
-        p.to_str().unwrap(),
-        "--filters",
-        filters.to_str().unwrap(),
-    ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}");
-    let notes: Vec<&str> = stdout.lines().filter(|l| l.contains(": note: ")).collect();
-    assert_eq!(notes.len(), 1, "{stdout}");
-    assert!(
-        notes[0].contains("blockSizeTokens") && notes[0].contains("prefix.approx_chunk_chars"),
-        "{stdout}"
-    );
-}
-
-#[test]
 fn run_rejects_a_bad_flag_value() {
     let out = kvmesh_proxy(&["run", "--engine", "http://127.0.0.1:1/v1"]);
     assert_ne!(out.status.code(), Some(0));

@@ -45,6 +45,28 @@ fn every_example_filter_config_passes() {
 }
 
 #[test]
+fn a_producer_parameter_kvmesh_does_not_read_gets_a_note_naming_its_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "filters.yaml",
+        &format!(
+            "{HEAD}plugins:\n  - type: approx-prefix-cache-producer\n    parameters:\n      \
+             maxPrefixBlocksToMatch: 128\n      blockSizeTokens: 64\n  - type: prefix-cache-scorer\n  \
+             - type: max-score-picker\n"
+        ),
+    );
+    let (code, stdout, stderr) = run(&["check-config", "--filters", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let notes: Vec<&str> = stdout.lines().filter(|l| l.contains(": note: ")).collect();
+    assert_eq!(notes.len(), 1, "{stdout}");
+    assert!(
+        notes[0].contains("blockSizeTokens") && notes[0].contains("prefix.approx_chunk_chars"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn a_dangling_plugin_ref_is_reported_with_file_line_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let f = write(
