@@ -2,15 +2,22 @@
 //! nearly every request uses, so it is kept lean. The pool holds only idle
 //! connections, newest last; a request takes the newest one that is ready
 //! (or dials a new one), and gives it back when the response body has been
-//! read to its end and dropped ([`ReplyBody`]). hyper's connection task owns
-//! the socket; a connection that closes (the engine's keep-alive timeout, a
-//! response dropped half-read) is noticed when it is next looked at and
-//! dropped. Other upstreams (peers, llm-d's prefiller, h2c) go through the
-//! general client in `mod.rs`.
+//! read to its end and dropped ([`ReplyBody`]).
+//!
+//! A connection has no task of its own: the request that holds it drives it
+//! (writes the request, reads the head, then the body as the body is read),
+//! from the task that serves the client. An exchange then wakes one task, the
+//! client's, instead of two that hand the request and each frame to each other
+//! through channels (on a multi-threaded runtime that hand-over often also
+//! wakes a second worker thread). Idle connections are looked at, without a
+//! task, when they are next taken and by the reaper: one the engine closed
+//! (its keep-alive timeout) is dropped then. Other upstreams (peers, llm-d's
+//! prefiller, h2c) go through the general client in `mod.rs`.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -29,8 +36,6 @@ use crate::body::UpstreamBody;
 /// is sent on another one (the engine closed an idle connection just as it
 /// was taken: the usual keep-alive race, and safe to retry since nothing was sent).
 const UNSENT_RETRIES: usize = 2;
-
-type Sender = http1::SendRequest<UpstreamBody>;
 
 /// Idle keep-alive connections to one engine.
 pub struct EnginePool {
@@ -55,14 +60,57 @@ struct Inner {
 }
 
 struct Idle {
-    sender: Sender,
+    conn: Box<Conn>,
     since: Instant,
+}
+
+/// One HTTP/1.1 connection: the handle a request is queued on, and hyper's
+/// state machine for the socket, which whoever holds the connection polls.
+/// 712 bytes (hyper 1.12): boxed, so that handing it between the pool and a
+/// response body (which moves a few times on its way to the client) moves a
+/// pointer.
+struct Conn {
+    sender: http1::SendRequest<UpstreamBody>,
+    io: http1::Connection<TokioIo<TcpStream>, UpstreamBody>,
+    /// `io` finished (closed, or failed): it must not be polled again.
+    done: bool,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn").field("done", &self.done).finish()
+    }
+}
+
+impl Conn {
+    /// Moves the exchange on: writes what is queued, reads what arrived.
+    /// `Ready` once the connection is finished.
+    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), hyper::Error>> {
+        if self.done {
+            return Poll::Ready(Ok(()));
+        }
+        let polled = self.io.poll_without_shutdown(cx);
+        self.done = polled.is_ready();
+        polled
+    }
+
+    /// Drives the connection once without a task to wake (an idle one, or one
+    /// given back): it notices a close, and becomes ready for the next
+    /// request once its last exchange is wound down.
+    fn settle(&mut self) {
+        let _ = self.drive(&mut Context::from_waker(Waker::noop()));
+    }
+
+    fn closed(&self) -> bool {
+        self.done || self.sender.is_closed()
+    }
 }
 
 impl Idle {
     /// Closed by the engine, or idle for `timeout`: never to be used again.
-    fn stale(&self, timeout: Duration) -> bool {
-        self.sender.is_closed() || self.since.elapsed() >= timeout
+    fn stale(&mut self, timeout: Duration) -> bool {
+        self.conn.settle();
+        self.conn.closed() || self.since.elapsed() >= timeout
     }
 }
 
@@ -104,21 +152,43 @@ impl EnginePool {
     }
 
     /// Sends `req` (an absolute URI towards this engine, as the general client
-    /// takes it) on a pooled connection or a new one.
+    /// takes it) on a pooled connection or a new one, and drives that
+    /// connection until the response head is in.
     pub async fn send(
         &self,
         req: Request<UpstreamBody>,
     ) -> Result<Response<ReplyBody>, EngineError> {
         let mut req = self.inner.origin_form(req);
         for _ in 0..=UNSENT_RETRIES {
-            let mut sender = match self.inner.take() {
-                Some(s) => s,
+            let mut conn = match self.inner.take() {
+                Some(c) => c,
                 None => self.inner.connect().await?,
             };
-            match sender.try_send_request(req).await {
+            let mut head = std::pin::pin!(conn.sender.try_send_request(req));
+            let sent = std::future::poll_fn(|cx| {
+                // Write the request (and read what came back) first; then
+                // the head is there if it arrived.
+                let driven = conn.drive(cx);
+                match head.as_mut().poll(cx) {
+                    Poll::Ready(r) => Poll::Ready(Some(r)),
+                    // Finished without answering: dropping the connection
+                    // below gives the request its error.
+                    Poll::Pending if driven.is_ready() => Poll::Ready(None),
+                    Poll::Pending => Poll::Pending,
+                }
+            })
+            .await;
+            let (sent, conn) = match sent {
+                Some(r) => (r, Some(conn)),
+                None => {
+                    drop(conn);
+                    (head.await, None)
+                }
+            };
+            match sent {
                 Ok(resp) => {
                     let lease = Lease {
-                        sender: Some(sender),
+                        conn,
                         pool: Arc::downgrade(&self.inner),
                     };
                     return Ok(resp.map(|b| ReplyBody::leased(b, lease)));
@@ -165,37 +235,38 @@ impl Inner {
     }
 
     /// The newest idle connection that can take a request now. Closed ones
-    /// are dropped; one that is open but not ready yet (its previous exchange
-    /// is still being wound down) stays for later.
-    fn take(&self) -> Option<Sender> {
+    /// are dropped; one that is open but not ready yet stays for later.
+    fn take(&self) -> Option<Box<Conn>> {
         let mut idle = self.lock();
         let mut i = idle.len();
         while i > 0 {
             i -= 1;
-            let c = &idle[i];
+            let c = &mut idle[i];
             if c.stale(self.idle_timeout) {
                 idle.swap_remove(i);
-            } else if c.sender.is_ready() {
-                return Some(idle.swap_remove(i).sender);
+            } else if c.conn.sender.is_ready() {
+                return Some(idle.swap_remove(i).conn);
             }
         }
         None
     }
 
-    fn put(&self, sender: Sender) {
-        if sender.is_closed() {
+    /// Takes back a connection whose last response was read to its end.
+    fn put(&self, mut conn: Box<Conn>) {
+        conn.settle();
+        if conn.closed() {
             return;
         }
         let mut idle = self.lock();
         if idle.len() < self.max_idle {
             idle.push(Idle {
-                sender,
+                conn,
                 since: Instant::now(),
             });
         }
     }
 
-    async fn connect(&self) -> Result<Sender, EngineError> {
+    async fn connect(&self) -> Result<Box<Conn>, EngineError> {
         let fail = |reason: String| EngineError::Connect {
             authority: self.authority.clone(),
             reason,
@@ -206,15 +277,14 @@ impl Inner {
             .map_err(|e| fail(e.to_string()))?;
         // Without it every small write waits for the peer's delayed ACK.
         tcp.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
-        let (sender, conn) = http1::handshake(TokioIo::new(tcp))
+        let (sender, io) = http1::handshake(TokioIo::new(tcp))
             .await
             .map_err(|e| fail(e.to_string()))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "engine connection ended with an error");
-            }
-        });
-        Ok(sender)
+        Ok(Box::new(Conn {
+            sender,
+            io,
+            done: false,
+        }))
     }
 
     /// The first address of the engine's host that accepts (tokio resolves
@@ -228,8 +298,9 @@ impl Inner {
     }
 }
 
-/// Closes connections idle longer than the idle timeout, until the pool is
-/// gone (dropping the pool aborts it; the weak reference is the backstop).
+/// Closes connections idle longer than the idle timeout or closed by the
+/// engine, until the pool is gone (dropping the pool aborts it; the weak
+/// reference is the backstop).
 async fn reap(pool: Weak<Inner>) {
     let every = match pool.upgrade() {
         Some(p) => (p.idle_timeout / 2).max(Duration::from_millis(100)),
@@ -238,32 +309,27 @@ async fn reap(pool: Weak<Inner>) {
     loop {
         tokio::time::sleep(every).await;
         let Some(p) = pool.upgrade() else { return };
-        p.lock().retain(|c| !c.stale(p.idle_timeout));
+        p.lock().retain_mut(|c| !c.stale(p.idle_timeout));
     }
 }
 
-/// A connection lent to one response: back to the pool when its body is dropped.
+/// A connection lent to one response. Back to the pool when the body is
+/// dropped after its end; closed when it is dropped before (the engine then
+/// sees the client go, and stops generating).
 #[derive(Debug)]
 struct Lease {
-    sender: Option<Sender>,
+    conn: Option<Box<Conn>>,
     pool: Weak<Inner>,
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let (Some(sender), Some(pool)) = (self.sender.take(), self.pool.upgrade()) {
-            pool.put(sender);
-        }
-    }
-}
-
 /// A response body from an upstream. From the engine pool it holds its
-/// connection until it is dropped; hyper reuses the connection only once the
-/// body was read to its end, and closes it otherwise.
+/// connection, and reading the body drives it.
 #[derive(Debug)]
 pub struct ReplyBody {
     inner: Incoming,
-    _lease: Option<Lease>,
+    lease: Option<Lease>,
+    /// The last frame was read (a chunked body says so only by ending).
+    ended: bool,
 }
 
 impl ReplyBody {
@@ -271,14 +337,28 @@ impl ReplyBody {
     pub fn plain(inner: Incoming) -> Self {
         Self {
             inner,
-            _lease: None,
+            lease: None,
+            ended: false,
         }
     }
 
     fn leased(inner: Incoming, lease: Lease) -> Self {
         Self {
             inner,
-            _lease: Some(lease),
+            lease: Some(lease),
+            ended: false,
+        }
+    }
+}
+
+impl Drop for ReplyBody {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.as_mut() else {
+            return;
+        };
+        let ended = self.ended || self.inner.is_end_stream();
+        if let (Some(conn), Some(pool), true) = (lease.conn.take(), lease.pool.upgrade(), ended) {
+            pool.put(conn);
         }
     }
 }
@@ -291,7 +371,16 @@ impl Body for ReplyBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let this = &mut *self;
+        if let Some(conn) = this.lease.as_mut().and_then(|l| l.conn.as_mut()) {
+            // A failed connection hands its error to the body.
+            let _ = conn.drive(cx);
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            this.ended = true;
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -420,7 +509,7 @@ mod tests {
             assert_eq!(fetch(&pool, &engine, "/").await, "ok");
             // The body was read and dropped: the connection is back.
             until("the connection is ready again", || {
-                pool.inner.lock().iter().any(|c| c.sender.is_ready())
+                pool.inner.lock().iter().any(|c| c.conn.sender.is_ready())
             })
             .await;
         }
@@ -514,6 +603,89 @@ mod tests {
             metrics.num_alive_tasks() == before
         })
         .await;
+    }
+
+    #[tokio::test]
+    async fn a_connection_has_no_task_of_its_own() {
+        let engine = fake_engine(true).await;
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let pool = Arc::new(pool(&engine, 8, Duration::from_secs(60)));
+        // The fake engine's accept loop and the pool's reaper.
+        let before = metrics.num_alive_tasks();
+        let held: Vec<_> = (0..3)
+            .map(|_| {
+                let (pool, req) = (pool.clone(), get(&engine, "/hold"));
+                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
+            })
+            .collect();
+        until("three connections are open", || {
+            engine.accepted.load(Ordering::SeqCst) == 3
+        })
+        .await;
+        // The three requests' tasks and the engine's three connection
+        // tasks; none for the pool's side of the connections.
+        assert_eq!(metrics.num_alive_tasks(), before + 6);
+        engine.gate.add_permits(3);
+        for h in held {
+            assert_eq!(h.await.expect("task"), "held");
+        }
+        assert_eq!(pool.idle(), 3);
+    }
+
+    /// An engine that answers one request per connection and then closes it
+    /// without saying so (no `Connection: close`): a keep-alive timeout
+    /// that fell between two requests.
+    async fn one_shot_engine() -> (Authority, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let a = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut tcp, _)) = listener.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tcp.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    let _ = tcp.write_all(reply).await;
+                    // Closed as the task ends.
+                });
+            }
+        });
+        (
+            Authority::try_from(addr.to_string()).expect("authority"),
+            accepted,
+        )
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_engine_closed_costs_no_request() {
+        let (authority, accepted) = one_shot_engine().await;
+        let pool = EnginePool::new(
+            authority.clone(),
+            Duration::from_secs(5),
+            8,
+            Duration::from_secs(60),
+        );
+        for n in 1..=4 {
+            let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+            *req.uri_mut() = format!("http://{authority}/").parse().expect("uri");
+            let resp = pool
+                .send(req)
+                .await
+                .expect("a response on a fresh connection");
+            assert_eq!(text(resp).await, "ok");
+            // Each close is seen when the connection is next looked at, at
+            // the latest: a request never goes out on it.
+            assert_eq!(accepted.load(Ordering::SeqCst), n);
+        }
     }
 
     #[tokio::test]
