@@ -96,6 +96,9 @@ pub struct RunArgs {
     /// least this many of its prompt tokens (turns P/D on).
     #[arg(long, value_name = "N")]
     pub pd_min_uncached_tokens: Option<u32>,
+    /// Threads serving requests (`runtime.worker_threads`; default 1).
+    #[arg(long, value_name = "N")]
+    pub worker_threads: Option<usize>,
 }
 
 fn parse_connector(s: &str) -> Result<config::PdConnector, String> {
@@ -179,6 +182,9 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     if let Some(n) = args.pd_min_uncached_tokens {
         c.pd.min_uncached_tokens = Some(n);
     }
+    if let Some(n) = args.worker_threads {
+        c.runtime.worker_threads = n;
+    }
     config::load::validate_built(&c, "<flags>")?;
     Ok(c)
 }
@@ -198,10 +204,7 @@ fn run(args: RunArgs) -> ExitCode {
         }
     }
     crate::logging::init(&config.logging);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime(&config.runtime) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvmesh-proxy: cannot start the runtime: {e}");
@@ -225,6 +228,23 @@ fn run(args: RunArgs) -> ExitCode {
         tracing::info!("stopped");
         ExitCode::SUCCESS
     })
+}
+
+/// One thread by default: a request's tasks then wake each other on the
+/// thread they run on. On tokio's work-stealing scheduler, a task woken while
+/// it runs (hyper's body channels do that several times a request) is queued
+/// as a yield, and a yield wakes a parked worker thread to steal it: a futex
+/// wake and a context switch per request, which cost about a fifth of the
+/// proxy's CPU per small request (docs/bench-tool.md, "One thread").
+fn runtime(c: &config::Runtime) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut b = if c.worker_threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(c.worker_threads);
+        b
+    };
+    b.enable_all().thread_name("kvmesh-worker").build()
 }
 
 /// Ctrl-C or SIGTERM (what Kubernetes sends).

@@ -88,6 +88,11 @@ fn bad_values_report_line_and_field() {
             "timeouts.stream_idle",
         ),
         ("logging:\n  level: \"[[[\"\n", 2, "logging.level"),
+        (
+            "runtime:\n  worker_threads: 0\n",
+            2,
+            "runtime.worker_threads",
+        ),
     ];
     for (text, line, field) in cases {
         let f = write(dir.path(), "bad.yaml", text);

@@ -155,6 +155,12 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
     if c.limits.max_connections == 0 {
         return err("limits.max_connections", "must be at least 1".to_owned());
     }
+    if !(1..=1024).contains(&c.runtime.worker_threads) {
+        return err(
+            "runtime.worker_threads",
+            format!("{} is not in 1..=1024", c.runtime.worker_threads),
+        );
+    }
     super::prefix::validate(c)?;
     c.mesh.validate()?;
     c.autoscale.validate()?;

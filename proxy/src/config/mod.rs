@@ -40,6 +40,8 @@ pub struct Config {
     pub upstream: Upstream,
     pub timeouts: Timeouts,
     pub limits: Limits,
+    /// The threads that serve requests.
+    pub runtime: Runtime,
     pub logging: Logging,
     /// Who this pod is: role, served models, adapters, labels.
     pub pod: Pod,
@@ -195,6 +197,16 @@ pub struct Limits {
     pub max_connections: usize,
 }
 
+/// The async runtime the sidecar runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Runtime {
+    /// 1: one thread serves every connection and task, each request wholly
+    /// on it (linkerd2-proxy's default). More: tokio's work-stealing
+    /// scheduler over that many threads, for a sidecar given several cores.
+    pub worker_threads: usize,
+}
+
 /// Structured logs with `tracing`; `RUST_LOG`, when set, overrides `level`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -282,6 +294,12 @@ impl Default for Limits {
             max_body_bytes: ByteSize(32 * 1024 * 1024),
             max_connections: 10_000,
         }
+    }
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Self { worker_threads: 1 }
     }
 }
 
