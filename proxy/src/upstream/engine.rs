@@ -501,6 +501,26 @@ mod tests {
         panic!("timed out waiting until {what}");
     }
 
+    /// `n` requests to `/hold`, each in its own task, once each has its own
+    /// connection: their answers come when the engine's gate opens.
+    async fn held_requests(
+        pool: &Arc<EnginePool>,
+        engine: &FakeEngine,
+        n: usize,
+    ) -> Vec<tokio::task::JoinHandle<String>> {
+        let sends = (0..n)
+            .map(|_| {
+                let (pool, req) = (pool.clone(), get(engine, "/hold"));
+                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
+            })
+            .collect();
+        until("every held request has its own connection", || {
+            engine.accepted.load(Ordering::SeqCst) == n
+        })
+        .await;
+        sends
+    }
+
     #[tokio::test]
     async fn sequential_requests_share_one_connection() {
         let engine = fake_engine(true).await;
@@ -521,16 +541,7 @@ mod tests {
     async fn a_busy_connection_is_not_shared_and_idle_ones_are_capped() {
         let engine = fake_engine(true).await;
         let pool = Arc::new(pool(&engine, 1, Duration::from_secs(60)));
-        let sends: Vec<_> = (0..2)
-            .map(|_| {
-                let (pool, req) = (pool.clone(), get(&engine, "/hold"));
-                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
-            })
-            .collect();
-        until("both requests have their own connection", || {
-            engine.accepted.load(Ordering::SeqCst) == 2
-        })
-        .await;
+        let sends = held_requests(&pool, &engine, 2).await;
         engine.gate.add_permits(2);
         for s in sends {
             assert_eq!(s.await.expect("task"), "held");
@@ -612,16 +623,7 @@ mod tests {
         let pool = Arc::new(pool(&engine, 8, Duration::from_secs(60)));
         // The fake engine's accept loop and the pool's reaper.
         let before = metrics.num_alive_tasks();
-        let held: Vec<_> = (0..3)
-            .map(|_| {
-                let (pool, req) = (pool.clone(), get(&engine, "/hold"));
-                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
-            })
-            .collect();
-        until("three connections are open", || {
-            engine.accepted.load(Ordering::SeqCst) == 3
-        })
-        .await;
+        let held = held_requests(&pool, &engine, 3).await;
         // The three requests' tasks and the engine's three connection
         // tasks; none for the pool's side of the connections.
         assert_eq!(metrics.num_alive_tasks(), before + 6);
