@@ -84,21 +84,20 @@ impl std::fmt::Debug for Conn {
 
 impl Conn {
     /// Moves the exchange on: writes what is queued, reads what arrived.
-    /// `Ready` once the connection is finished.
-    fn drive(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), hyper::Error>> {
-        if self.done {
-            return Poll::Ready(Ok(()));
+    /// True once the connection is finished. An error needs no handling
+    /// here: hyper hands it to the request or body it failed.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.done {
+            self.done = self.io.poll_without_shutdown(cx).is_ready();
         }
-        let polled = self.io.poll_without_shutdown(cx);
-        self.done = polled.is_ready();
-        polled
+        self.done
     }
 
     /// Drives the connection once without a task to wake (an idle one, or one
     /// given back): it notices a close, and becomes ready for the next
     /// request once its last exchange is wound down.
     fn settle(&mut self) {
-        let _ = self.drive(&mut Context::from_waker(Waker::noop()));
+        self.drive(&mut Context::from_waker(Waker::noop()));
     }
 
     fn closed(&self) -> bool {
@@ -168,12 +167,12 @@ impl EnginePool {
             let sent = std::future::poll_fn(|cx| {
                 // Write the request (and read what came back) first; then
                 // the head is there if it arrived.
-                let driven = conn.drive(cx);
+                let finished = conn.drive(cx);
                 match head.as_mut().poll(cx) {
                     Poll::Ready(r) => Poll::Ready(Some(r)),
                     // Finished without answering: dropping the connection
                     // below gives the request its error.
-                    Poll::Pending if driven.is_ready() => Poll::Ready(None),
+                    Poll::Pending if finished => Poll::Ready(None),
                     Poll::Pending => Poll::Pending,
                 }
             })
@@ -187,11 +186,11 @@ impl EnginePool {
             };
             match sent {
                 Ok(resp) => {
-                    let lease = Lease {
-                        conn,
-                        pool: Arc::downgrade(&self.inner),
-                    };
-                    return Ok(resp.map(|b| ReplyBody::leased(b, lease)));
+                    let pool = Arc::downgrade(&self.inner);
+                    return Ok(resp.map(|b| match conn {
+                        Some(conn) => ReplyBody::leased(b, Lease { conn, pool }),
+                        None => ReplyBody::plain(b),
+                    }));
                 }
                 Err(mut e) => match e.take_message() {
                     Some(unsent) => req = unsent,
@@ -318,7 +317,7 @@ async fn reap(pool: Weak<Inner>) {
 /// sees the client go, and stops generating).
 #[derive(Debug)]
 struct Lease {
-    conn: Option<Box<Conn>>,
+    conn: Box<Conn>,
     pool: Weak<Inner>,
 }
 
@@ -353,12 +352,11 @@ impl ReplyBody {
 
 impl Drop for ReplyBody {
     fn drop(&mut self) {
-        let Some(lease) = self.lease.as_mut() else {
-            return;
-        };
         let ended = self.ended || self.inner.is_end_stream();
-        if let (Some(conn), Some(pool), true) = (lease.conn.take(), lease.pool.upgrade(), ended) {
-            pool.put(conn);
+        if let (Some(lease), true) = (self.lease.take(), ended) {
+            if let Some(pool) = lease.pool.upgrade() {
+                pool.put(lease.conn);
+            }
         }
     }
 }
@@ -372,9 +370,9 @@ impl Body for ReplyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        if let Some(conn) = this.lease.as_mut().and_then(|l| l.conn.as_mut()) {
+        if let Some(lease) = this.lease.as_mut() {
             // A failed connection hands its error to the body.
-            let _ = conn.drive(cx);
+            lease.conn.drive(cx);
         }
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         if let Poll::Ready(None) = polled {
