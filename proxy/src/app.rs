@@ -33,6 +33,26 @@ pub struct App {
 }
 
 impl App {
+    /// The same sidecar for another serving thread (`runtime.worker_threads`):
+    /// the shared state, with an upstream client and an engine pool of its
+    /// own, so that each connection is driven by the runtime that opened it.
+    /// Call it inside that thread's runtime (the pool starts its reaper there).
+    pub fn for_thread(&self) -> App {
+        App {
+            config: self.config.clone(),
+            metrics: self.metrics.clone(),
+            client: crate::upstream::build(&self.config),
+            engine: crate::upstream::engine_pool(&self.config),
+            routing: self.routing.clone(),
+            fleet: self.fleet.clone(),
+            engine_block_size: self.engine_block_size.clone(),
+            prefix: self.prefix.clone(),
+            engine_ready: self.engine_ready.clone(),
+            mesh: self.mesh.clone(),
+            tracer: self.tracer.clone(),
+        }
+    }
+
     /// The narrow handle upstream calls take: borrowed, nothing cloned.
     pub fn upstreams(&self) -> crate::request::Upstreams<'_> {
         crate::request::Upstreams {

@@ -204,7 +204,7 @@ fn run(args: RunArgs) -> ExitCode {
         }
     }
     crate::logging::init(&config.logging);
-    let rt = match runtime(&config.runtime) {
+    let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvmesh-proxy: cannot start the runtime: {e}");
@@ -230,21 +230,20 @@ fn run(args: RunArgs) -> ExitCode {
     })
 }
 
-/// One thread by default: a request's tasks then wake each other on the
-/// thread they run on. On tokio's work-stealing scheduler, a task woken while
-/// it runs (hyper's body channels do that several times a request) is queued
-/// as a yield, and a yield wakes a parked worker thread to steal it: a futex
-/// wake and a context switch per request, which cost about a fifth of the
-/// proxy's CPU per small request (docs/bench-tool.md, "One thread").
-fn runtime(c: &config::Runtime) -> std::io::Result<tokio::runtime::Runtime> {
-    let mut b = if c.worker_threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        b.worker_threads(c.worker_threads);
-        b
-    };
-    b.enable_all().thread_name("kvmesh-worker").build()
+/// The first thread's runtime, single-threaded: it serves the client port
+/// (with the threads `runtime.worker_threads` adds, each its own runtime:
+/// `Sidecar::start`), the admin port, the mesh, scrapes and probes. On one
+/// thread a request's tasks wake each other where they run; on tokio's
+/// work-stealing scheduler a task woken while it runs (hyper's body channels
+/// do that several times a request) is queued as a yield, and a yield wakes a
+/// parked worker to steal it: a futex wake and a context switch per request,
+/// about a fifth of the proxy's CPU per small request (docs/bench-tool.md,
+/// "One thread").
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name("kvmesh-blocking")
+        .build()
 }
 
 /// Ctrl-C or SIGTERM (what Kubernetes sends).

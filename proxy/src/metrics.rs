@@ -100,6 +100,11 @@ impl EncodeLabelValue for Listener {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ThreadLabels {
+    thread: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RejectLabels {
     listener: Listener,
     reason: RejectReason,
@@ -159,6 +164,8 @@ pub struct Metrics {
     bytes_out: PerRoute<Counter<u64, AtomicU64>>,
     /// Targets that refused a request before any byte was sent.
     fallbacks: Counter,
+    /// Client connections accepted, by serving thread.
+    connections: Family<ThreadLabels, Counter>,
     /// Connections or requests cut for a slow or oversize client.
     rejected: Family<RejectLabels, Counter>,
     /// Pods ejected as outliers (`fleet/outlier.rs`).
@@ -278,6 +285,12 @@ impl Metrics {
             Unit::Bytes,
             bytes_out.clone(),
         );
+        let connections = Family::<ThreadLabels, Counter>::default();
+        registry.register(
+            "client_connections",
+            "Client connections accepted, by serving thread (runtime.worker_threads; 0 is the first): how evenly the kernel spreads them",
+            connections.clone(),
+        );
         let rejected = Family::<RejectLabels, Counter>::default();
         registry.register(
             "client_connections_rejected",
@@ -293,6 +306,7 @@ impl Metrics {
         Self {
             registry,
             requests,
+            connections,
             rejected,
             requests_ok: Default::default(),
             in_flight,
@@ -368,6 +382,14 @@ impl Metrics {
     /// A pod was ejected as an outlier.
     pub fn outlier_ejected(&self) {
         self.outlier_ejections.inc();
+    }
+
+    /// The counter of client connections serving thread `thread` accepted,
+    /// shown at 0 from the call on.
+    pub fn connections(&self, thread: u16) -> Counter {
+        self.connections
+            .get_or_create(&ThreadLabels { thread })
+            .clone()
     }
 
     /// A listener cut a client (slow or oversize request, failed handshake).

@@ -39,17 +39,23 @@ pub trait Handler: Clone + Send + Sync + 'static {
 }
 
 /// How a listener serves.
+#[derive(Clone)]
 pub struct ServeOpts {
     /// For logs: `client` or `admin`.
     pub name: &'static str,
     pub tls: Option<TlsAcceptor>,
     pub tls_handshake: Duration,
-    pub max_connections: usize,
+    /// Concurrent connections: a permit per connection, shared by every
+    /// thread accepting on this listener; further accepts wait for one.
+    pub slots: Arc<Semaphore>,
     pub drain: Duration,
     /// How long a request head may take (`timeouts.request_head`).
     pub request_head: Duration,
-    /// Where cut clients are counted (`None`: not counted, the admin port).
-    pub rejected: Option<Arc<Metrics>>,
+    /// Which serving thread accepts (`runtime.worker_threads`; 0 is the first).
+    pub thread: u16,
+    /// Where accepted connections and cut clients are counted (`None`: not
+    /// counted, the admin port).
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 /// Accepts until `shutdown`, then drains. Returns when every connection is gone.
@@ -66,7 +72,8 @@ pub async fn serve<H: Handler>(
         .timer(TokioTimer::new())
         .header_read_timeout(opts.request_head);
     builder.http2().timer(TokioTimer::new());
-    let slots = Arc::new(Semaphore::new(opts.max_connections));
+    let slots = opts.slots.clone();
+    let accepted = opts.metrics.as_ref().map(|m| m.connections(opts.thread));
     let mut conns = JoinSet::new();
     loop {
         // Reap finished connections so the set stays as small as the live ones.
@@ -92,6 +99,9 @@ pub async fn serve<H: Handler>(
                 }
             },
         };
+        if let Some(c) = &accepted {
+            c.inc();
+        }
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(%peer, error = %e, "set_nodelay failed");
         }
@@ -103,7 +113,7 @@ pub async fn serve<H: Handler>(
         let name = opts.name;
         let limits = ConnLimits {
             request_head: opts.request_head,
-            rejected: opts.rejected.clone(),
+            rejected: opts.metrics.clone(),
         };
         conns.spawn(async move {
             let _permit = permit;

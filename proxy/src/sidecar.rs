@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::admin::Admin;
@@ -146,18 +147,47 @@ impl Sidecar {
         let shutdown = Shutdown::new();
         let t = &config.timeouts;
         let mut tasks = JoinSet::new();
+        let client_opts = ServeOpts {
+            name: "client",
+            tls,
+            tls_handshake: t.tls_handshake.get(),
+            slots: Arc::new(Semaphore::new(config.limits.max_connections)),
+            drain: t.shutdown_drain.get(),
+            request_head: t.request_head.get(),
+            thread: 0,
+            metrics: Some(app.metrics.clone()),
+        };
+        let client = client.into_std()?;
+        // 1..=1024 as the config file's check allows.
+        let threads = config.runtime.worker_threads.clamp(1, 1024) as u16;
+        // Every thread's series from the start, so a scrape sees a thread
+        // that has accepted nothing yet as 0.
+        for n in 0..threads {
+            let _ = app.metrics.connections(n);
+        }
+        let first = TcpListener::from_std(client.try_clone()?)?;
+        for n in 1..threads {
+            let opts = ServeOpts {
+                thread: n,
+                ..client_opts.clone()
+            };
+            match serving_thread(&client, app.clone(), opts, shutdown.clone()) {
+                Ok(stopped) => {
+                    tasks.spawn(async move {
+                        let _ = stopped.await;
+                    });
+                }
+                Err(e) => {
+                    shutdown.trigger(); // the threads already started stop
+                    return Err(e.into());
+                }
+            }
+        }
+        drop(client);
         tasks.spawn(serve(
-            client,
+            first,
             Proxy(app.clone()),
-            ServeOpts {
-                name: "client",
-                tls,
-                tls_handshake: t.tls_handshake.get(),
-                max_connections: config.limits.max_connections,
-                drain: t.shutdown_drain.get(),
-                request_head: t.request_head.get(),
-                rejected: Some(app.metrics.clone()),
-            },
+            client_opts,
             shutdown.clone(),
         ));
         tasks.spawn(serve(
@@ -168,10 +198,11 @@ impl Sidecar {
                 tls: None,
                 tls_handshake: t.tls_handshake.get(),
                 // Scrapers and probes only; a small bound keeps them from crowding out clients.
-                max_connections: 64,
+                slots: Arc::new(Semaphore::new(64)),
                 drain: t.shutdown_drain.get(),
                 request_head: t.request_head.get(),
-                rejected: None,
+                thread: 0,
+                metrics: None,
             },
             shutdown.clone(),
         ));
@@ -212,11 +243,87 @@ impl Sidecar {
                 .await
                 .map_err(|source| StartError::Bind { what, addr, source })
         };
-        let client = bind("client", l.client).await?;
+        let client = if config.runtime.worker_threads > 1 {
+            shared_port(l.client).map_err(|source| StartError::Bind {
+                what: "client",
+                addr: l.client,
+                source,
+            })?
+        } else {
+            bind("client", l.client).await?
+        };
         let admin = bind("admin", l.admin).await?;
         Self::start(config, client, admin).await
     }
 }
+
+/// Another thread serving the client listener (`runtime.worker_threads`
+/// above 1), as nginx's worker processes and Envoy's worker threads do: its
+/// own single-threaded runtime accepts and serves each connection it took
+/// wholly on that thread, through an engine pool of its own, so a request
+/// never wakes another thread. The admin port, the mesh, scrapes and probes
+/// stay on the first thread. The receiver resolves once the thread has
+/// drained and stopped.
+fn serving_thread(
+    first: &std::net::TcpListener,
+    app: Arc<App>,
+    opts: ServeOpts,
+    shutdown: Shutdown,
+) -> std::io::Result<oneshot::Receiver<()>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let listener = {
+        let _in_rt = rt.enter();
+        listener_beside(first)?
+    };
+    let (done, stopped) = oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("kvmesh-worker-{}", opts.thread))
+        .spawn(move || {
+            rt.block_on(async move {
+                let app = Arc::new(app.for_thread());
+                serve(listener, Proxy(app), opts, shutdown).await;
+            });
+            drop(rt);
+            let _ = done.send(());
+        })?;
+    Ok(stopped)
+}
+
+/// A listening socket of its own on `first`'s address when `first` has
+/// `SO_REUSEPORT` ([`Sidecar::bind`] sets it for several threads): the
+/// kernel then spreads new connections over the threads by a hash of each
+/// client's address and port. Otherwise (a caller bound `first` without it)
+/// `first` itself, shared: each connection then goes to whichever thread
+/// wakes first.
+fn listener_beside(first: &std::net::TcpListener) -> std::io::Result<TcpListener> {
+    let addr = first.local_addr()?;
+    match shared_port(addr) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            TcpListener::from_std(first.try_clone()?)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A client listener the serving threads each bind again (`SO_REUSEPORT`).
+/// Only with several threads: on one, a second process given the same port
+/// by mistake fails to start instead of silently taking half the clients.
+fn shared_port(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// The pending-connection queue of a listening socket (tokio's own default).
+const LISTEN_BACKLOG: u32 = 1024;
 
 impl SidecarHandle {
     /// The client (OpenAI) address actually bound.

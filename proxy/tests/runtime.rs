@@ -137,10 +137,14 @@ async fn the_binary_serves_on_one_thread_and_on_several() {
         let config: serde_json::Value = serde_json::from_str(&config).expect("JSON config");
         let want = threads.unwrap_or(1);
         assert_eq!(config["runtime"]["worker_threads"], want, "{config}");
-        if want > 1 {
-            // The work-stealing scheduler's workers (blocking-pool threads,
-            // named alike, only add to them).
-            assert!(threads_named(sidecar.0.id(), "kvmesh-worker") >= want);
+        // The first thread is the process's own; each added one is named.
+        for n in 1..want {
+            let name = format!("kvmesh-worker-{n}");
+            assert_eq!(threads_named(sidecar.0.id(), &name), 1, "{name}");
         }
+        assert_eq!(
+            threads_named(sidecar.0.id(), &format!("kvmesh-worker-{want}")),
+            0
+        );
     }
 }

@@ -4,9 +4,10 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use kvmesh_proxy::Sidecar;
 use kvmesh_tests::client::{self, admin_get, next_chunk, post_json, send};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
-use kvmesh_tests::sidecar::{refused_addr, start_for, wait_ready};
+use kvmesh_tests::sidecar::{refused_addr, start, start_for, test_config, wait_ready};
 
 #[tokio::test]
 async fn graceful_shutdown_finishes_an_in_flight_stream() {
@@ -111,4 +112,79 @@ async fn metrics_and_config_on_the_admin_port() {
     assert_eq!(cfg["timeouts"]["shutdown_drain"], "10s");
     assert_eq!(cfg["limits"]["max_body_bytes"], 32 * 1024 * 1024);
     proxy.shutdown().await;
+}
+
+/// Client connections accepted per serving thread, from the admin port's
+/// `kvmesh_client_connections_total{thread="N"}`, in thread order.
+async fn connections_by_thread(admin: std::net::SocketAddr) -> Vec<u64> {
+    let text = admin_get(admin, "/metrics").await.text();
+    let mut seen: Vec<(u16, u64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("kvmesh_client_connections_total{thread=\"")?;
+            let (thread, count) = rest.split_once("\"} ")?;
+            Some((thread.parse().ok()?, count.trim().parse().ok()?))
+        })
+        .collect();
+    seen.sort_unstable();
+    seen.into_iter().map(|(_, n)| n).collect()
+}
+
+/// `clients` completions at once, each on a connection of its own; every
+/// status that came back.
+async fn completions_at_once(addr: std::net::SocketAddr, clients: usize) -> Vec<u16> {
+    let body = r#"{"model":"tiny-llama","prompt":"p","max_tokens":2}"#;
+    let calls = (0..clients).map(|_| async move {
+        client::fetch(&client::http1(), post_json(addr, "/v1/completions", body))
+            .await
+            .status
+            .as_u16()
+    });
+    futures_util::future::join_all(calls).await
+}
+
+/// `runtime.worker_threads: 3` as the binary binds it (`Sidecar::bind`): the
+/// three threads each hold a socket on the client port, the kernel spreads
+/// connections over them, each serves completions through its own engine
+/// pool, and shutdown drains every thread.
+#[tokio::test]
+async fn three_serving_threads_share_the_client_port() {
+    let engine = kvmesh_tests::fake_vllm::start().await;
+    let mut config = test_config(engine.addr());
+    config.runtime.worker_threads = 3;
+    let proxy = Sidecar::bind(config).await.expect("sidecar starts");
+    wait_ready(&proxy).await;
+    assert_eq!(connections_by_thread(proxy.admin_addr()).await, [0, 0, 0]);
+
+    let statuses = completions_at_once(proxy.addr(), 60).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let per_thread = connections_by_thread(proxy.admin_addr()).await;
+    assert_eq!(per_thread.iter().sum::<u64>(), 60, "{per_thread:?}");
+    // By a hash of each client's port: one thread left out of 60 is 3 in 10^10.
+    assert!(per_thread.iter().all(|&n| n > 0), "{per_thread:?}");
+
+    tokio::time::timeout(Duration::from_secs(15), proxy.shutdown())
+        .await
+        .expect("every serving thread drains and stops");
+}
+
+/// A client listener the caller bound without `SO_REUSEPORT` (as the tests
+/// and the demo do): the serving threads share that one socket and still
+/// serve every connection.
+#[tokio::test]
+async fn serving_threads_share_a_listener_bound_by_the_caller() {
+    let engine = kvmesh_tests::fake_vllm::start().await;
+    let mut config = test_config(engine.addr());
+    config.runtime.worker_threads = 2;
+    let proxy = start(config).await;
+    wait_ready(&proxy).await;
+
+    let statuses = completions_at_once(proxy.addr(), 20).await;
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    let per_thread = connections_by_thread(proxy.admin_addr()).await;
+    assert_eq!(per_thread.len(), 2, "{per_thread:?}");
+    assert_eq!(per_thread.iter().sum::<u64>(), 20, "{per_thread:?}");
+    tokio::time::timeout(Duration::from_secs(15), proxy.shutdown())
+        .await
+        .expect("every serving thread drains and stops");
 }

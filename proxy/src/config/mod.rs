@@ -201,9 +201,11 @@ pub struct Limits {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Runtime {
-    /// 1: one thread serves every connection and task, each request wholly
-    /// on it (linkerd2-proxy's default). More: tokio's work-stealing
-    /// scheduler over that many threads, for a sidecar given several cores.
+    /// Threads serving client connections, each with its own single-threaded
+    /// runtime and engine pool, every request wholly on the thread that
+    /// accepted its connection. 1 (linkerd2-proxy's default) also runs the
+    /// admin port, the mesh, scrapes and probes on that thread; more are
+    /// added beside it for a sidecar given several cores.
     pub worker_threads: usize,
 }
 

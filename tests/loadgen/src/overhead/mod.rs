@@ -48,7 +48,9 @@ pub struct OverheadConfig {
     pub proxy_bin: Option<PathBuf>,
     /// `nginx`; `None`: not measured.
     pub nginx_bin: Option<PathBuf>,
-    /// nginx worker processes (kvmesh's runtime uses every core).
+    /// nginx worker processes: one per core, as Debian's packaged nginx.conf
+    /// (`worker_processes auto`). kvmesh runs as configured by default (one
+    /// serving thread, `runtime.worker_threads`).
     pub nginx_workers: usize,
     pub concurrency: usize,
     pub small_requests: usize,
