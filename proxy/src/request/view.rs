@@ -119,12 +119,16 @@ pub enum Shape {
     Embedding,
 }
 
+/// The fields kvmesh reads. `QUICK`: the body holds no byte below 0x20, so
+/// no string in it can hold a raw control character (which JSON forbids),
+/// and the long ones, the prompt and message contents, are read as bytes
+/// (see [`Quick`]).
 #[derive(Deserialize)]
-struct Wire<'a> {
+struct Wire<'a, const QUICK: bool> {
     model: Option<String>,
     #[serde(borrow)]
-    prompt: Option<WirePrompt<'a>>,
-    messages: Option<Vec<WireMessage>>,
+    prompt: Option<Quick<WirePrompt<'a>, QUICK>>,
+    messages: Option<Vec<WireMessage<QUICK>>>,
     stream: Option<bool>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
@@ -142,10 +146,32 @@ enum WirePrompt<'a> {
     TokenBatches(Vec<Vec<u32>>),
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for WirePrompt<'a> {
+impl<'de: 'a, 'a, const QUICK: bool> Deserialize<'de> for Quick<WirePrompt<'a>, QUICK> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(PromptVisitor(std::marker::PhantomData))
+        let v = PromptVisitor(std::marker::PhantomData);
+        if QUICK {
+            d.deserialize_bytes(v).map(Quick)
+        } else {
+            d.deserialize_any(v).map(Quick)
+        }
     }
+}
+
+/// A long string field read the quick way when `QUICK`: serde_json hands a
+/// string asked for as bytes over after a `memchr` for its closing quote or
+/// next escape (vector compares), where a string asked for as text is
+/// scanned a word at a time for control characters too and then checked as
+/// UTF-8; that was a fifth of the proxy's CPU on 200 KB prompts
+/// (docs/bench-tool.md, "200 KB bodies"). The bytes are then checked as
+/// UTF-8 here (SIMD), which also refuses an unpaired `\u` surrogate, and a
+/// control character cannot be among them since the body holds none. An
+/// array still arrives as a sequence.
+struct Quick<T, const QUICK: bool>(T);
+
+/// `v` as text, or the client's error.
+fn utf8<E: de::Error>(v: &[u8]) -> Result<&str, E> {
+    simdutf8::basic::from_utf8(v)
+        .map_err(|_| E::custom("a string that is not UTF-8 (or holds an unpaired \\u surrogate)"))
 }
 
 struct PromptVisitor<'a>(std::marker::PhantomData<&'a ()>);
@@ -167,6 +193,14 @@ impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
 
     fn visit_string<E: de::Error>(self, v: String) -> Result<WirePrompt<'a>, E> {
         Ok(WirePrompt::Text(Cow::Owned(v)))
+    }
+
+    fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<WirePrompt<'a>, E> {
+        utf8(v).map(|s| WirePrompt::Text(Cow::Borrowed(s)))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<WirePrompt<'a>, E> {
+        utf8(v).map(|s| WirePrompt::Text(Cow::Owned(s.to_owned())))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WirePrompt<'a>, A::Error> {
@@ -261,10 +295,10 @@ impl<'de> Visitor<'de> for ItemVisitor {
 }
 
 #[derive(Deserialize)]
-struct WireMessage {
+struct WireMessage<const QUICK: bool> {
     role: String,
     #[serde(default)]
-    content: Option<WireContent>,
+    content: Option<Quick<WireContent, QUICK>>,
 }
 
 /// A message's `content`: a string or an array of parts (decoded by hand for
@@ -274,9 +308,13 @@ enum WireContent {
     Parts(Vec<WirePart>),
 }
 
-impl<'de> Deserialize<'de> for WireContent {
+impl<'de, const QUICK: bool> Deserialize<'de> for Quick<WireContent, QUICK> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(ContentVisitor)
+        if QUICK {
+            d.deserialize_bytes(ContentVisitor).map(Quick)
+        } else {
+            d.deserialize_any(ContentVisitor).map(Quick)
+        }
     }
 }
 
@@ -295,6 +333,10 @@ impl<'de> Visitor<'de> for ContentVisitor {
 
     fn visit_string<E: de::Error>(self, v: String) -> Result<WireContent, E> {
         Ok(WireContent::Text(v))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<WireContent, E> {
+        utf8(v).map(|s| WireContent::Text(s.to_owned()))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<WireContent, A::Error> {
@@ -330,14 +372,25 @@ impl RequestView {
         shared: Option<&Bytes>,
         shape: Shape,
     ) -> Result<Self, serde_json::Error> {
-        let w: Wire = serde_json::from_slice(body)?;
+        Ok(if holds_control_bytes(body) {
+            Self::from_wire(serde_json::from_slice::<Wire<false>>(body)?, shared, shape)
+        } else {
+            Self::from_wire(serde_json::from_slice::<Wire<true>>(body)?, shared, shape)
+        })
+    }
+
+    fn from_wire<const QUICK: bool>(
+        w: Wire<'_, QUICK>,
+        shared: Option<&Bytes>,
+        shape: Shape,
+    ) -> Self {
         let text = |s: Cow<'_, str>| match (s, shared) {
             (Cow::Borrowed(s), Some(b)) => Text::from_body(b, s),
             (s, _) => Text::from(s.into_owned()),
         };
         let prompt = match shape {
             Shape::Embedding => Prompt::None,
-            Shape::Completion => match w.prompt {
+            Shape::Completion => match w.prompt.map(|p| p.0) {
                 None => Prompt::None,
                 Some(WirePrompt::Text(s)) => Prompt::Text(text(s)),
                 Some(WirePrompt::Texts(v)) => Prompt::Texts(v),
@@ -349,13 +402,13 @@ impl RequestView {
                 Some(ms) => Prompt::Chat(ms.into_iter().map(flatten).collect()),
             },
         };
-        Ok(Self {
+        Self {
             model: w.model,
             prompt,
             stream: w.stream.unwrap_or(false),
             max_tokens: w.max_completion_tokens.or(w.max_tokens),
             cache_salt: w.cache_salt,
-        })
+        }
     }
 
     /// The LoRA adapter this request names: its model, when that is not one of
@@ -367,8 +420,8 @@ impl RequestView {
 
 /// Multi-part content becomes its text parts joined by newlines, as vLLM does
 /// for templates that take string content.
-fn flatten(m: WireMessage) -> ChatMessage {
-    let content = match m.content {
+fn flatten<const QUICK: bool>(m: WireMessage<QUICK>) -> ChatMessage {
+    let content = match m.content.map(|c| c.0) {
         None => String::new(),
         Some(WireContent::Text(s)) => s,
         Some(WireContent::Parts(parts)) => parts
@@ -381,6 +434,15 @@ fn flatten(m: WireMessage) -> ChatMessage {
         role: m.role,
         content,
     }
+}
+
+/// Whether any byte of `body` is below 0x20: whitespace between the tokens
+/// of a pretty-printed body, or a raw control character inside a string
+/// (which JSON forbids). In blocks of 1 KiB, whose minimum the compiler
+/// turns into vector instructions.
+fn holds_control_bytes(body: &[u8]) -> bool {
+    body.chunks(1024)
+        .any(|block| block.iter().fold(u8::MAX, |low, &b| low.min(b)) < 0x20)
 }
 
 #[cfg(test)]
@@ -471,6 +533,103 @@ mod tests {
         assert!(inside.contains(&t.as_str().as_ptr()));
         assert_eq!(v, RequestView::parse(&body, Shape::Completion).unwrap());
         assert_eq!(format!("{t:?}"), "\"héllo wörld\"");
+    }
+
+    /// The same body read quickly (no byte below 0x20) and strictly (the
+    /// same body pretty-printed, so it has newlines between its tokens).
+    fn both_ways(
+        compact: &str,
+        shape: Shape,
+    ) -> (Result<RequestView, String>, Result<RequestView, String>) {
+        let pretty = compact.replacen('{', "{\n  ", 1);
+        assert!(!holds_control_bytes(compact.as_bytes()), "{compact}");
+        assert!(holds_control_bytes(pretty.as_bytes()));
+        let read = |b: &str| RequestView::parse(b.as_bytes(), shape).map_err(|e| e.to_string());
+        (read(compact), read(&pretty))
+    }
+
+    #[test]
+    fn long_strings_read_quickly_decode_as_serde_json_does() {
+        for (body, shape) in [
+            (
+                r#"{"prompt":"tab\there, \"quoted\", caf\u00e9, \ud83d\ude00, back\\slash\n"}"#,
+                Shape::Completion,
+            ),
+            (
+                r#"{"prompt":"plain","model":"m","max_tokens":3}"#,
+                Shape::Completion,
+            ),
+            (r#"{"prompt":""}"#, Shape::Completion),
+            (r#"{"prompt":["a\n","b"]}"#, Shape::Completion),
+            (r#"{"prompt":[[1,2],[3]]}"#, Shape::Completion),
+            (r#"{"prompt":null}"#, Shape::Completion),
+            (
+                r#"{"messages":[{"role":"system","content":"line one\nline \"two\""},{"role":"user","content":[{"type":"text","text":"a\tb"}]},{"role":"assistant","content":null}]}"#,
+                Shape::Chat,
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"stream":true}"#,
+                Shape::Chat,
+            ),
+        ] {
+            let (quick, strict) = both_ways(body, shape);
+            let quick = quick.unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert_eq!(Ok(quick.clone()), strict, "{body}");
+            let want: serde_json::Value = serde_json::from_str(body).unwrap();
+            match (&quick.prompt, shape) {
+                (Prompt::Text(t), _) => assert_eq!(want["prompt"], t.as_str()),
+                (Prompt::Chat(ms), _) => assert_eq!(
+                    want["messages"][0]["content"].as_str().unwrap(),
+                    ms[0].content
+                ),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn long_strings_read_quickly_refuse_what_serde_json_refuses() {
+        for (body, shape) in [
+            (r#"{"prompt":"lone \ud800 surrogate"}"#, Shape::Completion),
+            (r#"{"prompt":"bad \x escape"}"#, Shape::Completion),
+            (r#"{"prompt":"unterminated}"#, Shape::Completion),
+            (r#"{"prompt":7}"#, Shape::Completion),
+            (
+                r#"{"messages":[{"role":"user","content":"lone \udc00"}]}"#,
+                Shape::Chat,
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":true}]}"#,
+                Shape::Chat,
+            ),
+        ] {
+            let (quick, strict) = both_ways(body, shape);
+            assert!(quick.is_err(), "{body} read quickly");
+            assert!(strict.is_err(), "{body} read strictly");
+        }
+        // A raw control character inside a string: the body is read strictly.
+        let raw = "{\"prompt\":\"a\u{1}b\"}";
+        assert!(holds_control_bytes(raw.as_bytes()));
+        assert!(RequestView::parse(raw.as_bytes(), Shape::Completion).is_err());
+        let raw = "{\"prompt\":\"new\nline\"}";
+        assert!(RequestView::parse(raw.as_bytes(), Shape::Completion).is_err());
+        // Bytes that are not UTF-8 inside the prompt.
+        let mut bytes = br#"{"prompt":"ok "#.to_vec();
+        bytes.extend_from_slice(&[0xff, 0xfe]);
+        bytes.extend_from_slice(br#""}"#);
+        assert!(RequestView::parse(&bytes, Shape::Completion).is_err());
+    }
+
+    #[test]
+    fn a_control_byte_anywhere_is_found() {
+        let mut body = vec![b'a'; 5000];
+        assert!(!holds_control_bytes(&body));
+        for at in [0, 63, 64, 1023, 1024, 4999] {
+            body[at] = 0x1f;
+            assert!(holds_control_bytes(&body), "at {at}");
+            body[at] = b'a';
+        }
+        assert!(!holds_control_bytes(b" ~\x7f\xff"));
     }
 
     #[test]
