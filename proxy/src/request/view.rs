@@ -162,7 +162,7 @@ impl<'de: 'a, 'a, const QUICK: bool> Deserialize<'de> for Quick<WirePrompt<'a>, 
 /// next escape (vector compares), where a string asked for as text is
 /// scanned a word at a time for control characters too and then checked as
 /// UTF-8; that was a fifth of the proxy's CPU on 200 KB prompts
-/// (docs/bench-tool.md, "200 KB bodies"). The bytes are then checked as
+/// (docs/bench-tool.md, "the prompt read as bytes"). The bytes are checked as
 /// UTF-8 here (SIMD), which also refuses an unpaired `\u` surrogate, and a
 /// control character cannot be among them since the body holds none. An
 /// array still arrives as a sequence.
