@@ -34,15 +34,60 @@ pub const TIME_SCALE: &str = "5";
 /// How long a process may take to become ready.
 const READY_WITHIN: Duration = Duration::from_secs(60);
 
-/// Ports the OS had free a moment ago, all distinct: each listener is held
-/// until every port is chosen.
+/// Where the fleet's fixed ports are drawn from, up to the kernel's
+/// ephemeral range.
+const FIXED_PORTS_FROM: u16 = 12000;
+
+/// Ports free a moment ago, all distinct, each listener held until every port
+/// is chosen. A pod keeps its ports across restarts, so they are drawn from
+/// below the kernel's ephemeral range: a port from `bind(0)` would sit inside
+/// it, and while its process is down the kernel may hand it to an outgoing
+/// connection as a local port, after which the restarted listener cannot
+/// bind it.
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind port 0"))
-        .collect();
+    let below = ephemeral_floor();
+    assert!(
+        below > FIXED_PORTS_FROM + 1000,
+        "the ephemeral range starts at {below}: no room below it for fixed ports"
+    );
+    let span = u64::from(below - FIXED_PORTS_FROM);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mut draw = u64::from(std::process::id()) << 32 | u64::from(nanos) | 1;
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n * 100 {
+        if held.len() == n {
+            break;
+        }
+        // xorshift64: a different walk per process, so parallel tests rarely
+        // try the same ports.
+        draw ^= draw << 13;
+        draw ^= draw >> 7;
+        draw ^= draw << 17;
+        let port = FIXED_PORTS_FROM + (draw % span) as u16;
+        if let Ok(listener) = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port)) {
+            held.push(listener);
+        }
+    }
+    assert_eq!(
+        held.len(),
+        n,
+        "found {} of {n} free ports below {below}",
+        held.len()
+    );
     held.iter()
         .map(|l| l.local_addr().expect("local addr").port())
         .collect()
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default when it
+/// cannot be read).
+fn ephemeral_floor() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
 }
 
 /// Where a pod runs: its address, and the namespace its processes and the
