@@ -503,6 +503,10 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
     for s in &m.sidecars {
         assert_eq!(total(s), 1, "counted once while it runs");
     }
+    // Counted as forwarded to B when sent, before any answer.
+    let b_id = m.sidecars[1].fleet().local_id().to_owned();
+    let to_b = format!("kvmesh_mesh_forwarded_total{{target=\"{b_id}\"}}");
+    assert_eq!(metric(&m.sidecars[0], &to_b).await, Some(1.0));
     assert_eq!(held.await.unwrap(), 200);
     let fwd = metric(
         &m.sidecars[0],

@@ -111,7 +111,7 @@ impl MeshMetrics {
         );
         r.register(
             "mesh_forwarded",
-            "Requests forwarded to a peer sidecar, by target pod",
+            "Inference requests forwarded to a peer sidecar, by target pod, counted when sent (a request lost with its peer too)",
             m.forwarded.clone(),
         );
         r.register(

@@ -4,7 +4,7 @@
 //! | when | what |
 //! |---|---|
 //! | [`predict`]: a target is taken up (a split too) | blocks predicted on its pods (precise mode) |
-//! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count) |
+//! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count), and as forwarded to that pod when it goes to a peer sidecar |
 //! | [`served`]: a response head came back | the pod's call counted as served (outlier ejection), where it ran (mesh counters), the approximate index and the mesh publish of the decision |
 //! | [`failed`]: a target failed before any byte | the call counted as failed (outlier ejection) |
 //!
@@ -81,7 +81,13 @@ pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
         // Forwarded here by a peer, which publishes it to the mesh itself.
         a.fleet.begin_received()
     } else {
-        pod_of(a.fleet, target).and_then(|id| a.fleet.begin(&id))
+        let pod = pod_of(a.fleet, target);
+        if let (Target::Peer { .. }, Some(id), Some(_)) = (target, &pod, &ctx.view) {
+            // Counted when sent, not when answered: a request lost with its
+            // peer (a partition, a crash) was still forwarded there.
+            a.metrics.mesh.forwarded(id);
+        }
+        pod.and_then(|id| a.fleet.begin(&id))
     };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);
@@ -145,7 +151,6 @@ fn ran_on(a: Accounting<'_>, ctx: &RequestCtx, peer: Option<SocketAddr>) {
             let Some(id) = a.fleet.peer_id(addr) else {
                 return;
             };
-            m.forwarded(&id);
             id
         }
     };
