@@ -62,6 +62,13 @@ pub struct Round {
     pub lost: usize,
 }
 
+impl Round {
+    /// Requests sent across the cut: the bound on those it may lose.
+    pub fn across(&self) -> u64 {
+        self.in_flight + self.sent_before_split
+    }
+}
+
 /// What a run measured; [`Report::check`] asserts the accounting.
 pub struct Report {
     pub violations: Vec<String>,
@@ -207,12 +214,12 @@ pub async fn run(
     }
     tokio::time::sleep(BASELINE).await;
 
+    let nodes = [pair.a.pod_ip, pair.b.pod_ip];
     let mut rounds_out = Vec::new();
     for r in 0..rounds {
         // Phase 2r: since the previous heal (or the start); 2r + 1: cut.
         // The forward counters first: a request sent between the two reads
         // is in the in-flight count, or in the counters' difference.
-        let nodes = [pair.a.pod_ip, pair.b.pod_ip];
         let sent_before = forwarded_across(&fleet, nodes).await;
         let in_flight = across(&fleet).await;
         pair.a.set_link(false);
@@ -266,23 +273,23 @@ pub async fn run(
     };
     for (r, round) in rounds_out.iter_mut().enumerate() {
         (round.requests, round.lost) = count(&[2 * r, 2 * r + 1]);
-        let across = round.in_flight + round.sent_before_split;
         println!(
             "partition | round {} | requests {:>4} | lost {:>3} | across the cut {:>3} ({} in flight, {} sent before the split) | sides split in {:>5} ms | converged after the heal in {:>5} ms",
             r + 1,
             round.requests,
             round.lost,
-            across,
+            round.across(),
             round.in_flight,
             round.sent_before_split,
             round.split_ms,
             round.converge_ms
         );
-        if round.lost as u64 > across {
+        if round.lost as u64 > round.across() {
             violations.push(format!(
-                "round {}: {} requests lost, more than the {across} sent across the cut ({} in flight when it came, {} forwarded before the sides split)",
+                "round {}: {} requests lost, more than the {} sent across the cut ({} in flight when it came, {} forwarded before the sides split)",
                 r + 1,
                 round.lost,
+                round.across(),
                 round.in_flight,
                 round.sent_before_split
             ));
@@ -322,7 +329,7 @@ pub async fn run(
         "cut_for_ms": CUT_FOR.as_millis(),
         "per_round": rounds_out.iter().map(|x| json!({
             "requests": x.requests, "lost": x.lost,
-            "across_cut": x.in_flight + x.sent_before_split,
+            "across_cut": x.across(),
             "in_flight_at_cut": x.in_flight, "sent_before_split": x.sent_before_split,
             "split_ms": x.split_ms, "converge_ms": x.converge_ms,
         })).collect::<Vec<_>>(),
