@@ -6,7 +6,10 @@
 
 mod common;
 
+use bytes::Bytes;
 use common::*;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
 use kvmesh_engine_sim::{Engine, LatencyProfile, SimConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,4 +137,55 @@ async fn api_overhead_spread_scatters_ttft_around_the_same_median() {
         median(&b),
         median(&a)
     );
+}
+
+/// A stream's first token leaves when the prefill step that sampled it ends, as vLLM's does, not
+/// with the next token: the simulator once held every token back one event (to put
+/// `finish_reason` on the last), so its TTFT measured at the client included a decode step. Here
+/// a decode step takes a simulated minute; the first chunk must come long before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_first_token_leaves_with_its_prefill_step() {
+    let profile = LatencyProfile {
+        api_overhead_ms: 0.0,
+        step_base_ms: 1.0,
+        prefill_ms_per_token: 0.01,
+        decode_ms_per_seq: 60_000.0,
+        ..LatencyProfile::vllm_cpu_tiny()
+    };
+    let e = Engine::start_local(SimConfig::new("sim").with_profile(profile))
+        .await
+        .unwrap();
+    let stream = tokio::net::TcpStream::connect(e.addr()).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let mut body = completion(&words("first", 40), 2);
+    body["stream"] = serde_json::json!(true);
+    let req = http::Request::post("/v1/completions")
+        .header("host", e.addr().to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let first = tokio::time::timeout(DEADLINE, async {
+        let mut resp = send.send_request(req).await.unwrap().into_body();
+        loop {
+            let frame = resp.frame().await.expect("a frame").unwrap();
+            if let Some(data) = frame.data_ref().filter(|d| !d.is_empty()) {
+                return data.clone();
+            }
+        }
+    })
+    .await
+    .expect("the first token came with its prefill step, not after the minute-long decode");
+    let events = sse_events(&first);
+    assert_eq!(events.len(), 1, "one token chunk: {events:?}");
+    assert!(events[0]["choices"][0]["finish_reason"].is_null());
+    assert_eq!(
+        e.completed_requests().len(),
+        0,
+        "the decode is still running"
+    );
+    conn.abort();
+    e.shutdown().await;
 }

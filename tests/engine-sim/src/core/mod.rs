@@ -89,7 +89,13 @@ pub struct CoreRequest {
 /// carries at most `max_tokens + 1` events (max_tokens <= max_model_len).
 #[derive(Debug)]
 pub enum CoreEvent {
-    Token(u32),
+    /// A sampled token, sent at the end of the step that produced it (the prefill step for the
+    /// first). `last` when it reaches `max_tokens`: `Finished` follows, and vLLM's final chunk
+    /// carries this token's text with the `finish_reason`.
+    Token {
+        id: u32,
+        last: bool,
+    },
     Finished(Box<Outcome>),
     Failed(CoreError),
 }

@@ -230,11 +230,12 @@ impl Core {
                 Some(_) => itls.push(now - s.last_token_v),
             }
             s.last_token_v = now;
-            if s.req.stream && s.req.out.send(CoreEvent::Token(tok)).is_err() {
+            let last = s.output.len() >= s.req.max_tokens;
+            if s.req.stream && s.req.out.send(CoreEvent::Token { id: tok, last }).is_err() {
                 done[i] = true; // client went away: abort
                 continue;
             }
-            if s.output.len() >= s.req.max_tokens || s.req.out.is_closed() {
+            if last || s.req.out.is_closed() {
                 done[i] = true;
             }
         }

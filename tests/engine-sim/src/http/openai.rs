@@ -342,7 +342,7 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
     }
     let outcome = loop {
         match p.rx.recv().await {
-            Some(CoreEvent::Token(_)) => continue,
+            Some(CoreEvent::Token { .. }) => continue,
             Some(CoreEvent::Finished(o)) => break o,
             Some(CoreEvent::Failed(e)) => {
                 return json_response(500, &shapes::error(500, &e.to_string(), None), &verdict)
@@ -438,13 +438,14 @@ struct StreamState {
     rx: mpsc::UnboundedReceiver<CoreEvent>,
     include_usage: bool,
     pending: Option<u32>,
-    sent: usize,
     started: bool,
     done: bool,
 }
 
-/// SSE chunks as the core produces tokens. A token is held back one event so
-/// the last one can carry `finish_reason`, as vLLM's final chunk does.
+/// SSE chunks as the core produces tokens, each sent when its step ends (the
+/// first when the prefill step does, which is what TTFT measures). Only the
+/// last token waits, for `Finished` (sent in the same step), so that its chunk
+/// carries `finish_reason` as vLLM's final chunk does.
 fn stream_body(
     shared: Arc<Shared>,
     meta: Meta,
@@ -458,7 +459,6 @@ fn stream_body(
         rx,
         include_usage,
         pending: None,
-        sent: 0,
         started: false,
         done: false,
     };
@@ -473,17 +473,11 @@ fn stream_body(
         st.started = true;
         loop {
             match st.rx.recv().await {
-                Some(CoreEvent::Token(t)) => {
-                    let prev = st.pending.replace(t);
-                    if let Some(prev) = prev {
-                        let text = st.shared.tokenizer.decode_token(prev);
-                        out.push_str(&sse(&st.meta.token_chunk(&text, None, false)));
-                        st.sent += 1;
-                        return Some((Ok(Bytes::from(out)), st));
-                    }
-                    if !out.is_empty() {
-                        return Some((Ok(Bytes::from(out)), st));
-                    }
+                Some(CoreEvent::Token { id, last: true }) => st.pending = Some(id),
+                Some(CoreEvent::Token { id, last: false }) => {
+                    let text = st.shared.tokenizer.decode_token(id);
+                    out.push_str(&sse(&st.meta.token_chunk(&text, None, false)));
+                    return Some((Ok(Bytes::from(out)), st));
                 }
                 Some(CoreEvent::Finished(o)) => {
                     record(&st.shared, &st.meta.id, &o);
