@@ -265,7 +265,7 @@ fn same_seed_same_decision_and_ties_spread() {
 fn cold_prefixes_spread_over_endpoints_and_each_has_one_home() {
     let eps = pool(4);
     let cold = |anchor: u64| RequestView {
-        prefix_anchor: Some(anchor),
+        block_keys: vec![anchor],
         ..req(20)
     };
     // Two schedulers stand for two sidecars: they agree on every home,
@@ -287,7 +287,7 @@ fn cold_prefixes_spread_over_endpoints_and_each_has_one_home() {
 fn a_home_with_far_more_requests_than_the_others_spills() {
     let mut eps = pool(4);
     let r = RequestView {
-        prefix_anchor: Some(5),
+        block_keys: vec![5],
         ..req(20)
     };
     let home = default_sched()

@@ -46,22 +46,29 @@ pub struct RequestView {
     pub prompt_tokens_exact: bool,
     /// Number of full prompt blocks (the denominator of the prefix score).
     pub prompt_blocks: u32,
-    /// The prompt's prefix anchor: the block key [`ANCHOR_BLOCKS`] blocks in
-    /// (or the last full block's of a shorter prompt). Requests that share
-    /// their first blocks (a system prompt) share it, whatever follows;
-    /// `prefix-affinity-scorer` gives each anchor a home pod.
-    pub prefix_anchor: Option<u64>,
+    /// The prompt's chained block keys, as the prefix index keys them (empty
+    /// when the prompt was not keyed); candidates' [`PrefixMatch`]es count
+    /// blocks of these. `prefix-affinity-scorer` takes its anchor from them.
+    pub block_keys: Vec<u64>,
 }
 
-/// How many blocks into the prompt the prefix anchor is taken: 4 blocks of
-/// 16 tokens name a system prompt or a conversation's opening, and are short
-/// enough that almost every prompt has them.
+/// How many blocks past the prefix every candidate already holds the prefix
+/// anchor is taken: 4 blocks of 16 tokens name a system prompt or a
+/// conversation's opening, and are short enough that almost every prompt has
+/// them.
 pub const ANCHOR_BLOCKS: usize = 4;
 
-/// The anchor of a prompt whose chained block keys are `keys`.
-pub fn prefix_anchor(keys: &[u64]) -> Option<u64> {
-    keys.get(ANCHOR_BLOCKS.min(keys.len()).checked_sub(1)?)
-        .copied()
+/// The prefix anchor of a prompt whose chained block keys are `keys`, when
+/// every candidate already holds its first `shared` blocks: the key
+/// [`ANCHOR_BLOCKS`] blocks past them (or the last key of a shorter prompt).
+/// Requests that share those blocks share the anchor, whatever follows.
+///
+/// A prefix every pod holds (one system prompt under every conversation)
+/// says nothing about where a request should go; anchored on it, every
+/// conversation would have the same home. Past it, each has its own.
+pub fn prefix_anchor(keys: &[u64], shared: usize) -> Option<u64> {
+    let at = shared.saturating_add(ANCHOR_BLOCKS).min(keys.len());
+    keys.get(at.checked_sub(1)?).copied()
 }
 
 impl RequestView {

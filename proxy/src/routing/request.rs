@@ -8,7 +8,7 @@
 //! is what a load-only policy and the P/D decider need; prompt blocks are the
 //! block keys when there are some.
 
-use kvmesh_filters::sched::{prefix_anchor, EndpointView, PathKind, RequestView as SchedView};
+use kvmesh_filters::sched::{EndpointView, PathKind, RequestView as SchedView};
 use tokio::time::Instant;
 
 use super::{Inputs, DEFAULT_BLOCK_SIZE};
@@ -101,7 +101,7 @@ pub fn request_view(
         prompt_tokens,
         prompt_tokens_exact: exact,
         prompt_blocks,
-        prefix_anchor: prefix_anchor(&ctx.block_keys),
+        block_keys: ctx.block_keys.clone(),
     }
 }
 

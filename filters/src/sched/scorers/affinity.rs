@@ -1,6 +1,6 @@
 //! `prefix-affinity-scorer`: give every prefix a home. Each request's prefix
-//! anchor (the block key a few blocks into the prompt, see
-//! [`RequestView::prefix_anchor`]) ranks the candidates by rendezvous
+//! anchor (the block key a few blocks past what every candidate already
+//! holds, see [`prefix_anchor`]) ranks the candidates by rendezvous
 //! (highest-random-weight) hashing, with bounded loads: a candidate already
 //! carrying more than `(1 + loadFactor)` times the mean load goes after the
 //! others. The first in that order scores 1.0, the next `1 − 1/m`, and so on
@@ -20,6 +20,10 @@
 //!   1/N of the prefixes; only a prefix hot enough to overload its home
 //!   spills, and then always to the same second pod (bounded-load consistent
 //!   hashing, Mirrokni, Thorup and Zadimoghaddam, 2018).
+//! * **A prefix every pod holds names no home.** The anchor is taken past the
+//!   blocks every candidate already holds: one system prompt under every
+//!   conversation would otherwise give all conversations the same home, and
+//!   they would pile onto it up to the load bound.
 //!
 //! Load is [`LoadSnapshot::requests`](crate::sched::LoadSnapshot::requests):
 //! requests this mesh has in flight to the endpoint, or its engine's running
@@ -41,7 +45,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::sched::error::ParamError;
 use crate::sched::plugin::Scorer;
-use crate::sched::view::{EndpointView, RequestView};
+use crate::sched::view::{prefix_anchor, EndpointView, RequestView};
 
 /// Type name.
 pub const TYPE: &str = "prefix-affinity-scorer";
@@ -97,7 +101,12 @@ pub fn weight(anchor: u64, endpoint: &str) -> u64 {
 
 impl Scorer for AffinityScorer {
     fn score(&self, req: &RequestView, eps: &[EndpointView], cands: &[usize], out: &mut [f64]) {
-        let Some(anchor) = req.prefix_anchor else {
+        let shared = cands
+            .iter()
+            .map(|&i| eps[i].prefix.matched_blocks as usize)
+            .min()
+            .unwrap_or(0);
+        let Some(anchor) = prefix_anchor(&req.block_keys, shared) else {
             out.fill(0.5);
             return;
         };
@@ -137,9 +146,10 @@ mod tests {
         }
     }
 
+    /// A one-block prompt whose key (and so whose anchor) is `anchor`.
     fn req(anchor: Option<u64>) -> RequestView {
         RequestView {
-            prefix_anchor: anchor,
+            block_keys: anchor.into_iter().collect(),
             ..RequestView::new("r", "m")
         }
     }
@@ -221,6 +231,54 @@ mod tests {
             .map(|e| ep(&e.id, if e.id == first { 3 } else { 2 }))
             .collect();
         assert_eq!(home(&req(Some(anchor)), &warm), first);
+    }
+
+    /// Conversations under one system prompt (blocks 0..8, the same keys in
+    /// each), each with its own history after it.
+    fn conversation(id: u64) -> RequestView {
+        RequestView {
+            block_keys: (0..8).chain((0..8).map(|b| 1000 * (id + 1) + b)).collect(),
+            ..RequestView::new("r", "m")
+        }
+    }
+
+    fn holding(mut e: EndpointView, blocks: u32) -> EndpointView {
+        e.prefix.matched_blocks = blocks;
+        e
+    }
+
+    #[test]
+    fn a_prefix_every_pod_holds_names_no_home() {
+        // The system prompt is on every pod: each conversation is anchored
+        // past it, in its own history, and the conversations spread.
+        let everywhere: Vec<EndpointView> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|id| holding(ep(id, 0), 8))
+            .collect();
+        let homes: std::collections::HashSet<String> = (0..40)
+            .map(|c| home(&conversation(c), &everywhere))
+            .collect();
+        assert_eq!(homes.len(), 4, "{homes:?}");
+        // On two pods only, the system prompt still is the anchor: every
+        // conversation under it has that prompt's home.
+        let some: Vec<EndpointView> = ["a", "b", "c", "d"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| holding(ep(id, 0), if i < 2 { 8 } else { 0 }))
+            .collect();
+        let homes: std::collections::HashSet<String> =
+            (0..40).map(|c| home(&conversation(c), &some)).collect();
+        assert_eq!(homes.len(), 1, "{homes:?}");
+    }
+
+    #[test]
+    fn the_anchor_is_four_blocks_past_what_every_candidate_holds() {
+        let keys: Vec<u64> = (10..30).collect();
+        assert_eq!(prefix_anchor(&keys, 0), Some(13));
+        assert_eq!(prefix_anchor(&keys, 8), Some(21));
+        assert_eq!(prefix_anchor(&keys, 18), Some(29), "the last key");
+        assert_eq!(prefix_anchor(&keys[..2], 0), Some(11));
+        assert_eq!(prefix_anchor(&[], 3), None);
     }
 
     #[test]
