@@ -57,13 +57,9 @@ pub fn repo_root() -> PathBuf {
     manifest.parent().map(PathBuf::from).unwrap_or(manifest)
 }
 
-/// The tiny-llama model directory: the copy in the repository (self-contained), else the shared
-/// fixture beside the clone.
+/// The tiny-llama model directory, in the repository (tests/fixtures/README.md says where it came
+/// from).
 pub fn model_dir() -> PathBuf {
-    let in_repo = repo_root().join("tests/fixtures/tiny-llama");
-    if in_repo.join("config.json").is_file() {
-        return in_repo;
-    }
     repo_root().join("tests/fixtures/tiny-llama")
 }
 
