@@ -297,11 +297,8 @@ pub async fn check(base_url: &str, kv_cache_blocks: usize, max_num_seqs: usize) 
     let mut rounds = Vec::with_capacity(ROUNDS);
     for round in 0..ROUNDS {
         let real = run(base_url, &interleaved(round)).await?;
-        let mut compared = real.compared_uncached.clone();
-        compared.sort_unstable();
-        let at = *compared
-            .get(compared.len() / 2)
-            .context("the sequence has compared requests")?;
+        let at = median(real.compared_uncached.iter().map(|&t| t as f64).collect());
+        ensure!(at.is_finite(), "the sequence has compared requests");
         let profile =
             calibrated_profile(round, &real.samples, at, kv_cache_blocks, max_num_seqs).await?;
         let sim = start_sim(profile, kv_cache_blocks, max_num_seqs).await?;
@@ -353,13 +350,12 @@ fn p60_at(fit: &TtftFit, samples: &[TtftSample], tokens: f64) -> f64 {
 async fn calibrated_profile(
     round: usize,
     samples: &[TtftSample],
-    at: usize,
+    at: f64,
     kv_cache_blocks: usize,
     max_num_seqs: usize,
 ) -> Result<LatencyProfile> {
     let base = LatencyProfile::builtin("vllm-cpu-tiny").context("the vllm-cpu-tiny profile")?;
     let real = fit_ttft(samples)?;
-    let at = at as f64;
     let want = p60_at(&real, samples, at);
     let mut lines = vec![format!(
         "single: round {round}: calibration: real vLLM TTFT = {:.1} ms + {:.4} ms x uncached tokens, ± {:.1} ms \
