@@ -52,23 +52,46 @@ pub struct RequestView {
     pub block_keys: Vec<u64>,
 }
 
-/// How many blocks past the prefix every candidate already holds the prefix
+/// How many blocks past the prefix most candidates already hold the prefix
 /// anchor is taken: 4 blocks of 16 tokens name a system prompt or a
 /// conversation's opening, and are short enough that almost every prompt has
 /// them.
 pub const ANCHOR_BLOCKS: usize = 4;
 
 /// The prefix anchor of a prompt whose chained block keys are `keys`, when
-/// every candidate already holds its first `shared` blocks: the key
-/// [`ANCHOR_BLOCKS`] blocks past them (or the last key of a shorter prompt).
-/// Requests that share those blocks share the anchor, whatever follows.
+/// most candidates already hold its first `common` blocks (see
+/// [`common_prefix_blocks`]): the key [`ANCHOR_BLOCKS`] blocks past them (or
+/// the last key of a shorter prompt). Requests that share those blocks share
+/// the anchor, whatever follows.
 ///
-/// A prefix every pod holds (one system prompt under every conversation)
-/// says nothing about where a request should go; anchored on it, every
+/// A prefix most pods hold (one system prompt under every conversation) says
+/// nothing about where a request should go; anchored on it, every
 /// conversation would have the same home. Past it, each has its own.
-pub fn prefix_anchor(keys: &[u64], shared: usize) -> Option<u64> {
-    let at = shared.saturating_add(ANCHOR_BLOCKS).min(keys.len());
+pub fn prefix_anchor(keys: &[u64], common: usize) -> Option<u64> {
+    let at = common.saturating_add(ANCHOR_BLOCKS).min(keys.len());
     keys.get(at.checked_sub(1)?).copied()
+}
+
+/// The prompt blocks that more than half of the candidates already hold: the
+/// largest `n` such that a strict majority of `cands` match at least `n`
+/// blocks (all of them, for one or two candidates).
+///
+/// A majority, not every candidate: one pod that holds nothing (new, or never
+/// chosen) would otherwise keep the common prefix at 0, so every conversation
+/// under a shared system prompt would stay anchored on that prompt, share
+/// one home, and the pod would never be chosen.
+pub fn common_prefix_blocks(eps: &[EndpointView], cands: &[usize]) -> usize {
+    let mut matched: Vec<u32> = cands
+        .iter()
+        .map(|&i| eps[i].prefix.matched_blocks)
+        .collect();
+    if matched.is_empty() {
+        return 0;
+    }
+    matched.sort_unstable();
+    // Ascending: the candidates from (m − 1) / 2 on, a strict majority, each
+    // match at least this many.
+    matched[(matched.len() - 1) / 2] as usize
 }
 
 impl RequestView {

@@ -1,6 +1,6 @@
 //! `prefix-affinity-scorer`: give every prefix a home. Each request's prefix
-//! anchor (the block key a few blocks past what every candidate already
-//! holds, see [`prefix_anchor`]) ranks the candidates by rendezvous
+//! anchor (the block key a few blocks past what most candidates already
+//! hold, see [`prefix_anchor`]) ranks the candidates by rendezvous
 //! (highest-random-weight) hashing, with bounded loads: a candidate already
 //! carrying more than `(1 + loadFactor)` times the mean load goes after the
 //! others. The first in that order scores 1.0, the next `1 − 1/m`, and so on
@@ -20,10 +20,12 @@
 //!   1/N of the prefixes; only a prefix hot enough to overload its home
 //!   spills, and then always to the same second pod (bounded-load consistent
 //!   hashing, Mirrokni, Thorup and Zadimoghaddam, 2018).
-//! * **A prefix every pod holds names no home.** The anchor is taken past the
-//!   blocks every candidate already holds: one system prompt under every
-//!   conversation would otherwise give all conversations the same home, and
-//!   they would pile onto it up to the load bound.
+//! * **A prefix most pods hold names no home.** The anchor is taken past the
+//!   blocks a majority of the candidates already hold: one system prompt
+//!   under every conversation would otherwise give all conversations the same
+//!   home, and they would pile onto it up to the load bound. A majority, not
+//!   all: a pod without the system prompt would otherwise keep every
+//!   conversation anchored on it, and never be anyone's home.
 //!
 //! Load is [`LoadSnapshot::requests`](crate::sched::LoadSnapshot::requests):
 //! requests this mesh has in flight to the endpoint, or its engine's running
@@ -45,7 +47,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::sched::error::ParamError;
 use crate::sched::plugin::Scorer;
-use crate::sched::view::{prefix_anchor, EndpointView, RequestView};
+use crate::sched::view::{common_prefix_blocks, prefix_anchor, EndpointView, RequestView};
 
 /// Type name.
 pub const TYPE: &str = "prefix-affinity-scorer";
@@ -101,12 +103,8 @@ pub fn weight(anchor: u64, endpoint: &str) -> u64 {
 
 impl Scorer for AffinityScorer {
     fn score(&self, req: &RequestView, eps: &[EndpointView], cands: &[usize], out: &mut [f64]) {
-        let shared = cands
-            .iter()
-            .map(|&i| eps[i].prefix.matched_blocks as usize)
-            .min()
-            .unwrap_or(0);
-        let Some(anchor) = prefix_anchor(&req.block_keys, shared) else {
+        let common = common_prefix_blocks(eps, cands);
+        let Some(anchor) = prefix_anchor(&req.block_keys, common) else {
             out.fill(0.5);
             return;
         };
@@ -247,32 +245,50 @@ mod tests {
         e
     }
 
-    #[test]
-    fn a_prefix_every_pod_holds_names_no_home() {
-        // The system prompt is on every pod: each conversation is anchored
-        // past it, in its own history, and the conversations spread.
-        let everywhere: Vec<EndpointView> = ["a", "b", "c", "d"]
-            .iter()
-            .map(|id| holding(ep(id, 0), 8))
-            .collect();
-        let homes: std::collections::HashSet<String> = (0..40)
-            .map(|c| home(&conversation(c), &everywhere))
-            .collect();
-        assert_eq!(homes.len(), 4, "{homes:?}");
-        // On two pods only, the system prompt still is the anchor: every
-        // conversation under it has that prompt's home.
-        let some: Vec<EndpointView> = ["a", "b", "c", "d"]
+    /// Where 40 conversations under one system prompt have their homes,
+    /// with the prompt held by the first `holders` of four idle pods.
+    fn conversation_homes(holders: usize) -> std::collections::HashSet<String> {
+        let eps: Vec<EndpointView> = ["a", "b", "c", "d"]
             .iter()
             .enumerate()
-            .map(|(i, id)| holding(ep(id, 0), if i < 2 { 8 } else { 0 }))
+            .map(|(i, id)| holding(ep(id, 0), if i < holders { 8 } else { 0 }))
             .collect();
-        let homes: std::collections::HashSet<String> =
-            (0..40).map(|c| home(&conversation(c), &some)).collect();
-        assert_eq!(homes.len(), 1, "{homes:?}");
+        (0..40).map(|c| home(&conversation(c), &eps)).collect()
     }
 
     #[test]
-    fn the_anchor_is_four_blocks_past_what_every_candidate_holds() {
+    fn a_prefix_most_pods_hold_names_no_home() {
+        // The system prompt is on every pod, or on three of four: each
+        // conversation is anchored past it, in its own history, and the
+        // conversations spread over all four, the pod without it included.
+        assert_eq!(conversation_homes(4).len(), 4);
+        assert_eq!(conversation_homes(3).len(), 4);
+        // On two pods only, the system prompt still is the anchor: every
+        // conversation under it has that prompt's home.
+        assert_eq!(conversation_homes(2).len(), 1);
+        assert_eq!(conversation_homes(0).len(), 1);
+    }
+
+    #[test]
+    fn the_common_prefix_is_what_a_majority_holds() {
+        let eps: Vec<EndpointView> = [0, 8, 8, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| holding(ep(&i.to_string(), 0), b))
+            .collect();
+        assert_eq!(
+            common_prefix_blocks(&eps, &[0, 1, 2, 3]),
+            8,
+            "3 of 4 hold 8"
+        );
+        assert_eq!(common_prefix_blocks(&eps, &[0, 3]), 0, "both must hold it");
+        assert_eq!(common_prefix_blocks(&eps, &[0, 1, 3]), 8, "2 of 3");
+        assert_eq!(common_prefix_blocks(&eps, &[3]), 20);
+        assert_eq!(common_prefix_blocks(&eps, &[]), 0);
+    }
+
+    #[test]
+    fn the_anchor_is_four_blocks_past_the_common_prefix() {
         let keys: Vec<u64> = (10..30).collect();
         assert_eq!(prefix_anchor(&keys, 0), Some(13));
         assert_eq!(prefix_anchor(&keys, 8), Some(21));
