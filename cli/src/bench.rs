@@ -166,7 +166,7 @@ pub struct SoakArgs {
     /// kvmesh-proxy binary (default: next to this binary, then PATH).
     #[arg(long)]
     proxy: Option<PathBuf>,
-    /// 20k requests (5k warm-up) instead of 1M (200k).
+    /// 20k requests after a warm-up of at most 10k, instead of 1M after at most 500k.
     #[arg(long)]
     quick: bool,
     /// Requests after the warm-up, instead of the size's.

@@ -100,7 +100,8 @@ pub struct SoakConfig {
 }
 
 impl SoakConfig {
-    /// 1M requests (a 200k warm-up first), or 20k (5k) with `quick`.
+    /// 1M requests, or 20k with `quick`, after a warm-up in steps of 50k (1k)
+    /// that ends when RSS settles, at most 500k (10k).
     pub fn sized(quick: bool, proxy_bin: PathBuf, work_dir: PathBuf) -> SoakConfig {
         SoakConfig {
             proxy_bin,
