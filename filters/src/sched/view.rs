@@ -88,10 +88,10 @@ pub fn common_prefix_blocks(eps: &[EndpointView], cands: &[usize]) -> usize {
     if matched.is_empty() {
         return 0;
     }
-    matched.sort_unstable();
-    // Ascending: the candidates from (m − 1) / 2 on, a strict majority, each
-    // match at least this many.
-    matched[(matched.len() - 1) / 2] as usize
+    // The ((m − 1) / 2)-th smallest: the candidates from it up, a strict
+    // majority, each match at least this many.
+    let k = (matched.len() - 1) / 2;
+    *matched.select_nth_unstable(k).1 as usize
 }
 
 impl RequestView {
