@@ -158,7 +158,10 @@ async fn send_as(
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
     let head_wait = timeouts.first_byte.get().min(overall_left);
     let sent = Instant::now();
-    let resp = match tokio::time::timeout(head_wait, request(up, upstream, name, out)).await {
+    // Boxed, so that the timeout holds a pointer and not the upstream call's
+    // whole state (see `Proxy::handle` in sidecar.rs).
+    let call = Box::pin(request(up, upstream, name, out));
+    let resp = match tokio::time::timeout(head_wait, call).await {
         Err(_) => {
             return Err(ProxyError::FirstByteTimeout {
                 upstream: name.clone(),
