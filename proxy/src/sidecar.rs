@@ -80,8 +80,8 @@ impl Handler for Proxy {
         // the service's future into its dispatcher (through the service
         // wrapper in `server::serve_conn`), a memcpy of the whole state per
         // request; moving a box moves a pointer. Paced requests (one at a
-        // time, caches cold) cost 3-10% less CPU for it (docs/bench-tool.md,
-        // "Paced: user time, not syscalls").
+        // time, caches cold) cost a few percent less CPU for it
+        // (docs/bench-tool.md, "Paced: user time, not syscalls").
         Box::pin(crate::path::handle(self.0, req))
     }
 }
