@@ -76,13 +76,7 @@ impl Handler for Proxy {
         self,
         req: Request<Incoming>,
     ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'static {
-        // Boxed: the request path's future is about 5.7 KB, and hyper moves
-        // the service's future into its dispatcher (through the service
-        // wrapper in `server::serve_conn`), a memcpy of the whole state per
-        // request; moving a box moves a pointer. Paced requests (one at a
-        // time, caches cold) cost a few percent less CPU for it
-        // (docs/bench-tool.md, "Paced: user time, not syscalls").
-        Box::pin(crate::path::handle(self.0, req))
+        crate::path::handle(self.0, req)
     }
 }
 

@@ -159,7 +159,7 @@ async fn send_as(
     let head_wait = timeouts.first_byte.get().min(overall_left);
     let sent = Instant::now();
     // Boxed, so that the timeout holds a pointer and not the upstream call's
-    // whole state (see `Proxy::handle` in sidecar.rs).
+    // whole state (see `serve_conn` in server.rs).
     let call = Box::pin(request(up, upstream, name, out));
     let resp = match tokio::time::timeout(head_wait, call).await {
         Err(_) => {
