@@ -204,7 +204,10 @@ async fn serve_conn<I, H>(
     });
     let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
+    // Biased, the connection first: its end wins over a shutdown that
+    // raced it, and no branch order is drawn on every wake-up.
     let first = tokio::select! {
+        biased;
         r = conn.as_mut() => First::Ended(r),
         _ = shutdown.triggered() => First::Shutdown,
         _ = tokio::time::sleep(limits.request_head) => First::HeadDeadline,
@@ -216,6 +219,7 @@ async fn serve_conn<I, H>(
             return; // dropping the connection closes the socket
         }
         First::HeadDeadline => tokio::select! {
+            biased;
             r = conn.as_mut() => First::Ended(r),
             _ = shutdown.triggered() => First::Shutdown,
         },
