@@ -45,8 +45,18 @@ pub const DISAGG_TYPE: &str = "disagg-profile-handler";
 /// Runs one profile.
 #[derive(Debug, Clone)]
 pub struct SingleProfileHandler {
-    /// The profile.
-    pub profile: String,
+    profile: String,
+    /// The trace's reason, the same every cycle: formatted once, not per
+    /// request (a `{:?}` of the name was 1.5% of a paced request's CPU).
+    reason: String,
+}
+
+impl SingleProfileHandler {
+    /// The handler of `profile`.
+    pub fn new(profile: String) -> Self {
+        let reason = format!("single profile {profile:?}");
+        Self { profile, reason }
+    }
 }
 
 impl ProfileHandler for SingleProfileHandler {
@@ -63,7 +73,7 @@ impl ProfileHandler for SingleProfileHandler {
         let r = runner.run(&self.profile)?;
         Ok(HandlerOutcome::Aggregated {
             ranked: r.ranked,
-            reason: format!("single profile {:?}", self.profile),
+            reason: self.reason.clone(),
         })
     }
 }

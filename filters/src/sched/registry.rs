@@ -259,9 +259,9 @@ pub fn register_builtin_plugins(r: &mut PluginRegistry) {
     r.register(profile::SINGLE_TYPE, K::ProfileHandler, |p, ctx| {
         parse::<NoParams>(p)?;
         match ctx.profiles.as_slice() {
-            [one] => Ok(Plugin::ProfileHandler(Arc::new(SingleProfileHandler {
-                profile: one.clone(),
-            }))),
+            [one] => Ok(Plugin::ProfileHandler(Arc::new(SingleProfileHandler::new(
+                one.clone(),
+            )))),
             many => Err(ParamError::invalid(
                 "",
                 format!(
