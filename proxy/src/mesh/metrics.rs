@@ -11,6 +11,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::metrics::StaticSeries;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
@@ -45,7 +47,7 @@ pub struct MeshMetrics {
     frames_out: Counter<u64, AtomicU64>,
     subscribers: Gauge,
     dropped: Family<ReasonLabels, Counter>,
-    requests: Family<WhereLabels, Counter>,
+    requests: StaticSeries<1, WhereLabels, Counter>,
     forwarded: Family<TargetLabels, Counter>,
     tls_failures: Family<SideLabels, Counter>,
     /// Requests the local engine served (`local` + `received`), for `stat`.
@@ -63,7 +65,7 @@ impl MeshMetrics {
             frames_out: Counter::default(),
             subscribers: Gauge::default(),
             dropped: Family::default(),
-            requests: Family::default(),
+            requests: StaticSeries::new(|[served]| WhereLabels { served }),
             forwarded: Family::default(),
             tls_failures: Family::default(),
             served: AtomicU64::new(0),
@@ -107,7 +109,7 @@ impl MeshMetrics {
         r.register(
             "mesh_requests",
             "Inference requests by where they ran: local (routed here), forwarded (to a peer), received (a peer routed it here)",
-            m.requests.clone(),
+            m.requests.family(),
         );
         r.register(
             "mesh_forwarded",
@@ -179,7 +181,7 @@ impl MeshMetrics {
         if served != "forwarded" {
             self.served.fetch_add(1, Ordering::Relaxed);
         }
-        self.requests.get_or_create(&WhereLabels { served }).inc();
+        self.requests.get([served]).inc();
     }
 
     /// Inference requests the local engine served so far (routed here by this

@@ -9,6 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::metrics::StaticSeries;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct KindLabels {
     kind: &'static str,
@@ -21,7 +23,7 @@ struct OutcomeLabels {
 
 /// Handles to the prefix and KV-event metrics.
 pub struct PrefixMetrics {
-    tokenize: Family<OutcomeLabels, Counter>,
+    tokenize: StaticSeries<1, OutcomeLabels, Counter>,
     tokenize_latency: Histogram,
     capped: Counter,
     cache_reused: Gauge,
@@ -44,7 +46,7 @@ impl PrefixMetrics {
     /// Creates the metrics and registers them in `r`.
     pub fn register(r: &mut Registry) -> Self {
         let m = Self {
-            tokenize: Family::default(),
+            tokenize: StaticSeries::new(|[outcome]| OutcomeLabels { outcome }),
             // 1 µs .. ~0.5 s, doubling.
             tokenize_latency: Histogram::new(exponential_buckets(0.000_001, 2.0, 20)),
             capped: Counter::default(),
@@ -66,7 +68,7 @@ impl PrefixMetrics {
         r.register(
             "prefix_tokenize",
             "Inference prompts turned into block keys, by outcome (ok, capped, error, none)",
-            m.tokenize.clone(),
+            m.tokenize.family(),
         );
         r.register_with_unit(
             "prefix_tokenize_latency",
@@ -154,9 +156,7 @@ impl PrefixMetrics {
     }
 
     pub fn tokenized(&self, outcome: &'static str, secs: f64) {
-        self.tokenize
-            .get_or_create(&OutcomeLabels { outcome })
-            .inc();
+        self.tokenize.get([outcome]).inc();
         self.tokenize_latency.observe(secs);
         if outcome == "capped" {
             self.capped.inc();

@@ -10,6 +10,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::metrics::StaticSeries;
+
 /// Where a request was sent: `local`, `peer`, `disaggregated` or `error`.
 pub type DecisionKind = &'static str;
 
@@ -26,7 +28,7 @@ struct ScrapeLabels {
 
 /// Handles to the routing metrics.
 pub struct RoutingMetrics {
-    decisions: Family<DecisionLabels, Counter>,
+    decisions: StaticSeries<2, DecisionLabels, Counter>,
     latency: Histogram,
     reloads: Counter,
     reload_errors: Counter,
@@ -37,7 +39,7 @@ impl RoutingMetrics {
     /// Creates the metrics and registers them in `r` (prefix `kvmesh`).
     pub fn register(r: &mut Registry) -> Self {
         let m = Self {
-            decisions: Family::default(),
+            decisions: StaticSeries::new(|[decision, reason]| DecisionLabels { decision, reason }),
             // 1 µs .. ~0.5 s, doubling: a decision is tens of µs; a slow one shows.
             latency: Histogram::new(exponential_buckets(0.000_001, 2.0, 20)),
             reloads: Counter::default(),
@@ -47,7 +49,7 @@ impl RoutingMetrics {
         r.register(
             "routing_decisions",
             "Scheduling decisions by where the request went (local, peer, disaggregated, error) and why",
-            m.decisions.clone(),
+            m.decisions.family(),
         );
         r.register_with_unit(
             "scheduling_latency",
@@ -74,9 +76,7 @@ impl RoutingMetrics {
     }
 
     pub fn decision(&self, decision: DecisionKind, reason: &'static str) {
-        self.decisions
-            .get_or_create(&DecisionLabels { decision, reason })
-            .inc();
+        self.decisions.get([decision, reason]).inc();
     }
 
     pub fn scheduling_latency(&self, secs: f64) {
