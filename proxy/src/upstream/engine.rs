@@ -650,9 +650,8 @@ mod tests {
 
     /// An engine that answers one request per connection and then closes it
     /// without saying so (no `Connection: close`): a keep-alive timeout
-    /// that fell between two requests.
-    /// An engine that answers one request per connection and closes it:
-    /// at once, or, with `hold`, once the notify fires (counting the closes).
+    /// that fell between two requests. It closes at once, or, with `hold`,
+    /// once the notify fires (counting the closes).
     async fn one_shot_engine(
         hold: Option<(Arc<tokio::sync::Notify>, Arc<AtomicUsize>)>,
     ) -> (Authority, Arc<AtomicUsize>) {
