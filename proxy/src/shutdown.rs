@@ -39,27 +39,31 @@ impl Shutdown {
     pub fn triggered(&self) -> Triggered<'_> {
         Triggered {
             fired: &self.fired,
-            wait: Box::pin(self.token.cancelled()),
+            wait: self.token.cancelled(),
             registered: None,
         }
     }
 }
 
-/// [`Shutdown::triggered`]'s future. Registered with the token once per
-/// task waker; a later poll with the same waker only loads the flag, since
-/// `trigger` sets the flag before it wakes that waker.
-pub struct Triggered<'a> {
-    fired: &'a AtomicBool,
-    wait: Pin<Box<WaitForCancellationFuture<'a>>>,
-    /// The waker the token will wake, once registered.
-    registered: Option<Waker>,
+pin_project_lite::pin_project! {
+    /// [`Shutdown::triggered`]'s future. Registered with the token once per
+    /// task waker; a later poll with the same waker only loads the flag, since
+    /// `trigger` sets the flag before it wakes that waker. Not boxed: loops
+    /// make one per message they select on.
+    pub struct Triggered<'a> {
+        fired: &'a AtomicBool,
+        #[pin]
+        wait: WaitForCancellationFuture<'a>,
+        // The waker the token will wake, once registered.
+        registered: Option<Waker>,
+    }
 }
 
 impl Future for Triggered<'_> {
     type Output = ();
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = &mut *self;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
         if this.fired.load(Ordering::Acquire) {
             return Poll::Ready(());
         }
@@ -70,10 +74,10 @@ impl Future for Triggered<'_> {
         {
             return Poll::Pending;
         }
-        match this.wait.as_mut().poll(cx) {
+        match this.wait.poll(cx) {
             Poll::Ready(()) => Poll::Ready(()),
             Poll::Pending => {
-                this.registered = Some(cx.waker().clone());
+                *this.registered = Some(cx.waker().clone());
                 Poll::Pending
             }
         }
