@@ -505,6 +505,64 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_counts_towards_the_prefill_pod_while_it_runs() {
+    // The schedulers pick prefill pods by the requests at them: a leg this
+    // sidecar has sent counts there (and is what it publishes to the mesh),
+    // not only at the decode pod the whole request counts towards.
+    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
+    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+    let prefill_sidecar = start(config(&prefill, &[], None)).await;
+    let sidecar = decode_sidecar(&decode, |c| {
+        c.pod.role = Role::Decode;
+        c.pd.min_uncached_tokens = Some(64);
+    })
+    .await;
+    let prefill_id = prefill_sidecar.addr().to_string();
+    add_peer(
+        &sidecar,
+        prefill_sidecar.addr(),
+        Role::Prefill,
+        EngineLoad::default(),
+    );
+    let decode_id = sidecar.fleet().local_id().to_owned();
+    let counts = |s: &SidecarHandle| s.fleet().published_in_flight();
+    prefill
+        .faults()
+        .delay_first_byte(Some(Duration::from_secs(2)));
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
+    let split = {
+        let req = request(
+            "POST",
+            sidecar.addr(),
+            "/v1/completions",
+            body.to_string(),
+            &[("content-type", "application/json")],
+        );
+        tokio::spawn(async move { fetch(&http1(), req).await.status })
+    };
+    eventually("the prefill leg is counted at the prefill pod", || async {
+        (counts(&sidecar).get(&prefill_id) == Some(&1)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        counts(&sidecar).get(&decode_id),
+        Some(&1),
+        "and the request at its decode pod"
+    );
+    // The prefill pod's sidecar runs the leg it was sent without publishing
+    // it again: the mesh counts it once.
+    let own = prefill_sidecar.fleet().local_id().to_owned();
+    assert_eq!(counts(&prefill_sidecar).get(&own), None);
+    assert_eq!(split.await.unwrap(), 200);
+    eventually("nothing is counted once it ends", || async {
+        counts(&sidecar).is_empty().then_some(())
+    })
+    .await;
+    assert_eq!(inference(&prefill).len(), 1, "one prefill leg");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
     // This sidecar fronts a prefill engine; the decode pods are peers: one whose sidecar refuses
     // connections (idle, so the scheduler prefers it) and a busier one that serves both roles.

@@ -38,8 +38,7 @@ pub struct Accounting<'a> {
 
 /// A response head came back from `upstream`.
 pub(crate) fn served(a: Accounting<'_>, ctx: &RequestCtx, upstream: &Upstream) {
-    a.fleet
-        .call_served(&upstream_pod(a.fleet, upstream), Instant::now());
+    a.fleet.call_served(&upstream.pod(a.fleet), Instant::now());
     let peer = match upstream {
         Upstream::Peer(addr) => Some(*addr),
         _ => None,
@@ -49,19 +48,10 @@ pub(crate) fn served(a: Accounting<'_>, ctx: &RequestCtx, upstream: &Upstream) {
 
 /// `upstream` failed before any byte: counts towards its pod's ejection.
 pub(crate) fn failed(a: Accounting<'_>, upstream: &Upstream) {
-    let pod = upstream_pod(a.fleet, upstream);
+    let pod = upstream.pod(a.fleet);
     if let Some(period) = a.fleet.call_failed(&pod, Instant::now()) {
         a.metrics.outlier_ejected();
         tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
-    }
-}
-
-/// The pod id behind an upstream (an llm-d prefiller: its address).
-pub(crate) fn upstream_pod(fleet: &Fleet, u: &Upstream) -> String {
-    match u {
-        Upstream::Engine => fleet.local_id().to_owned(),
-        Upstream::Peer(a) => fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
-        Upstream::Direct(a) => a.to_string(),
     }
 }
 

@@ -79,6 +79,11 @@ pub async fn execute(
             continue;
         }
         super::account::predict(h.books, ctx, &target);
+        if matches!(target, Target::Disaggregated { .. }) {
+            // A split counts at its decode pod from the start, while its
+            // prefill leg runs (which counts at the prefill pod).
+            super::account::track(h.books, ctx, &target);
+        }
         let upstream = match target {
             Target::LocalEngine => Upstream::Engine,
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
@@ -215,7 +220,7 @@ fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
 
 /// The pod a P/D leg goes to, for the access line.
 fn leg_pod(fleet: &Fleet, leg: &Leg) -> String {
-    super::account::upstream_pod(fleet, &leg_upstream(leg))
+    leg_upstream(leg).pod(fleet)
 }
 
 /// One attempt: request head rewritten for the hop, body as the client sent it.

@@ -41,6 +41,9 @@ pub async fn run(
     let legs = body::sglang_legs(client, &host, up.config.pd.sglang_bootstrap_port, &rooms)?;
     let sent = Instant::now();
     let prefill_leg = async {
+        // The prefill pod counts this leg until it ends (the decode pod
+        // counts the request: the execute stage tracks it there).
+        let _queued = up.fleet.begin(&prefill.pod(up.fleet));
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();

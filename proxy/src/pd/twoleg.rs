@@ -197,6 +197,10 @@ async fn prefill_once(
     body: Bytes,
     attempt: u8,
 ) -> Result<Option<Value>, ProxyError> {
+    // The prefill pod counts this leg until it ends, so the mesh's
+    // schedulers see its queue (the decode pod counts the request: the
+    // execute stage tracks it there).
+    let _queued = up.fleet.begin(&upstream.pod(up.fleet));
     let sent = Instant::now();
     let (resp, name, hop) = send(
         &up,

@@ -74,6 +74,15 @@ impl Upstream {
         }
     }
 
+    /// The pod id behind this upstream (an llm-d prefiller: its address).
+    pub(crate) fn pod(&self, fleet: &Fleet) -> String {
+        match self {
+            Self::Engine => fleet.local_id().to_owned(),
+            Self::Peer(a) => fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
+            Self::Direct(a) => a.to_string(),
+        }
+    }
+
     /// The name errors and logs use.
     pub(crate) fn name(&self, config: &Config) -> UpstreamName {
         match self {
