@@ -99,7 +99,7 @@ plugins:
   - type: prefill-filter
   - type: decode-filter
   - type: prefix-cache-scorer
-  - type: queue-scorer
+  - type: active-request-scorer
   - type: kv-cache-utilization-scorer
   - type: max-score-picker
   - type: prefix-based-pd-decider
@@ -121,7 +121,7 @@ schedulingProfiles:
       - pluginRef: decode-filter
       - pluginRef: prefix-cache-scorer
         weight: 3
-      - pluginRef: queue-scorer
+      - pluginRef: active-request-scorer
         weight: 2
       - pluginRef: kv-cache-utilization-scorer
         weight: 2
@@ -131,7 +131,7 @@ schedulingProfiles:
       - pluginRef: healthy-fresh-filter
       - pluginRef: model-filter
       - pluginRef: prefill-filter
-      - pluginRef: queue-scorer
+      - pluginRef: active-request-scorer
         weight: 2
       - pluginRef: max-score-picker
 ";
