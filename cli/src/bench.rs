@@ -66,6 +66,12 @@ pub struct PeersArgs {
     /// Requests per run, instead of the default.
     #[arg(long)]
     requests: Option<usize>,
+    /// Long-prompt lengths of the where-P/D-pays grid (tokens), instead of the defaults.
+    #[arg(long, value_delimiter = ',')]
+    pd_pays_prompts: Vec<usize>,
+    /// Rates of the where-P/D-pays grid (simulated req/s), instead of the defaults.
+    #[arg(long, value_delimiter = ',')]
+    pd_pays_rates: Vec<f64>,
     /// A filters.yaml to run as `kvmesh` instead of the built-in default.
     #[arg(long)]
     kvmesh_filters: Option<PathBuf>,
@@ -377,6 +383,8 @@ async fn peers_cmd(a: PeersArgs) -> Result<()> {
     opts.progress = true;
     opts.rates = (!a.rates.is_empty()).then_some(a.rates);
     opts.requests = a.requests;
+    opts.pd_pays_prompts = (!a.pd_pays_prompts.is_empty()).then_some(a.pd_pays_prompts);
+    opts.pd_pays_rates = (!a.pd_pays_rates.is_empty()).then_some(a.pd_pays_rates);
     opts.shared_prefix = !a.no_shared_prefix;
     if !a.routers.is_empty() {
         opts.routers = a

@@ -183,6 +183,10 @@ pub struct PeersOpts {
     pub rates: Option<Vec<f64>>,
     /// Replaces the requests per run (multi-turn: sessions x turns).
     pub requests: Option<usize>,
+    /// Replaces the where-P/D-pays grid's long-prompt lengths (tokens).
+    pub pd_pays_prompts: Option<Vec<usize>>,
+    /// Replaces the where-P/D-pays grid's rates (simulated req/s).
+    pub pd_pays_rates: Option<Vec<f64>>,
     /// A progress line per run on stderr.
     pub progress: bool,
 }
@@ -203,6 +207,8 @@ impl PeersOpts {
             kvmesh_filters: None,
             rates: None,
             requests: None,
+            pd_pays_prompts: None,
+            pd_pays_rates: None,
             progress: false,
         }
     }

@@ -87,17 +87,17 @@ pub struct PdPaysRun {
 /// Runs the grid.
 pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
     let n = opts.requests.unwrap_or(if opts.quick { 60 } else { 80 });
-    let lengths: Vec<usize> = if opts.quick {
+    let lengths: Vec<usize> = opts.pd_pays_prompts.clone().unwrap_or(if opts.quick {
         vec![1000, 6000]
     } else {
         vec![1000, 3000, 6000]
-    };
+    });
     // Full: a light and a heavy rate, to keep the full run near 40 minutes.
-    let rates = if opts.quick {
+    let rates = opts.pd_pays_rates.clone().unwrap_or(if opts.quick {
         vec![16.0]
     } else {
         vec![8.0, 24.0]
-    };
+    });
     let seeds: Vec<u64> = opts
         .seeds
         .iter()
