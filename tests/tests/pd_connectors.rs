@@ -454,12 +454,14 @@ async fn a_prefiller_outside_the_allow_list_is_refused() {
     assert!(inference(&decode).is_empty());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_decode_pod() {
+/// A prefill engine behind its own sidecar, known as a peer to the sidecar
+/// of a decode engine that schedules splits itself (`--role decode
+/// --pd-min-uncached-tokens 64`: no filter file at all). The prefill and
+/// decode engines, the prefill sidecar, and the decode sidecar.
+async fn scheduled_split() -> (SimHandle, SimHandle, SidecarHandle, SidecarHandle) {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let decode = engine(SimRole::Decode, Flavor::Vllm).await;
     let prefill_sidecar = start(config(&prefill, &[], None)).await;
-    // `--role decode --pd-min-uncached-tokens 64`: no filter file at all.
     let sidecar = decode_sidecar(&decode, |c| {
         c.pod.role = Role::Decode;
         c.pd.min_uncached_tokens = Some(64);
@@ -471,6 +473,12 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
         Role::Prefill,
         EngineLoad::default(),
     );
+    (prefill, decode, prefill_sidecar, sidecar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_decode_pod() {
+    let (prefill, decode, _prefill_sidecar, sidecar) = scheduled_split().await;
 
     // A short prompt stays aggregated on the decode pod ...
     let short = completion(
@@ -509,21 +517,8 @@ async fn a_prefill_leg_counts_towards_the_prefill_pod_while_it_runs() {
     // The schedulers pick prefill pods by the requests at them: a leg this
     // sidecar has sent counts there (and is what it publishes to the mesh),
     // not only at the decode pod the whole request counts towards.
-    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
-    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
-    let prefill_sidecar = start(config(&prefill, &[], None)).await;
-    let sidecar = decode_sidecar(&decode, |c| {
-        c.pod.role = Role::Decode;
-        c.pd.min_uncached_tokens = Some(64);
-    })
-    .await;
+    let (prefill, _decode, prefill_sidecar, sidecar) = scheduled_split().await;
     let prefill_id = prefill_sidecar.addr().to_string();
-    add_peer(
-        &sidecar,
-        prefill_sidecar.addr(),
-        Role::Prefill,
-        EngineLoad::default(),
-    );
     let decode_id = sidecar.fleet().local_id().to_owned();
     let counts = |s: &SidecarHandle| s.fleet().published_in_flight();
     prefill
