@@ -456,15 +456,20 @@ async fn a_prefiller_outside_the_allow_list_is_refused() {
 
 /// A prefill engine behind its own sidecar, known as a peer to the sidecar
 /// of a decode engine that schedules splits itself (`--role decode
-/// --pd-min-uncached-tokens 64`: no filter file at all). The prefill and
-/// decode engines, the prefill sidecar, and the decode sidecar.
-async fn scheduled_split() -> (SimHandle, SimHandle, SidecarHandle, SidecarHandle) {
-    let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
-    let decode = engine(SimRole::Decode, Flavor::Vllm).await;
+/// --pd-min-uncached-tokens 64`: no filter file at all), both engines of
+/// `flavor` and the decode sidecar tuned by `tune` (its connector). The
+/// prefill and decode engines, the prefill sidecar, and the decode sidecar.
+async fn scheduled_split(
+    flavor: Flavor,
+    tune: impl FnOnce(&mut Config, &SimHandle),
+) -> (SimHandle, SimHandle, SidecarHandle, SidecarHandle) {
+    let prefill = engine(SimRole::Prefill, flavor).await;
+    let decode = engine(SimRole::Decode, flavor).await;
     let prefill_sidecar = start(config(&prefill, &[], None)).await;
     let sidecar = decode_sidecar(&decode, |c| {
         c.pod.role = Role::Decode;
         c.pd.min_uncached_tokens = Some(64);
+        tune(c, &prefill);
     })
     .await;
     add_peer(
@@ -478,7 +483,8 @@ async fn scheduled_split() -> (SimHandle, SimHandle, SidecarHandle, SidecarHandl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_decode_pod() {
-    let (prefill, decode, _prefill_sidecar, sidecar) = scheduled_split().await;
+    let (prefill, decode, _prefill_sidecar, sidecar) =
+        scheduled_split(Flavor::Vllm, |_, _| {}).await;
 
     // A short prompt stays aggregated on the decode pod ...
     let short = completion(
@@ -514,10 +520,24 @@ async fn the_scheduler_splits_a_long_prompt_across_a_prefill_peer_and_the_local_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_leg_counts_towards_the_prefill_pod_while_it_runs() {
-    // The schedulers pick prefill pods by the requests at them: a leg this
-    // sidecar has sent counts there (and is what it publishes to the mesh),
-    // not only at the decode pod the whole request counts towards.
-    let (prefill, _decode, prefill_sidecar, sidecar) = scheduled_split().await;
+    prefill_leg_is_counted(Flavor::Vllm, |_, _| {}).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_leg_counts_towards_the_prefill_pod_while_it_runs() {
+    prefill_leg_is_counted(Flavor::Sglang, |c, prefill| {
+        c.pd.connector = PdConnector::Sglang;
+        c.engine.kind = kvmesh_proxy::config::EngineKind::Sglang;
+        c.pd.sglang_bootstrap_port = prefill.addr().port();
+    })
+    .await;
+}
+
+/// The schedulers pick prefill pods by the requests at them: a leg the
+/// decode sidecar has sent counts there (and is what it publishes to the
+/// mesh), beside the request's count at its decode pod.
+async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &SimHandle)) {
+    let (prefill, _decode, prefill_sidecar, sidecar) = scheduled_split(flavor, tune).await;
     let prefill_id = prefill_sidecar.addr().to_string();
     let decode_id = sidecar.fleet().local_id().to_owned();
     let counts = |s: &SidecarHandle| s.fleet().published_in_flight();
