@@ -101,15 +101,28 @@ pub fn long_prompt(tag: &str, words: usize) -> String {
     out
 }
 
-/// The engine's Prometheus text.
+/// The engine's Prometheus text. A 5xx is asked again, a few times: vLLM
+/// with `--data-parallel-size 2` answered one `GET /metrics` of a CI run
+/// with 500 between two that succeeded.
 pub async fn scrape(http: &http::Http, engine: &engine::Engine) -> anyhow::Result<String> {
-    let reply = http.get(&format!("{}/metrics", engine.base_url)).await?;
-    anyhow::ensure!(
-        reply.status.is_success(),
-        "GET /metrics: HTTP {}",
-        reply.status
-    );
-    Ok(reply.text())
+    const TRIES: u32 = 5;
+    let url = format!("{}/metrics", engine.base_url);
+    let mut attempt = 1;
+    loop {
+        let reply = http.get(&url).await?;
+        if reply.status.is_success() {
+            return Ok(reply.text());
+        }
+        if !reply.status.is_server_error() || attempt == TRIES {
+            anyhow::bail!(
+                "GET /metrics: HTTP {} (try {attempt} of {TRIES}): {}",
+                reply.status,
+                reply.text()
+            );
+        }
+        attempt += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// A P/D prefill leg: posts `body` to `url` and returns the reply with the
