@@ -14,7 +14,7 @@ use kvmesh_filters::sched::Role;
 use kvmesh_proxy::config::{Config, Duration as CfgDuration, OnPrefillFailure, PdConnector};
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_proxy::SidecarHandle;
-use kvmesh_tests::client::{admin_get, fetch, http1, next_chunk, request, send};
+use kvmesh_tests::client::{admin_get, fetch, http1, next_chunk, post_json, request, send};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
 use kvmesh_tests::route::{config, eventually, metric, sim_with, MODEL};
 use kvmesh_tests::sidecar::{start, test_config, wait_ready};
@@ -547,13 +547,7 @@ async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &
     let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
     let split = {
-        let req = request(
-            "POST",
-            sidecar.addr(),
-            "/v1/completions",
-            body.to_string(),
-            &[("content-type", "application/json")],
-        );
+        let req = post_json(sidecar.addr(), "/v1/completions", &body.to_string());
         tokio::spawn(async move { fetch(&http1(), req).await.status })
     };
     eventually("the prefill leg is counted at the prefill pod", || async {
