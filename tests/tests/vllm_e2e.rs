@@ -234,7 +234,7 @@ fn vllm_pair_group() -> Result<()> {
         || {
             rt.block_on(async {
                 for (engine, sidecar) in engines.iter().zip([&sa, &sb]) {
-                    case_mesh::wait_events_flow(&http, sidecar, engine.name).await?;
+                    case_mesh::wait_events_flow(&http, engine, sidecar).await?;
                     case_mesh::ingest(&http, &tokenizer, engine, sidecar).await?;
                 }
                 anyhow::Ok(())

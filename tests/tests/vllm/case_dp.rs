@@ -176,11 +176,14 @@ async fn learn(
         .get(&format!("{}/metrics", sidecar.admin_url))
         .await?
         .text();
-    let kv: Vec<&str> = metrics.lines().filter(|l| l.contains("kv_event")).collect();
+    let kv: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvmesh_kv_event"))
+        .collect();
     bail!(
         "rank {rank}'s blocks never reached the sidecar; last /debug/route data_parallel: {last}\n\
          sidecar: {kv:#?}\nengine log:\n{}",
-        engine.log_tail(40)
+        engine.log_tail(20)
     )
 }
 

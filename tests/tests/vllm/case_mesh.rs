@@ -223,13 +223,22 @@ fn cached_tokens(reply: &serde_json::Value) -> u64 {
 /// Waits until the sidecar has applied at least one batch of its engine's events: vLLM's PUB
 /// connects to the sidecar's SUB some time after both exist, and a batch published before that is
 /// only recovered on the next gap. Sends a small warm-up request per try.
-pub async fn wait_events_flow(http: &Http, sidecar: &SidecarUnderTest, tag: &str) -> Result<()> {
+///
+/// On failure the error carries the sidecar's KV-event series (whether its SUB is open, its replays
+/// by outcome, its silence checks) and the end of the engine's log, which tell a socket that never
+/// opened from a replay that fails from an engine that published nothing.
+pub async fn wait_events_flow(
+    http: &Http,
+    engine: &Engine,
+    sidecar: &SidecarUnderTest,
+) -> Result<()> {
+    let mut text = String::new();
     for attempt in 0..10 {
-        let prompt = long_prompt(&format!("{tag}-warmup-{attempt}"), 40);
+        let prompt = long_prompt(&format!("{}-warmup-{attempt}", engine.name), 40);
         complete(http, &sidecar.url, &prompt).await?;
         let end = Instant::now() + Duration::from_secs(5);
         while Instant::now() < end {
-            let text = http
+            text = http
                 .get(&format!("{}/metrics", sidecar.admin_url))
                 .await?
                 .text();
@@ -241,7 +250,16 @@ pub async fn wait_events_flow(http: &Http, sidecar: &SidecarUnderTest, tag: &str
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    bail!("the sidecar applied no KV-event batch after 10 warm-up requests")
+    let kv: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("kvmesh_kv_event"))
+        .collect();
+    bail!(
+        "engine {}'s sidecar applied no KV-event batch after 10 warm-up requests\n\
+         sidecar: {kv:#?}\nengine log:\n{}",
+        engine.name,
+        engine.log_tail(20)
+    )
 }
 
 /// Case 2 on one engine and its sidecar (before the mesh joins the pair, so the index holds this pod

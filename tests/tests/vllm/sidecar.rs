@@ -30,6 +30,11 @@ impl SidecarUnderTest {
     pub async fn from_yaml(yaml: String) -> Result<SidecarUnderTest> {
         let config = kvmesh_proxy::config::from_yaml_str(&yaml, "vllm_e2e proxy.yaml")
             .with_context(|| format!("sidecar config:\n{yaml}"))?;
+        // The sidecars' own logs, on stderr, only when asked for (`RUST_LOG=kvmesh_proxy=info`):
+        // the test harness does not capture what `tracing` writes.
+        if std::env::var_os("RUST_LOG").is_some() {
+            kvmesh_proxy::logging::init(&config.logging);
+        }
         let client = TcpListener::bind("127.0.0.1:0").await?;
         let admin = TcpListener::bind("127.0.0.1:0").await?;
         let handle = Sidecar::start(config, client, admin)
