@@ -17,7 +17,7 @@ use super::engine::Engine;
 use super::http::Http;
 use super::report::note;
 use super::sidecar::SidecarUnderTest;
-use super::{counter, long_prompt, model_dir, scrape, BLOCK_SIZE, MODEL};
+use super::{counter, kv_events_report, long_prompt, model_dir, scrape, BLOCK_SIZE, MODEL};
 
 /// Words of each rank's shared prefix (~330 tokens: 10 full blocks).
 const PREFIX_WORDS: usize = 150;
@@ -172,18 +172,9 @@ async fn learn(
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    let metrics = http
-        .get(&format!("{}/metrics", sidecar.admin_url))
-        .await?
-        .text();
-    let kv: Vec<&str> = metrics
-        .lines()
-        .filter(|l| l.starts_with("kvmesh_kv_event"))
-        .collect();
     bail!(
-        "rank {rank}'s blocks never reached the sidecar; last /debug/route data_parallel: {last}\n\
-         sidecar: {kv:#?}\nengine log:\n{}",
-        engine.log_tail(20)
+        "rank {rank}'s blocks never reached the sidecar; last /debug/route data_parallel: {last}\n{}",
+        kv_events_report(http, engine, sidecar).await?
     )
 }
 

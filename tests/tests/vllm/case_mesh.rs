@@ -27,7 +27,7 @@ use super::engine::Engine;
 use super::http::Http;
 use super::report::note;
 use super::sidecar::SidecarUnderTest;
-use super::{counter, long_prompt, model_dir, scrape, BLOCK_SIZE, MODEL};
+use super::{counter, kv_events_report, long_prompt, model_dir, scrape, BLOCK_SIZE, MODEL};
 
 /// How long the index may take to reflect what the engine published (loaded machine).
 const SYNC_DEADLINE: Duration = Duration::from_secs(45);
@@ -224,21 +224,18 @@ fn cached_tokens(reply: &serde_json::Value) -> u64 {
 /// connects to the sidecar's SUB some time after both exist, and a batch published before that is
 /// only recovered on the next gap. Sends a small warm-up request per try.
 ///
-/// On failure the error carries the sidecar's KV-event series (whether its SUB is open, its replays
-/// by outcome, its silence checks) and the end of the engine's log, which tell a socket that never
-/// opened from a replay that fails from an engine that published nothing.
+/// On failure the error carries [`kv_events_report`].
 pub async fn wait_events_flow(
     http: &Http,
     engine: &Engine,
     sidecar: &SidecarUnderTest,
 ) -> Result<()> {
-    let mut text = String::new();
     for attempt in 0..10 {
         let prompt = long_prompt(&format!("{}-warmup-{attempt}", engine.name), 40);
         complete(http, &sidecar.url, &prompt).await?;
         let end = Instant::now() + Duration::from_secs(5);
         while Instant::now() < end {
-            text = http
+            let text = http
                 .get(&format!("{}/metrics", sidecar.admin_url))
                 .await?
                 .text();
@@ -250,15 +247,10 @@ pub async fn wait_events_flow(
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    let kv: Vec<&str> = text
-        .lines()
-        .filter(|l| l.starts_with("kvmesh_kv_event"))
-        .collect();
     bail!(
-        "engine {}'s sidecar applied no KV-event batch after 10 warm-up requests\n\
-         sidecar: {kv:#?}\nengine log:\n{}",
+        "engine {}'s sidecar applied no KV-event batch after 10 warm-up requests\n{}",
         engine.name,
-        engine.log_tail(20)
+        kv_events_report(http, engine, sidecar).await?
     )
 }
 

@@ -125,6 +125,28 @@ pub async fn scrape(http: &http::Http, engine: &engine::Engine) -> anyhow::Resul
     }
 }
 
+/// Why a sidecar may have applied none of its engine's KV events: its `kvmesh_kv_event*` series
+/// (`kvmesh_kv_events_connected` 0: the SUB never opened; replays by outcome; silence checks) and
+/// the end of the engine's log. For the error of a wait that gave up.
+pub async fn kv_events_report(
+    http: &http::Http,
+    engine: &engine::Engine,
+    sidecar: &sidecar::SidecarUnderTest,
+) -> anyhow::Result<String> {
+    let metrics = http
+        .get(&format!("{}/metrics", sidecar.admin_url))
+        .await?
+        .text();
+    let kv: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvmesh_kv_event"))
+        .collect();
+    Ok(format!(
+        "sidecar: {kv:#?}\nengine log:\n{}",
+        engine.log_tail(20)
+    ))
+}
+
 /// A P/D prefill leg: posts `body` to `url` and returns the reply with the
 /// `kv_transfer_params` it carries (`Null` when it carries none).
 pub async fn prefill_leg(
