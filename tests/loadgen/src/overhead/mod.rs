@@ -527,7 +527,7 @@ impl OverheadReport {
             };
             let _ = writeln!(
                 out,
-                "{case}: {throughput}, CPU/request {}x (target <= 2x), \
+                "{case}: {throughput}, CPU/request {}x (target <= 1.5x, issue 20), \
                  added p99 kvmesh {} ms, nginx {} ms{}",
                 opt(cpu, 2),
                 opt(k.added_p99_ms, 3),
