@@ -24,6 +24,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod fleet;
+pub mod h1;
 pub mod headers;
 pub mod kvevents;
 pub mod logging;
