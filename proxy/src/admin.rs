@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use hyper::body::Incoming;
 
 use crate::app::App;
 use crate::body::ResponseBody;
@@ -93,7 +92,7 @@ impl Admin {
 }
 
 impl Handler for Admin {
-    async fn handle(self, req: Request<Incoming>) -> Response<ResponseBody> {
+    async fn handle(self, req: Request<crate::body::IncomingBody>) -> Response<ResponseBody> {
         if req.uri().path() == crate::stat::PATH {
             return crate::stat::serve(&self.app, req.method());
         }

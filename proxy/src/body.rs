@@ -9,8 +9,10 @@
 //! rather than a silently short one. Dropping a `ResponseBody` (client gone)
 //! drops the upstream body, which cancels the upstream request.
 //!
-//! [`UpstreamBody`] is what the upstream receives: the client's bytes, whole
-//! (inference calls, already read for classification) or streamed (passthrough).
+//! [`IncomingBody`] is the client's request body as the request path gets
+//! it, whichever codec read it. [`UpstreamBody`] is what the upstream
+//! receives: the client's bytes, whole (inference calls, already read for
+//! classification) or streamed (passthrough).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{Full, Limited};
+use http_body_util::Limited;
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
@@ -96,10 +98,32 @@ pub struct Relay {
     failed: bool,
 }
 
+/// The client's request body.
+pub enum IncomingBody {
+    /// Whole already: it came in with its head (or there is none).
+    Full(Option<Bytes>),
+    /// Still arriving on a connection of kvmesh's own HTTP/1.1 server.
+    H1(crate::server::BodyReader),
+    /// From hyper: HTTP/2 and TLS connections, the mesh port.
+    Hyper(Incoming),
+}
+
 /// The request body sent upstream.
 pub enum UpstreamBody {
-    Full(Full<Bytes>),
-    Stream(Limited<Incoming>),
+    /// Whole (`None` once sent): the engine pool takes the bytes as they
+    /// are, to write them with the head, and again on a retry.
+    Full(Option<Bytes>),
+    Stream(Limited<IncomingBody>),
+}
+
+impl UpstreamBody {
+    pub fn full(b: impl Into<Bytes>) -> Self {
+        Self::Full(Some(b.into()))
+    }
+
+    pub fn empty() -> Self {
+        Self::Full(None)
+    }
 }
 
 impl ResponseBody {
@@ -333,6 +357,19 @@ impl Relay {
     }
 }
 
+/// A whole body's one frame, then its end.
+fn take_full(b: &mut Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    Poll::Ready(
+        b.take()
+            .filter(|b| !b.is_empty())
+            .map(|b| Ok(Frame::data(b))),
+    )
+}
+
+fn full_hint(b: &Option<Bytes>) -> SizeHint {
+    SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+}
+
 impl Body for UpstreamBody {
     type Data = Bytes;
     type Error = BoxError;
@@ -342,22 +379,60 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            Self::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+            Self::Full(b) => take_full(b),
             Self::Stream(b) => Pin::new(b).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Self::Full(b) => b.is_end_stream(),
+            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
             Self::Stream(b) => b.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Full(b) => b.size_hint(),
+            Self::Full(b) => full_hint(b),
             Self::Stream(b) => b.size_hint(),
+        }
+    }
+}
+
+impl IncomingBody {
+    pub fn empty() -> Self {
+        Self::Full(None)
+    }
+}
+
+impl Body for IncomingBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            Self::Full(b) => take_full(b),
+            Self::H1(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            Self::H1(b) => b.is_end_stream(),
+            Self::Hyper(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Self::Full(b) => full_hint(b),
+            Self::H1(b) => b.size_hint(),
+            Self::Hyper(b) => b.size_hint(),
         }
     }
 }

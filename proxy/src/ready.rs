@@ -5,9 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::{Request, Uri};
-use http_body_util::Full;
 
 use crate::app::App;
 use crate::body::UpstreamBody;
@@ -42,7 +40,7 @@ pub async fn probe_engine(app: Arc<App>, shutdown: Shutdown) {
 }
 
 async fn poll_once(app: &App, uri: &Uri, deadline: std::time::Duration) -> bool {
-    let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+    let mut req = Request::new(UpstreamBody::empty());
     *req.uri_mut() = uri.clone();
     match tokio::time::timeout(deadline, app.client.request(req)).await {
         Ok(Ok(resp)) => resp.status().is_success(),

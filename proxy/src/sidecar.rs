@@ -8,14 +8,13 @@ use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
 
 use http::{Request, Response};
-use hyper::body::Incoming;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::admin::Admin;
 use crate::app::App;
-use crate::body::ResponseBody;
+use crate::body::{IncomingBody, ResponseBody};
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
@@ -74,7 +73,7 @@ struct Proxy(Arc<App>);
 impl Handler for Proxy {
     fn handle(
         self,
-        req: Request<Incoming>,
+        req: Request<IncomingBody>,
     ) -> impl std::future::Future<Output = Response<ResponseBody>> + Send + 'static {
         crate::path::handle(self.0, req)
     }

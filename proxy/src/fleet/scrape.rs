@@ -19,9 +19,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Uri};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 
 use super::{parse_engine_metrics, EngineLoad};
@@ -111,7 +110,7 @@ pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
 }
 
 async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
-    let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
+    let mut req = Request::new(UpstreamBody::empty());
     *req.uri_mut() = uri.clone();
     let fetch = async {
         let resp = match app.client.request(req).await {

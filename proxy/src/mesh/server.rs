@@ -162,7 +162,7 @@ where
     // pings do not start before the handshake.
     let started = Arc::new(AtomicBool::new(false));
     let seen = started.clone();
-    let svc = service_fn(move |req| {
+    let svc = service_fn(move |req: Request<Incoming>| {
         seen.store(true, Ordering::Relaxed);
         // The state stream is answered at once; with `mesh.tls`, anything
         // else is a request a peer forwarded, for the request path.
@@ -174,7 +174,10 @@ where
         async move {
             Ok::<_, Infallible>(match next {
                 Ok(stream) => stream.map(Either::Left),
-                Err(path) => path.handle(req).await.map(Either::Right),
+                Err(path) => path
+                    .handle(req.map(crate::body::IncomingBody::Hyper))
+                    .await
+                    .map(Either::Right),
             })
         }
     });

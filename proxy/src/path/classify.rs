@@ -7,8 +7,8 @@
 use bytes::Bytes;
 use http::{header, Method, Request};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 
+use crate::body::IncomingBody;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
@@ -30,7 +30,7 @@ pub struct Classify<'a> {
 pub async fn classify(
     h: Classify<'_>,
     ctx: &mut RequestCtx,
-    req: Request<Incoming>,
+    req: Request<IncomingBody>,
 ) -> Result<ClientRequest, ProxyError> {
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.classify");
     let r = read(h, ctx, req).await;
@@ -53,7 +53,7 @@ pub async fn classify(
 async fn read(
     h: Classify<'_>,
     ctx: &mut RequestCtx,
-    req: Request<Incoming>,
+    req: Request<IncomingBody>,
 ) -> Result<ClientRequest, ProxyError> {
     check_method(ctx)?;
     let limit = h.config.limits.max_body_bytes.0;
@@ -121,7 +121,7 @@ fn check_method(ctx: &RequestCtx) -> Result<(), ProxyError> {
 async fn read_body(
     h: Classify<'_>,
     ctx: &RequestCtx,
-    body: Incoming,
+    body: IncomingBody,
     limit: u64,
 ) -> Result<Bytes, ProxyError> {
     let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);

@@ -15,7 +15,7 @@
 use std::sync::atomic::AtomicBool;
 
 use http::{HeaderValue, Response};
-use http_body_util::{Full, Limited};
+use http_body_util::Limited;
 use tokio::time::Instant;
 
 use crate::body::{ResponseBody, UpstreamBody};
@@ -248,7 +248,7 @@ async fn forward(
 /// The client's body for one attempt: buffered bodies can be sent again.
 fn client_body(config: &Config, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
     Ok(match &mut req.body {
-        ClientBody::Buffered(b) => UpstreamBody::Full(Full::new(b.clone())),
+        ClientBody::Buffered(b) => UpstreamBody::full(b.clone()),
         ClientBody::Streaming(b) => {
             let incoming = b
                 .take()

@@ -22,16 +22,14 @@ pub mod schedule;
 
 use std::sync::Arc;
 
-use http::{Request, Response};
-use hyper::body::Incoming;
-
 use crate::app::App;
-use crate::body::ResponseBody;
+use crate::body::{IncomingBody, ResponseBody};
 pub use crate::request::view;
 pub use crate::request::{Leg, Plan, Prompt, RequestCtx, RequestView, Served, Target};
+use http::{Request, Response};
 
 /// One request, top to bottom.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseBody> {
+pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<ResponseBody> {
     let mut ctx = RequestCtx::new(&req, app.metrics.in_flight());
     ctx.access = crate::access::start(
         app.config.logging.access_log,

@@ -7,7 +7,7 @@
 
 use http::uri::Authority;
 use http::Response;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 
@@ -120,7 +120,7 @@ pub async fn run(
 }
 
 fn full(b: bytes::Bytes) -> UpstreamBody {
-    UpstreamBody::Full(Full::new(b))
+    UpstreamBody::full(b)
 }
 
 /// Where the decode engine finds the prefill engine's bootstrap server: the

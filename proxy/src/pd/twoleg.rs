@@ -6,7 +6,7 @@
 
 use bytes::Bytes;
 use http::{Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 
@@ -66,7 +66,7 @@ pub async fn run(
         },
     };
     let sent = Instant::now();
-    let body = UpstreamBody::Full(Full::new(decode_body));
+    let body = UpstreamBody::full(decode_body);
     let decode = send(
         &up,
         ctx,
@@ -207,7 +207,7 @@ async fn prefill_once(
         ctx,
         upstream,
         &req.head,
-        UpstreamBody::Full(Full::new(body)),
+        UpstreamBody::full(body),
         PREFILL,
         attempt,
     )

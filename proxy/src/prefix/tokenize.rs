@@ -14,9 +14,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{header, Method, Request, Uri};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use kvmesh_filters::prefix::tokenize::{
     Builtin, CachedTokenizer, ChatMessage, HfTokenizer, TokenCacheConfig, TokenizeError, Tokenizer,
 };
@@ -262,7 +261,7 @@ pub async fn engine_tokenize(
         .method(Method::POST)
         .uri(uri)
         .header(header::CONTENT_TYPE, "application/json")
-        .body(UpstreamBody::Full(Full::new(Bytes::from(bytes))))
+        .body(UpstreamBody::full(bytes))
         .map_err(|e| PrefixError::Engine(e.to_string()))?;
     let call = async {
         let resp = client

@@ -1,8 +1,8 @@
 //! The client's request as the stages after classify hold it: its head, and
 //! its body read whole (inference calls) or still streaming (passthrough).
 
+use crate::body::IncomingBody;
 use bytes::Bytes;
-use hyper::body::Incoming;
 
 /// The client's request after classification: its head and its bytes.
 pub struct ClientRequest {
@@ -16,5 +16,5 @@ pub enum ClientBody {
     /// send again to a fallback target.
     Buffered(Bytes),
     /// Not read (passthrough): streamed once to one target.
-    Streaming(Option<Incoming>),
+    Streaming(Option<IncomingBody>),
 }

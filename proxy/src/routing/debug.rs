@@ -17,14 +17,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::plan::from_route;
 use crate::app::App;
-use crate::body::ResponseBody;
+use crate::body::{IncomingBody, ResponseBody};
 use crate::error::ProxyError;
 use crate::request::view::Shape;
 use crate::request::{Plan, RequestCtx, RequestView, Target};
@@ -39,7 +38,7 @@ pub fn handles(path: &str) -> bool {
 }
 
 /// Answers `/debug/route` or `/debug/fleet`.
-pub async fn serve(app: Arc<App>, req: Request<Incoming>) -> Response<ResponseBody> {
+pub async fn serve(app: Arc<App>, req: Request<IncomingBody>) -> Response<ResponseBody> {
     match (req.uri().path(), req.method()) {
         ("/debug/fleet", &Method::GET) => json_reply(StatusCode::OK, &fleet(&app)),
         ("/debug/route", &Method::POST) => match route(&app, req).await {
@@ -82,7 +81,7 @@ fn fleet(app: &App) -> Value {
     })
 }
 
-async fn route(app: &App, req: Request<Incoming>) -> Result<Value, ProxyError> {
+async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyError> {
     let (head, body) = req.into_parts();
     let limit = app.config.limits.max_body_bytes.0;
     let collected = tokio::time::timeout(

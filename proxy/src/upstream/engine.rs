@@ -1,49 +1,46 @@
-//! The keep-alive pool to the local engine over HTTP/1.1: the connection
-//! nearly every request uses, so it is kept lean. The pool holds only idle
-//! connections, newest last; a request takes the newest one that is ready
-//! (or dials a new one), and gives it back when the response body has been
-//! read to its end and dropped ([`ReplyBody`]).
+//! The keep-alive pool to the local engine over HTTP/1.1, spoken with
+//! kvmesh's own codec (`crate::h1`): the connection nearly every request
+//! uses, so it is kept lean. The pool holds only idle connections, newest
+//! last; a request takes the newest one that is still good (or dials a new
+//! one), writes its head and body, reads the response head, and lends the
+//! connection to the response body, which gives it back once read to its
+//! end ([`ReplyBody`]). A response whose body came in with its head (a
+//! small answer) gives it back at once.
 //!
-//! A connection has no task of its own: the request that holds it drives it
-//! (writes the request, reads the head, then the body as the body is read),
-//! from the task that serves the client. An exchange then wakes one task, the
-//! client's, instead of two that hand the request and each frame to each other
-//! through channels (on a multi-threaded runtime that hand-over often also
-//! wakes a second worker thread). Idle connections are looked at, without a
-//! task, when they are next taken and by the reaper: one the engine closed
-//! (its keep-alive timeout) is dropped then. Other upstreams (peers, llm-d's
-//! prefiller, h2c) go through the general client in `mod.rs`.
+//! A connection has no task of its own: the request that holds it writes
+//! and reads it from the task that serves the client, so an exchange wakes
+//! one task and hands nothing between tasks. An idle connection is looked
+//! at when it is next taken and by the reaper, through the socket's
+//! readiness (no system call while nothing arrived): one the engine closed
+//! (its keep-alive timeout, uvicorn's 5 s) or wrote to unasked is dropped.
+//! Other upstreams (peers, llm-d's prefiller, h2c) go through the general
+//! client in `mod.rs`.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::uri::{Authority, PathAndQuery};
-use http::{header, HeaderValue, Request, Response, Uri};
+use bytes::{Bytes, BytesMut};
+use http::uri::Authority;
+use http::{header, HeaderValue, Method, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::body::UpstreamBody;
+use crate::body::{BoxError, UpstreamBody};
+use crate::h1::encode;
+use crate::h1::io::ReadSize;
+use crate::h1::{self, BodyError, Decoded, Decoder, Framing, HeadError, ResponseHead};
 
-/// How many times a request whose connection closed before it was written
-/// is sent on another one (the engine closed an idle connection just as it
-/// was taken: the usual keep-alive race, and safe to retry since nothing was sent).
+/// How many times a request whose connection failed before any of it was
+/// written is sent on another one (the engine closed an idle connection
+/// just as it was taken: the usual keep-alive race, and safe to retry since
+/// nothing was sent).
 const UNSENT_RETRIES: usize = 2;
-
-/// A connection given back less than this long ago is taken, on a request's
-/// first try, without driving it first to see whether the engine closed it.
-/// That look runs hyper's whole dispatcher once (about 800 instructions, a
-/// request's 1.3%), and engines close idle connections after seconds (vLLM's
-/// and SGLang's uvicorn: 5 s). A connection closed sooner costs one unsent
-/// try: hyper reads the close before it writes, and the retry looks first.
-const TRUSTED_IDLE: Duration = Duration::from_secs(1);
+/// Most room made in a connection's buffer for a body of known length.
+const READ_AHEAD: u64 = 256 * 1024;
 
 /// Idle keep-alive connections to one engine.
 pub struct EnginePool {
@@ -72,52 +69,22 @@ struct Idle {
     since: Instant,
 }
 
-/// One HTTP/1.1 connection: the handle a request is queued on, and hyper's
-/// state machine for the socket, which whoever holds the connection polls.
-/// 712 bytes (hyper 1.12): boxed, so that handing it between the pool and a
-/// response body (which moves a few times on its way to the client) moves a
-/// pointer.
+/// One HTTP/1.1 connection with its buffers; boxed, so that handing it
+/// between the pool and a response body moves a pointer.
 struct Conn {
-    sender: http1::SendRequest<UpstreamBody>,
-    io: http1::Connection<TokioIo<TcpStream>, UpstreamBody>,
-    /// `io` finished (closed, or failed): it must not be polled again.
-    done: bool,
+    io: TcpStream,
+    /// Read from the engine and not yet used.
+    buf: BytesMut,
+    reads: ReadSize,
+    /// The request head being written.
+    out: Vec<u8>,
 }
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conn").field("done", &self.done).finish()
-    }
-}
-
-impl Conn {
-    /// Moves the exchange on: writes what is queued, reads what arrived.
-    /// True once the connection is finished. An error needs no handling
-    /// here: hyper hands it to the request or body it failed.
-    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.done {
-            self.done = self.io.poll_without_shutdown(cx).is_ready();
-        }
-        self.done
-    }
-
-    /// Drives the connection once without a task to wake (an idle one, or one
-    /// given back): it notices a close, and becomes ready for the next
-    /// request once its last exchange is wound down.
-    fn settle(&mut self) {
-        self.drive(&mut Context::from_waker(Waker::noop()));
-    }
-
-    fn closed(&self) -> bool {
-        self.done || self.sender.is_closed()
-    }
-}
-
-impl Idle {
-    /// Closed by the engine, or idle for `timeout`: never to be used again.
-    fn stale(&mut self, timeout: Duration) -> bool {
-        self.conn.settle();
-        self.conn.closed() || self.since.elapsed() >= timeout
+        f.debug_struct("Conn")
+            .field("buffered", &self.buf.len())
+            .finish()
     }
 }
 
@@ -130,9 +97,28 @@ pub enum EngineError {
         authority: Authority,
         reason: String,
     },
-    /// The request went out and the exchange failed.
+    /// The request went out, or part of it, and the exchange failed.
     #[error("{0}")]
-    Request(#[source] hyper::Error),
+    Request(#[source] ExchangeError),
+}
+
+/// How an exchange with the engine failed after it began.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("writing the request: {0}")]
+    Write(#[source] std::io::Error),
+    #[error("reading the request body to send it: {0}")]
+    RequestBody(#[source] BoxError),
+    #[error("reading the response: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("the connection closed before a response head")]
+    ClosedBeforeHead,
+    #[error("the response head: {0}")]
+    Head(#[source] HeadError),
+    #[error("the response body: {0}")]
+    Body(#[source] BodyError),
+    #[error("the engine switched protocols (101), which a proxied request cannot follow")]
+    Upgrade,
 }
 
 impl EnginePool {
@@ -159,52 +145,47 @@ impl EnginePool {
     }
 
     /// Sends `req` (an absolute URI towards this engine, as the general client
-    /// takes it) on a pooled connection or a new one, and drives that
-    /// connection until the response head is in.
+    /// takes it; it goes out in origin form with a Host header) on a pooled
+    /// connection or a new one, and reads until the response head is in.
     pub async fn send(
         &self,
         req: Request<UpstreamBody>,
     ) -> Result<Response<ReplyBody>, EngineError> {
-        let mut req = self.inner.origin_form(req);
-        for attempt in 0..=UNSENT_RETRIES {
-            let mut conn = match self.inner.take(attempt == 0) {
-                Some(c) => c,
-                None => self.inner.connect().await?,
+        let (mut parts, mut body) = req.into_parts();
+        let target = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        parts
+            .headers
+            .entry(header::HOST)
+            .or_insert_with(|| self.inner.host.clone());
+        let framing = request_framing(&parts.method, &body);
+        for _ in 0..=UNSENT_RETRIES {
+            let (mut conn, reused) = match self.inner.take() {
+                Some(c) => (c, true),
+                None => (self.inner.connect().await?, false),
             };
-            let mut head = std::pin::pin!(conn.sender.try_send_request(req));
-            let sent = std::future::poll_fn(|cx| {
-                // Write the request (and read what came back) first; then
-                // the head is there if it arrived.
-                let finished = conn.drive(cx);
-                match head.as_mut().poll(cx) {
-                    Poll::Ready(r) => Poll::Ready(Some(r)),
-                    // Finished without answering: dropping the connection
-                    // below gives the request its error.
-                    Poll::Pending if finished => Poll::Ready(None),
-                    Poll::Pending => Poll::Pending,
-                }
-            })
-            .await;
-            let (sent, conn) = match sent {
-                Some(r) => (r, Some(conn)),
-                None => {
-                    drop(conn);
-                    (head.await, None)
-                }
-            };
-            match sent {
-                Ok(resp) => {
-                    let pool = Arc::downgrade(&self.inner);
-                    return Ok(resp.map(|b| match conn {
-                        Some(conn) => ReplyBody::leased(b, Lease { conn, pool }),
-                        None => ReplyBody::plain(b),
-                    }));
-                }
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) => req = unsent,
-                    None => return Err(EngineError::Request(e.into_error())),
-                },
+            conn.out.clear();
+            encode::request_head(
+                &mut conn.out,
+                &parts.method,
+                &target,
+                &parts.headers,
+                framing,
+            );
+            match conn.write_request(&mut body, framing).await {
+                Ok(()) => {}
+                // Closed under us before it took a byte: nothing was sent.
+                Err(Sent::Nothing(_)) if reused => continue,
+                Err(Sent::Nothing(e) | Sent::Part(e)) => return Err(EngineError::Request(e)),
             }
+            let head = conn
+                .read_head(&parts.method)
+                .await
+                .map_err(EngineError::Request)?;
+            return Ok(self.inner.response(conn, head));
         }
         Err(EngineError::Connect {
             authority: self.inner.authority.clone(),
@@ -221,54 +202,143 @@ impl EnginePool {
     }
 }
 
+/// How a request body is framed on the wire: its length when known (none
+/// for an empty body of a method that carries none, as hyper did),
+/// chunked otherwise.
+fn request_framing(method: &Method, body: &UpstreamBody) -> Framing {
+    let len = match body {
+        UpstreamBody::Full(b) => Some(b.as_ref().map_or(0, |b| b.len() as u64)),
+        UpstreamBody::Stream(s) if s.is_end_stream() => Some(0),
+        UpstreamBody::Stream(s) => s.size_hint().exact(),
+    };
+    match len {
+        Some(0) if !matches!(*method, Method::POST | Method::PUT | Method::PATCH) => Framing::Empty,
+        Some(n) => Framing::Length(n),
+        None => Framing::Chunked,
+    }
+}
+
+/// How far a failed write got.
+enum Sent {
+    Nothing(ExchangeError),
+    Part(ExchangeError),
+}
+
+impl Conn {
+    /// Writes the head in `out`, then the body: a whole one in the same
+    /// system call, a streamed one frame by frame.
+    async fn write_request(
+        &mut self,
+        body: &mut UpstreamBody,
+        framing: Framing,
+    ) -> Result<(), Sent> {
+        let mut written = 0;
+        let failed = |e, written| {
+            let e = ExchangeError::Write(e);
+            if written == 0 {
+                Sent::Nothing(e)
+            } else {
+                Sent::Part(e)
+            }
+        };
+        let stream = match body {
+            UpstreamBody::Full(b) => {
+                let data = b.as_deref().unwrap_or_default();
+                return h1::io::write_counted(&self.io, &mut [&self.out, data], &mut written)
+                    .await
+                    .map_err(|e| failed(e, written));
+            }
+            UpstreamBody::Stream(s) => s,
+        };
+        h1::io::write_counted(&self.io, &mut [&self.out], &mut written)
+            .await
+            .map_err(|e| failed(e, written))?;
+        let mut sent: u64 = 0;
+        let mut size = Vec::with_capacity(20);
+        loop {
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut *stream).poll_frame(cx)).await;
+            let data = match frame {
+                None => break,
+                Some(Err(e)) => return Err(Sent::Part(ExchangeError::RequestBody(e))),
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(d) if !d.is_empty() => d,
+                    _ => continue,
+                },
+            };
+            sent += data.len() as u64;
+            let parts: &mut [&[u8]] = match framing {
+                Framing::Length(n) if sent > n => {
+                    let e = std::io::Error::other("the request body is longer than its length");
+                    return Err(failed(e, written));
+                }
+                Framing::Chunked => {
+                    size.clear();
+                    encode::chunk_size(&mut size, data.len());
+                    &mut [&size, &data, b"\r\n"]
+                }
+                _ => &mut [&data],
+            };
+            h1::io::write_counted(&self.io, parts, &mut written)
+                .await
+                .map_err(|e| failed(e, written))?;
+        }
+        match framing {
+            Framing::Chunked => {
+                h1::io::write_counted(&self.io, &mut [encode::LAST_CHUNK], &mut written)
+                    .await
+                    .map_err(|e| failed(e, written))
+            }
+            Framing::Length(n) if sent < n => {
+                let e = std::io::Error::other("the request body is shorter than its length");
+                Err(failed(e, written))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Reads until a final response head is in (interim 1xx heads skipped).
+    async fn read_head(&mut self, method: &Method) -> Result<ResponseHead, ExchangeError> {
+        loop {
+            if !self.buf.is_empty() {
+                match h1::head::parse_response(&mut self.buf, method) {
+                    Ok(Some(h)) if h.parts.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                        return Err(ExchangeError::Upgrade)
+                    }
+                    Ok(Some(h)) if h.parts.status.is_informational() => continue,
+                    Ok(Some(h)) => return Ok(h),
+                    Ok(None) => {}
+                    Err(e) => return Err(ExchangeError::Head(e)),
+                }
+            }
+            match h1::io::read(&self.io, &mut self.buf, &mut self.reads).await {
+                Ok(0) => return Err(ExchangeError::ClosedBeforeHead),
+                Ok(_) => {}
+                Err(e) => return Err(ExchangeError::Read(e)),
+            }
+        }
+    }
+}
+
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         // A panic while holding the lock cannot leave the list inconsistent.
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// HTTP/1 wants the origin form (`/path?query`) and a Host header.
-    fn origin_form(&self, mut req: Request<UpstreamBody>) -> Request<UpstreamBody> {
-        let path = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *req.uri_mut() = Uri::from(path);
-        req.headers_mut()
-            .entry(header::HOST)
-            .or_insert_with(|| self.host.clone());
-        req
-    }
-
-    /// The newest idle connection that can take a request now. Closed ones
-    /// are dropped; one that is open but not ready yet stays for later.
-    /// `trust_fresh`: one given back within [`TRUSTED_IDLE`] and ready is
-    /// taken as it is.
-    fn take(&self, trust_fresh: bool) -> Option<Box<Conn>> {
+    /// The newest idle connection that is still good; the broken or
+    /// expired ones met on the way are dropped.
+    fn take(&self) -> Option<Box<Conn>> {
         let mut idle = self.lock();
-        let mut i = idle.len();
-        while i > 0 {
-            i -= 1;
-            let c = &mut idle[i];
-            if trust_fresh && c.conn.sender.is_ready() && c.since.elapsed() < TRUSTED_IDLE {
-                return Some(idle.swap_remove(i).conn);
-            }
-            if c.stale(self.idle_timeout) {
-                idle.swap_remove(i);
-            } else if c.conn.sender.is_ready() {
-                return Some(idle.swap_remove(i).conn);
+        while let Some(c) = idle.pop() {
+            if !c.stale(self.idle_timeout) {
+                return Some(c.conn);
             }
         }
         None
     }
 
     /// Takes back a connection whose last response was read to its end.
-    fn put(&self, mut conn: Box<Conn>) {
-        conn.settle();
-        if conn.closed() {
-            return;
-        }
+    fn put(&self, conn: Box<Conn>) {
         let mut idle = self.lock();
         if idle.len() < self.max_idle {
             idle.push(Idle {
@@ -276,6 +346,37 @@ impl Inner {
                 since: Instant::now(),
             });
         }
+    }
+
+    /// The response for `head`: its body lends the connection, or, when
+    /// the body came in whole with the head, is that buffer, and the
+    /// connection is back in the pool already.
+    fn response(self: &Arc<Self>, mut conn: Box<Conn>, head: ResponseHead) -> Response<ReplyBody> {
+        let whole = match head.framing {
+            Framing::Empty => Some(Bytes::new()),
+            // `n` is at most `buf.len()`, a usize.
+            Framing::Length(n) if conn.buf.len() as u64 >= n => {
+                Some(conn.buf.split_to(n as usize).freeze())
+            }
+            _ => None,
+        };
+        let body = match whole {
+            Some(data) => {
+                if head.keep_alive && conn.buf.is_empty() {
+                    self.put(conn);
+                }
+                ReplyBody::Full(Some(data))
+            }
+            None => ReplyBody::Engine(EngineBody {
+                decoder: Decoder::new(head.framing),
+                lease: Some(Lease {
+                    conn,
+                    pool: Arc::downgrade(self),
+                    keep_alive: head.keep_alive,
+                }),
+            }),
+        };
+        Response::from_parts(head.parts, body)
     }
 
     async fn connect(&self) -> Result<Box<Conn>, EngineError> {
@@ -289,13 +390,11 @@ impl Inner {
             .map_err(|e| fail(e.to_string()))?;
         // Without it every small write waits for the peer's delayed ACK.
         tcp.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
-        let (sender, io) = http1::handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| fail(e.to_string()))?;
         Ok(Box::new(Conn {
-            sender,
-            io,
-            done: false,
+            io: tcp,
+            buf: BytesMut::new(),
+            reads: ReadSize::default(),
+            out: Vec::with_capacity(1024),
         }))
     }
 
@@ -310,6 +409,13 @@ impl Inner {
     }
 }
 
+impl Idle {
+    /// Closed by the engine, written to unasked, or idle for `timeout`.
+    fn stale(&self, timeout: Duration) -> bool {
+        self.since.elapsed() >= timeout || h1::io::idle_is_broken(&self.conn.io)
+    }
+}
+
 /// Closes connections idle longer than the idle timeout or closed by the
 /// engine, until the pool is gone (dropping the pool aborts it; the weak
 /// reference is the backstop).
@@ -321,54 +427,103 @@ async fn reap(pool: Weak<Inner>) {
     loop {
         tokio::time::sleep(every).await;
         let Some(p) = pool.upgrade() else { return };
-        p.lock().retain_mut(|c| !c.stale(p.idle_timeout));
+        p.lock().retain(|c| !c.stale(p.idle_timeout));
     }
 }
 
-/// A connection lent to one response. Back to the pool when the body is
-/// dropped after its end; closed when it is dropped before (the engine then
-/// sees the client go, and stops generating).
+/// A connection lent to one response body.
 #[derive(Debug)]
 struct Lease {
     conn: Box<Conn>,
     pool: Weak<Inner>,
+    /// The response lets the connection carry another request.
+    keep_alive: bool,
 }
 
-/// A response body from an upstream. From the engine pool it holds its
-/// connection, and reading the body drives it.
+/// A response body from an upstream.
 #[derive(Debug)]
-pub struct ReplyBody {
-    inner: Incoming,
+pub enum ReplyBody {
+    /// Whole: it came in with its head (the connection is back in the pool).
+    Full(Option<Bytes>),
+    /// Still arriving on a connection of the engine pool.
+    Engine(EngineBody),
+    /// From hyper's clients (peers, the prefiller, h2c).
+    Hyper(Incoming),
+}
+
+/// A response body being read from the engine connection it holds: reading
+/// it drives the connection; read to its end, the connection goes back to
+/// the pool; dropped before (the client left), the connection is closed and
+/// the engine sees the request go, and stops generating.
+#[derive(Debug)]
+pub struct EngineBody {
+    decoder: Decoder,
+    /// `None` once the body ended or failed.
     lease: Option<Lease>,
-    /// The last frame was read (a chunked body says so only by ending).
-    ended: bool,
 }
 
 impl ReplyBody {
     /// A body from a client that manages its own connections.
     pub fn plain(inner: Incoming) -> Self {
-        Self {
-            inner,
-            lease: None,
-            ended: false,
-        }
-    }
-
-    fn leased(inner: Incoming, lease: Lease) -> Self {
-        Self {
-            inner,
-            lease: Some(lease),
-            ended: false,
-        }
+        Self::Hyper(inner)
     }
 }
 
-impl Drop for ReplyBody {
-    fn drop(&mut self) {
-        let ended = self.ended || self.inner.is_end_stream();
-        if let (Some(lease), true) = (self.lease.take(), ended) {
-            if let Some(pool) = lease.pool.upgrade() {
-                pool.put(lease.conn);
+impl EngineBody {
+    /// The body ended: the connection goes back if it may carry another
+    /// request and nothing past the body arrived on it.
+    fn finish(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            if lease.keep_alive && lease.conn.buf.is_empty() {
+                if let Some(pool) = lease.pool.upgrade() {
+                    pool.put(lease.conn);
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, e: ExchangeError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.lease = None;
+        Poll::Ready(Some(Err(Box::new(e))))
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            let Some(lease) = self.lease.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let conn = &mut *lease.conn;
+            match self.decoder.decode(&mut conn.buf) {
+                Ok(Decoded::Data(d)) => {
+                    if self.decoder.is_done() {
+                        self.finish();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(d))));
+                }
+                Ok(Decoded::End) => {
+                    self.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(Decoded::More) => {}
+                Err(e) => return self.fail(ExchangeError::Body(e)),
+            }
+            // Room for what is left of a known length, so that one read
+            // can take what has arrived (bounded: a frame at a time).
+            if let Some(left) = self.decoder.length_left() {
+                conn.buf.reserve(left.min(READ_AHEAD) as usize);
+            }
+            match h1::io::poll_read(&conn.io, &mut conn.buf, &mut conn.reads, cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(0)) => match self.decoder.at_eof() {
+                    // A body that runs until the close: its connection is spent.
+                    Ok(()) => {
+                        self.lease = None;
+                        return Poll::Ready(None);
+                    }
+                    Err(e) => return self.fail(ExchangeError::Body(e)),
+                },
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return self.fail(ExchangeError::Read(e)),
             }
         }
     }
@@ -376,399 +531,40 @@ impl Drop for ReplyBody {
 
 impl Body for ReplyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        if let Some(lease) = this.lease.as_mut() {
-            // A failed connection hands its error to the body.
-            lease.conn.drive(cx);
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            Self::Full(b) => Poll::Ready(
+                b.take()
+                    .filter(|b| !b.is_empty())
+                    .map(|b| Ok(Frame::data(b))),
+            ),
+            Self::Engine(b) => b.poll_frame(cx),
+            Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if let Poll::Ready(None) = polled {
-            this.ended = true;
-        }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match self {
+            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            Self::Engine(b) => b.lease.is_none() || b.decoder.is_done(),
+            Self::Hyper(b) => b.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self {
+            Self::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Self::Engine(b) => b.decoder.size_hint(),
+            Self::Hyper(b) => b.size_hint(),
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use std::convert::Infallible;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use futures_util::StreamExt;
-    use http_body_util::{BodyExt, Full, StreamBody};
-    use hyper::service::service_fn;
-    use tokio::net::TcpListener;
-    use tokio::sync::Semaphore;
-
-    use super::*;
-
-    type TestBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
-
-    /// A fake engine on loopback that counts the connections it accepted and
-    /// saw end. `/hold` answers once `gate` gives a permit; `/stream` sends one
-    /// chunk and then nothing.
-    struct FakeEngine {
-        authority: Authority,
-        accepted: Arc<AtomicUsize>,
-        ended: Arc<AtomicUsize>,
-        gate: Arc<Semaphore>,
-    }
-
-    async fn fake_engine(keep_alive: bool) -> FakeEngine {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let ended = Arc::new(AtomicUsize::new(0));
-        let gate = Arc::new(Semaphore::new(0));
-        let (a, e, g) = (accepted.clone(), ended.clone(), gate.clone());
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                a.fetch_add(1, Ordering::SeqCst);
-                let (e, g) = (e.clone(), g.clone());
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req: Request<Incoming>| {
-                        let g = g.clone();
-                        async move {
-                            let body: TestBody = match req.uri().path() {
-                                "/hold" => {
-                                    g.acquire().await.expect("gate").forget();
-                                    Full::new(Bytes::from_static(b"held")).boxed()
-                                }
-                                "/stream" => {
-                                    let chunks = futures_util::stream::iter([Ok::<_, Infallible>(
-                                        Frame::data(Bytes::from_static(b"first")),
-                                    )])
-                                    .chain(futures_util::stream::pending());
-                                    BodyExt::boxed(StreamBody::new(chunks))
-                                }
-                                _ => Full::new(Bytes::from_static(b"ok")).boxed(),
-                            };
-                            Ok::<_, Infallible>(Response::new(body))
-                        }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .keep_alive(keep_alive)
-                        .serve_connection(TokioIo::new(tcp), svc)
-                        .await;
-                    e.fetch_add(1, Ordering::SeqCst);
-                });
-            }
-        });
-        FakeEngine {
-            authority: Authority::try_from(addr.to_string()).expect("authority"),
-            accepted,
-            ended,
-            gate,
-        }
-    }
-
-    fn pool(engine: &FakeEngine, max_idle: usize, idle_timeout: Duration) -> EnginePool {
-        EnginePool::new(
-            engine.authority.clone(),
-            Duration::from_secs(5),
-            max_idle,
-            idle_timeout,
-        )
-    }
-
-    fn get(engine: &FakeEngine, path: &str) -> Request<UpstreamBody> {
-        get_at(&engine.authority, path)
-    }
-
-    fn get_at(authority: &Authority, path: &str) -> Request<UpstreamBody> {
-        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
-        *req.uri_mut() = format!("http://{authority}{path}").parse().expect("uri");
-        req
-    }
-
-    async fn fetch(pool: &EnginePool, engine: &FakeEngine, path: &str) -> String {
-        text(pool.send(get(engine, path)).await.expect("response")).await
-    }
-
-    async fn text(resp: Response<ReplyBody>) -> String {
-        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-        String::from_utf8(bytes.to_vec()).expect("utf-8")
-    }
-
-    /// Waits (bounded) until `cond` holds.
-    async fn until(what: &str, cond: impl Fn() -> bool) {
-        for _ in 0..500 {
-            if cond() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("timed out waiting until {what}");
-    }
-
-    /// `n` requests to `/hold`, each in its own task, once each has its own
-    /// connection: their answers come when the engine's gate opens.
-    async fn held_requests(
-        pool: &Arc<EnginePool>,
-        engine: &FakeEngine,
-        n: usize,
-    ) -> Vec<tokio::task::JoinHandle<String>> {
-        let sends = (0..n)
-            .map(|_| {
-                let (pool, req) = (pool.clone(), get(engine, "/hold"));
-                tokio::spawn(async move { text(pool.send(req).await.expect("response")).await })
-            })
-            .collect();
-        until("every held request has its own connection", || {
-            engine.accepted.load(Ordering::SeqCst) == n
-        })
-        .await;
-        sends
-    }
-
-    #[tokio::test]
-    async fn sequential_requests_share_one_connection() {
-        let engine = fake_engine(true).await;
-        let pool = pool(&engine, 8, Duration::from_secs(60));
-        for _ in 0..5 {
-            assert_eq!(fetch(&pool, &engine, "/").await, "ok");
-            // The body was read and dropped: the connection is back.
-            until("the connection is ready again", || {
-                pool.inner.lock().iter().any(|c| c.conn.sender.is_ready())
-            })
-            .await;
-        }
-        assert_eq!(engine.accepted.load(Ordering::SeqCst), 1);
-        assert_eq!(pool.idle(), 1);
-    }
-
-    #[tokio::test]
-    async fn a_busy_connection_is_not_shared_and_idle_ones_are_capped() {
-        let engine = fake_engine(true).await;
-        let pool = Arc::new(pool(&engine, 1, Duration::from_secs(60)));
-        let sends = held_requests(&pool, &engine, 2).await;
-        engine.gate.add_permits(2);
-        for s in sends {
-            assert_eq!(s.await.expect("task"), "held");
-        }
-        // max_idle = 1: the second connection back is closed, not kept.
-        assert_eq!(pool.idle(), 1);
-        until("the engine saw the extra connection close", || {
-            engine.ended.load(Ordering::SeqCst) == 1
-        })
-        .await;
-    }
-
-    #[tokio::test]
-    async fn an_engine_closing_every_connection_costs_no_request() {
-        let engine = fake_engine(false).await;
-        let pool = pool(&engine, 8, Duration::from_secs(60));
-        for _ in 0..5 {
-            assert_eq!(fetch(&pool, &engine, "/").await, "ok");
-        }
-        assert_eq!(engine.accepted.load(Ordering::SeqCst), 5);
-    }
-
-    #[tokio::test]
-    async fn a_body_dropped_half_read_closes_its_connection() {
-        let engine = fake_engine(true).await;
-        let pool = pool(&engine, 8, Duration::from_secs(60));
-        let mut body = pool
-            .send(get(&engine, "/stream"))
-            .await
-            .expect("response")
-            .into_body();
-        let first = body.frame().await.expect("a frame").expect("data");
-        assert_eq!(first.into_data().ok(), Some(Bytes::from_static(b"first")));
-        drop(body);
-        until("the half-read connection is closed", || {
-            engine.ended.load(Ordering::SeqCst) == 1
-        })
-        .await;
-        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
-        assert_eq!(engine.accepted.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn idle_connections_are_closed_after_the_idle_timeout() {
-        let engine = fake_engine(true).await;
-        let pool = pool(&engine, 8, Duration::from_millis(200));
-        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
-        assert_eq!(pool.idle(), 1);
-        until("the idle connection is closed", || {
-            engine.ended.load(Ordering::SeqCst) == 1
-        })
-        .await;
-        assert_eq!(pool.idle(), 0);
-    }
-
-    #[tokio::test]
-    async fn dropping_the_pool_closes_its_connections_and_stops_its_reaper() {
-        let engine = fake_engine(true).await;
-        let metrics = tokio::runtime::Handle::current().metrics();
-        // The fake engine's accept loop.
-        let before = metrics.num_alive_tasks();
-        let pool = pool(&engine, 8, Duration::from_secs(60));
-        assert_eq!(fetch(&pool, &engine, "/").await, "ok");
-        drop(pool);
-        until("the engine saw the idle connection close", || {
-            engine.ended.load(Ordering::SeqCst) == 1
-        })
-        .await;
-        until("no task of the pool is left", || {
-            metrics.num_alive_tasks() == before
-        })
-        .await;
-    }
-
-    #[tokio::test]
-    async fn a_connection_has_no_task_of_its_own() {
-        let engine = fake_engine(true).await;
-        let metrics = tokio::runtime::Handle::current().metrics();
-        let pool = Arc::new(pool(&engine, 8, Duration::from_secs(60)));
-        // The fake engine's accept loop and the pool's reaper.
-        let before = metrics.num_alive_tasks();
-        let held = held_requests(&pool, &engine, 3).await;
-        // The three requests' tasks and the engine's three connection
-        // tasks; none for the pool's side of the connections.
-        assert_eq!(metrics.num_alive_tasks(), before + 6);
-        engine.gate.add_permits(3);
-        for h in held {
-            assert_eq!(h.await.expect("task"), "held");
-        }
-        assert_eq!(pool.idle(), 3);
-    }
-
-    /// An engine that answers one request per connection and then closes it
-    /// without saying so (no `Connection: close`): a keep-alive timeout
-    /// that fell between two requests. It closes at once, or, with `hold`,
-    /// once the notify fires (counting the closes).
-    async fn one_shot_engine(
-        hold: Option<(Arc<tokio::sync::Notify>, Arc<AtomicUsize>)>,
-    ) -> (Authority, Arc<AtomicUsize>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let a = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((mut tcp, _)) = listener.accept().await {
-                a.fetch_add(1, Ordering::SeqCst);
-                let hold = hold.clone();
-                tokio::spawn(async move {
-                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match tcp.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    let _ = tcp.write_all(reply).await;
-                    if let Some((close, closed)) = hold {
-                        close.notified().await;
-                        drop(tcp);
-                        closed.fetch_add(1, Ordering::SeqCst);
-                    }
-                    // Otherwise closed as the task ends.
-                });
-            }
-        });
-        (
-            Authority::try_from(addr.to_string()).expect("authority"),
-            accepted,
-        )
-    }
-
-    #[tokio::test]
-    async fn a_fresh_connection_the_engine_closed_is_retried_on_a_new_one() {
-        let close = Arc::new(tokio::sync::Notify::new());
-        let closed = Arc::new(AtomicUsize::new(0));
-        let (authority, accepted) = one_shot_engine(Some((close.clone(), closed.clone()))).await;
-        let pool = EnginePool::new(
-            authority.clone(),
-            Duration::from_secs(5),
-            8,
-            Duration::from_secs(60),
-        );
-        let resp = pool
-            .send(get_at(&authority, "/"))
-            .await
-            .expect("first response");
-        assert_eq!(text(resp).await, "ok");
-        assert_eq!(pool.idle(), 1);
-        // The engine closes the idle connection just after giving it back:
-        // well within TRUSTED_IDLE, so the next request takes it unlooked.
-        close.notify_one();
-        until("the engine closed the connection", || {
-            closed.load(Ordering::SeqCst) == 1
-        })
-        .await;
-        let resp = pool
-            .send(get_at(&authority, "/"))
-            .await
-            .expect("a retry on a new connection");
-        assert_eq!(text(resp).await, "ok");
-        assert_eq!(accepted.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn an_idle_connection_the_engine_closed_costs_no_request() {
-        let (authority, accepted) = one_shot_engine(None).await;
-        let pool = EnginePool::new(
-            authority.clone(),
-            Duration::from_secs(5),
-            8,
-            Duration::from_secs(60),
-        );
-        for n in 1..=4 {
-            let resp = pool
-                .send(get_at(&authority, "/"))
-                .await
-                .expect("a response on a fresh connection");
-            assert_eq!(text(resp).await, "ok");
-            // Each close is seen when the connection is next looked at, at
-            // the latest: a request never goes out on it.
-            assert_eq!(accepted.load(Ordering::SeqCst), n);
-        }
-    }
-
-    #[tokio::test]
-    async fn a_refused_connection_is_a_connect_error_and_sends_the_host() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let authority = Authority::try_from(listener.local_addr().expect("addr").to_string())
-            .expect("authority");
-        drop(listener);
-        let pool = EnginePool::new(
-            authority.clone(),
-            Duration::from_secs(5),
-            8,
-            Duration::from_secs(60),
-        );
-        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
-        *req.uri_mut() = format!("http://{authority}/v1/models")
-            .parse()
-            .expect("uri");
-        let e = pool.send(req).await.expect_err("nothing listens");
-        assert!(matches!(e, EngineError::Connect { .. }), "{e}");
-
-        // The origin form and Host header an HTTP/1.1 engine expects.
-        let mut req = Request::new(UpstreamBody::Full(Full::new(Bytes::new())));
-        *req.uri_mut() = format!("http://{authority}/v1/models?x=1")
-            .parse()
-            .expect("uri");
-        let req = pool.inner.origin_form(req);
-        assert_eq!(req.uri().to_string(), "/v1/models?x=1");
-        assert_eq!(req.headers()[header::HOST], authority.as_str());
-    }
-}
+#[path = "engine_tests.rs"]
+mod tests;

@@ -1,13 +1,21 @@
-//! Accepting connections: TCP (TLS optional), HTTP/1.1 and HTTP/2 by prior
-//! knowledge or ALPN (hyper-util's auto server), a bounded number of
+//! Accepting connections: TCP (TLS optional), a bounded number of
 //! connections, and graceful shutdown: stop accepting, let each connection
 //! finish its in-flight requests up to the drain deadline, then cut the rest.
 //! Every connection task is owned by the [`JoinSet`] of its listener.
 //!
+//! Plain TCP connections speak HTTP/1.1 through kvmesh's own codec
+//! (`h1.rs`), unless they open with the HTTP/2 preface; HTTP/2 by prior
+//! knowledge and everything over TLS (HTTP/1.1 or HTTP/2 by ALPN) go to
+//! hyper-util's auto server ([`serve_conn`]).
+//!
 //! Slow clients are bounded: a connection whose first request has not begun
-//! within `timeouts.request_head` is closed (hyper's HTTP/1.1 header timeout
-//! covers later heads, and its size limit answers oversize heads with 431),
-//! and each cut is counted in `kvmesh_client_connections_rejected_total`.
+//! within `timeouts.request_head` is closed (every later head has the same
+//! deadline; an oversize head is answered 431), and each cut is counted in
+//! `kvmesh_client_connections_rejected_total`.
+
+mod h1;
+
+pub use h1::BodyReader;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
-use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -26,7 +33,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
-use crate::body::ResponseBody;
+use crate::body::{IncomingBody, ResponseBody};
 use crate::metrics::{Listener, Metrics, RejectReason};
 use crate::shutdown::Shutdown;
 
@@ -34,7 +41,7 @@ use crate::shutdown::Shutdown;
 pub trait Handler: Clone + Send + Sync + 'static {
     fn handle(
         self,
-        req: Request<Incoming>,
+        req: Request<IncomingBody>,
     ) -> impl Future<Output = Response<ResponseBody>> + Send + 'static;
 }
 
@@ -118,7 +125,7 @@ pub async fn serve<H: Handler>(
         conns.spawn(async move {
             let _permit = permit;
             match tls {
-                None => serve_conn(&builder, tcp, handler, &shutdown, &limits).await,
+                None => h1::serve(tcp, handler, &shutdown, &limits, &builder).await,
                 Some(acceptor) => match tokio::time::timeout(handshake, acceptor.accept(tcp)).await
                 {
                     Ok(Ok(tls)) => serve_conn(&builder, tls, handler, &shutdown, &limits).await,
@@ -191,7 +198,7 @@ async fn serve_conn<I, H>(
     // an HTTP/2 preface, and a client may send nothing at all.
     let started = Arc::new(AtomicBool::new(false));
     let seen = started.clone();
-    let service = service_fn(move |req| {
+    let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         seen.store(true, Ordering::Relaxed);
         // Boxed: hyper moves the service's future into its dispatcher, and
         // this wrapper holds the handler's; the request path's is about
@@ -199,7 +206,7 @@ async fn serve_conn<I, H>(
         // moves a pointer. Paced requests (one at a time, caches cold) cost a
         // few percent less CPU for it (docs/bench-tool.md, "Paced: user
         // time, not syscalls").
-        let fut = Box::pin(handler.clone().handle(req));
+        let fut = Box::pin(handler.clone().handle(req.map(IncomingBody::Hyper)));
         async move { Ok::<_, Infallible>(fut.await) }
     });
     let conn = builder.serve_connection(TokioIo::new(io), service);
