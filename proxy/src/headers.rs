@@ -29,8 +29,8 @@ pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port
 const MAX_REQUEST_ID: usize = 128;
 
 /// Hop-by-hop by definition (RFC 9110 section 7.6.1, and the `keep-alive` and
-/// `proxy-connection` of older clients); `transfer-encoding` too, since hyper
-/// frames each hop itself. A match on the lowercase name, not a comparison with
+/// `proxy-connection` of older clients); `transfer-encoding` too, since each
+/// hop's codec frames its body itself. A match on the lowercase name, not a comparison with
 /// each of a list of `HeaderName`s: it runs for every header of every request
 /// and response, and was about 130 instructions a header that way (callgrind).
 fn hop_by_hop(name: &HeaderName) -> bool {
@@ -59,13 +59,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 /// hop-by-hop list is cheaper than a hashed removal per listed name.
 pub fn strip(h: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
     // Names listed in Connection are hop-by-hop as well.
-    let named: Vec<HeaderName> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
+    let named = connection_named(h);
     let doomed: Vec<HeaderName> = h
         .keys()
         .filter(|k| hop_by_hop(k) || named.contains(k) || also(k))
@@ -74,6 +68,30 @@ pub fn strip(h: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
     for name in doomed {
         h.remove(name);
     }
+}
+
+/// Appends `from`'s end-to-end headers to `to`: those [`strip`] would keep,
+/// without copying the whole map and removing from it (a removal shifts
+/// the map's entries; copying what is kept touches each header once).
+pub fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
+    let named = connection_named(from);
+    to.reserve(from.len());
+    for (name, value) in from {
+        if !(hop_by_hop(name) || named.contains(name) || also(name)) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+/// The header names a `Connection` field lists (hop-by-hop as well); no
+/// allocation when there are none.
+fn connection_named(h: &HeaderMap) -> Vec<HeaderName> {
+    h.get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect()
 }
 
 /// The client's `X-Request-Id` when it is usable, else a fresh UUID v4.
@@ -130,6 +148,32 @@ mod tests {
         strip(&mut h, |n| n == header::HOST);
         assert_eq!(h.len(), 2, "{h:?}");
         assert_eq!(h.get_all("x-kept").iter().count(), 2);
+    }
+
+    #[test]
+    fn copying_end_to_end_keeps_what_strip_keeps() {
+        let mut from = HeaderMap::new();
+        from.insert(header::CONNECTION, HeaderValue::from_static("x-secret"));
+        from.insert("x-secret", HeaderValue::from_static("1"));
+        from.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        from.insert(header::HOST, HeaderValue::from_static("a"));
+        from.append("x-kept", HeaderValue::from_static("1"));
+        from.append("x-kept", HeaderValue::from_static("2"));
+        from.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let mut to = HeaderMap::new();
+        to.insert("x-already", HeaderValue::from_static("there"));
+        copy_end_to_end(&from, &mut to, |n| n == header::HOST);
+        let mut stripped = from.clone();
+        strip(&mut stripped, |n| n == header::HOST);
+        stripped.insert("x-already", HeaderValue::from_static("there"));
+        assert_eq!(to, stripped);
+        assert_eq!(to.get_all("x-kept").iter().count(), 2);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::config::Config;
 use crate::error::{error_chain, ProxyError, UpstreamName};
 use crate::fleet::Fleet;
-use crate::headers::{strip, strip_hop_by_hop, REQUEST_ID, ROUTED};
+use crate::headers::{copy_end_to_end, strip_hop_by_hop, REQUEST_ID, ROUTED};
 use crate::metrics::Metrics;
 use crate::otel::Hop;
 use crate::prefix::PrefixState;
@@ -303,14 +303,13 @@ fn build_request(
     *out.method_mut() = head.method.clone();
     *out.uri_mut() = uri;
     let headers = out.headers_mut();
-    headers.clone_from(&head.headers);
     let to_engine = !matches!(upstream, Upstream::Peer(_));
-    // Hop-by-hop headers and, in the same pass: the client's length of a
-    // body the pool measures itself; llm-d's P/D headers, which are for this
-    // sidecar (the engine never sees them); Host, which the client pool sets
-    // from the upstream URI, as a reverse proxy should; the mesh's routing
-    // marks, towards an engine.
-    strip(headers, |n| {
+    // The client's headers but the hop-by-hop ones and, in the same pass:
+    // the client's length of a body the pool measures itself; llm-d's P/D
+    // headers, which are for this sidecar (the engine never sees them);
+    // Host, which the client pool sets from the upstream URI, as a reverse
+    // proxy should; the mesh's routing marks, towards an engine.
+    copy_end_to_end(&head.headers, headers, |n| {
         (rewritten && n == header::CONTENT_LENGTH)
             || n == crate::headers::PREFILLER
             || n == header::HOST
