@@ -44,7 +44,7 @@ pub use faults::{FaultScript, Faults};
 pub use kv::client::{replay, DecodedBatch, DecodedEvent, KvMessage, KvSubscriber};
 pub use kv::publisher::KvEndpoints;
 pub use process::SimProcess;
-pub use profile::LatencyProfile;
+pub use profile::{LatencyProfile, StepLoad};
 pub use stats::{CompletedRequest, ReceivedRequest, SimStats};
 
 /// Why an engine could not start or act.

@@ -9,6 +9,7 @@
 //! what the decider chose (the share of requests it split) and whether that
 //! was the better option.
 
+use kvmesh_engine_sim::{LatencyProfile, StepLoad};
 use serde::Serialize;
 
 use super::sweep::{self, Point, Run, Slo};
@@ -65,6 +66,12 @@ pub struct PdPaysCell {
     /// Whether the decider chose the better option (any choice is right
     /// when it is `either`).
     pub decider_right: Option<bool>,
+    /// The long prompts' prefill as a share of the prefill pods' time when
+    /// every one is split, from the GPU profile (the rate of long prompts
+    /// times one's prefill, chunked as the engine runs it, over the prefill
+    /// pods): above 1 they cannot keep up, and no choice per request on
+    /// the split fleet can match an aggregated one, whose every pod prefills.
+    pub prefill_load: f64,
 }
 
 /// What one option measured in a cell (medians over seeds).
@@ -159,8 +166,12 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
             }
         }
         let points = sweep::points(&runs);
+        let prefill_s = prefill_seconds(&spec.profile, len);
         for &rate in &rates {
-            cells.push(cell(len, rate, &points, &runs, prefill, &slo));
+            let mut c = cell(len, rate, &points, &runs, prefill, &slo);
+            // A quarter of the requests are long.
+            c.prefill_load = rate / 4.0 * prefill_s / prefill.max(1) as f64;
+            cells.push(c);
         }
         all.extend(runs.into_iter().map(|run| PdPaysRun {
             prompt_tokens: len,
@@ -189,8 +200,17 @@ pub fn table(out: &mut String, g: &PdPays) {
     );
     let _ = writeln!(
         out,
-        "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6}",
-        "prompt", "rate/s", "aggregated", "P/D", "decider", "split", "chose", "better", "right"
+        "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6} {:>8}",
+        "prompt",
+        "rate/s",
+        "aggregated",
+        "P/D",
+        "decider",
+        "split",
+        "chose",
+        "better",
+        "right",
+        "prefill"
     );
     let m = |v: &Option<Measured>| {
         v.as_ref().map_or("-".to_owned(), |m| {
@@ -206,7 +226,7 @@ pub fn table(out: &mut String, g: &PdPays) {
     for c in &g.cells {
         let _ = writeln!(
             out,
-            "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6}",
+            "{:>7} {:>6} {:>22} {:>22} {:>22} {:>6} {:>10} {:>10} {:>6} {:>8.2}",
             c.prompt_tokens,
             c.rate,
             m(&c.aggregated),
@@ -218,6 +238,7 @@ pub fn table(out: &mut String, g: &PdPays) {
             c.better.unwrap_or("-"),
             c.decider_right
                 .map_or("-", |r| if r { "yes" } else { "no" }),
+            c.prefill_load,
         );
     }
 }
@@ -272,7 +293,22 @@ fn cell(
         decider_choice: choice,
         better,
         decider_right: choice.zip(better).map(|(c, b)| b == "either" || b == c),
+        prefill_load: 0.0,
     }
+}
+
+/// Seconds an engine of `profile` takes to prefill a `tokens`-token prompt
+/// alone, in chunks of its `max_num_batched_tokens` as the simulator (and
+/// vLLM's chunked prefill) runs it.
+fn prefill_seconds(profile: &LatencyProfile, tokens: usize) -> f64 {
+    let chunk = profile.max_num_batched_tokens.max(1);
+    (0..tokens)
+        .step_by(chunk)
+        .map(|start| {
+            let len = chunk.min(tokens - start);
+            profile.step_seconds(&StepLoad::default().with_chunk(start, len))
+        })
+        .sum()
 }
 
 /// The better of aggregated and P/D. First the SLO, as capacity at SLO
@@ -324,6 +360,18 @@ mod tests {
             goodput_range: None,
             errors: 0,
         }
+    }
+
+    #[test]
+    fn prefill_time_follows_the_profile_chunk_by_chunk() {
+        let p = LatencyProfile::load(super::super::PROFILE).expect("the peers profile");
+        let chunk = p.max_num_batched_tokens;
+        // One chunk is one step of the profile.
+        let one = prefill_seconds(&p, chunk);
+        assert!((one - p.step_seconds(&StepLoad::prefill(chunk))).abs() < 1e-12);
+        // The second chunk attends to the first's context too: it costs more.
+        assert!(prefill_seconds(&p, 2 * chunk) > 2.0 * one);
+        assert!(prefill_seconds(&p, 6000) > prefill_seconds(&p, 3000));
     }
 
     #[test]
