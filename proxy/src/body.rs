@@ -358,7 +358,7 @@ impl Relay {
 }
 
 /// A whole body's one frame, then its end.
-fn take_full(b: &mut Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+pub(crate) fn take_full(b: &mut Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
     Poll::Ready(
         b.take()
             .filter(|b| !b.is_empty())
@@ -366,7 +366,8 @@ fn take_full(b: &mut Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError
     )
 }
 
-fn full_hint(b: &Option<Bytes>) -> SizeHint {
+/// The exact size of a whole body.
+pub(crate) fn full_hint(b: &Option<Bytes>) -> SizeHint {
     SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
 }
 

@@ -84,11 +84,9 @@ fn slots<'b>() -> Slots<'b> {
 pub fn parse_request(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> {
     let mut raw = slots();
     let mut req = httparse::Request::new(&mut []);
-    let len = match req.parse_with_uninit_headers(buf, &mut raw) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return partial(buf),
-        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(_) => return Err(HeadError::Malformed("request head")),
+    let parsed = req.parse_with_uninit_headers(buf, &mut raw);
+    let Some(len) = head_len(parsed, buf, "request head")? else {
+        return Ok(None);
     };
     let method = Method::from_bytes(req.method.unwrap_or("").as_bytes())
         .map_err(|_| HeadError::Malformed("method"))?;
@@ -129,11 +127,8 @@ pub fn parse_response(
     let mut resp = httparse::Response::new(&mut []);
     let parsed = httparse::ParserConfig::default()
         .parse_response_with_uninit_headers(&mut resp, buf, &mut raw);
-    let len = match parsed {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return partial(buf),
-        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooManyHeaders),
-        Err(_) => return Err(HeadError::Malformed("response head")),
+    let Some(len) = head_len(parsed, buf, "response head")? else {
+        return Ok(None);
     };
     let status =
         StatusCode::from_u16(resp.code.unwrap_or(0)).map_err(|_| HeadError::Malformed("status"))?;
@@ -151,6 +146,21 @@ pub fn parse_response(
         framing,
         keep_alive,
     }))
+}
+
+/// The head's length from httparse's verdict; `None` while it is not
+/// complete (and still fits), `what` naming the head in the error.
+fn head_len(
+    parsed: httparse::Result<usize>,
+    buf: &BytesMut,
+    what: &'static str,
+) -> Result<Option<usize>, HeadError> {
+    match parsed {
+        Ok(httparse::Status::Complete(n)) => Ok(Some(n)),
+        Ok(httparse::Status::Partial) => partial(buf),
+        Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooManyHeaders),
+        Err(_) => Err(HeadError::Malformed(what)),
+    }
 }
 
 fn partial<T>(buf: &BytesMut) -> Result<Option<T>, HeadError> {

@@ -214,20 +214,7 @@ impl Conn {
         let mut watch = inbound.is_none();
         let resp = {
             let Self { io, buf, reads, .. } = self;
-            std::future::poll_fn(|cx| {
-                if let Poll::Ready(r) = fut.as_mut().poll(cx) {
-                    return Poll::Ready(Some(r));
-                }
-                if watch {
-                    match watch_client(io, buf, reads, cx) {
-                        Watch::Gone => return Poll::Ready(None),
-                        Watch::Full => watch = false,
-                        Watch::Quiet => {}
-                    }
-                }
-                Poll::Pending
-            })
-            .await
+            watching(io, buf, reads, &mut watch, |cx| fut.as_mut().poll(cx)).await
         };
         drop(fut);
         let Some(resp) = resp else {
@@ -342,18 +329,8 @@ impl Conn {
                         return false;
                     }
                     let Self { io, buf, reads, .. } = self;
-                    let next = std::future::poll_fn(|cx| {
-                        if let Poll::Ready(f) = Pin::new(&mut body).poll_frame(cx) {
-                            return Poll::Ready(Some(f));
-                        }
-                        if watch {
-                            match watch_client(io, buf, reads, cx) {
-                                Watch::Gone => return Poll::Ready(None),
-                                Watch::Full => watch = false,
-                                Watch::Quiet => {}
-                            }
-                        }
-                        Poll::Pending
+                    let next = watching(io, buf, reads, &mut watch, |cx| {
+                        Pin::new(&mut body).poll_frame(cx)
                     })
                     .await;
                     match next {
@@ -472,6 +449,32 @@ fn poll_now(
     body: Pin<&mut ResponseBody>,
 ) -> Poll<Option<Result<Frame<Bytes>, crate::body::BoxError>>> {
     body.poll_frame(&mut Context::from_waker(std::task::Waker::noop()))
+}
+
+/// Polls `work` to its end, watching the client meanwhile while `*watch`
+/// (see [`watch_client`]); `None` when the client went away first. A client
+/// that filled the head buffer is not watched again.
+async fn watching<T>(
+    io: &TcpStream,
+    buf: &mut BytesMut,
+    reads: &mut ReadSize,
+    watch: &mut bool,
+    mut work: impl FnMut(&mut Context<'_>) -> Poll<T>,
+) -> Option<T> {
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = work(cx) {
+            return Poll::Ready(Some(r));
+        }
+        if *watch {
+            match watch_client(io, buf, reads, cx) {
+                Watch::Gone => return Poll::Ready(None),
+                Watch::Full => *watch = false,
+                Watch::Quiet => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// Reads what the client sent while it should have nothing to send: a

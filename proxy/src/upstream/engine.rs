@@ -538,11 +538,7 @@ impl Body for ReplyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            Self::Full(b) => Poll::Ready(
-                b.take()
-                    .filter(|b| !b.is_empty())
-                    .map(|b| Ok(Frame::data(b))),
-            ),
+            Self::Full(b) => crate::body::take_full(b),
             Self::Engine(b) => b.poll_frame(cx),
             Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
@@ -558,7 +554,7 @@ impl Body for ReplyBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Self::Full(b) => crate::body::full_hint(b),
             Self::Engine(b) => b.decoder.size_hint(),
             Self::Hyper(b) => b.size_hint(),
         }
