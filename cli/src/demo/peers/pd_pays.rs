@@ -139,6 +139,7 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
     for &len in &lengths {
         let mut p = p.clone();
         p.long_input = len;
+        let long_share = 1.0 / (1 + p.short_per_long) as f64;
         let bench = Bench {
             name: "pd-pays",
             description: String::new(),
@@ -168,10 +169,9 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
         let points = sweep::points(&runs);
         let prefill_s = prefill_seconds(&spec.profile, len);
         for &rate in &rates {
-            let mut c = cell(len, rate, &points, &runs, prefill, &slo);
-            // A quarter of the requests are long.
-            c.prefill_load = rate / 4.0 * prefill_s / prefill.max(1) as f64;
-            cells.push(c);
+            // The long prompts' prefill, all of it on the prefill pods.
+            let load = rate * long_share * prefill_s / prefill.max(1) as f64;
+            cells.push(cell(len, rate, &points, &runs, prefill, &slo, load));
         }
         all.extend(runs.into_iter().map(|run| PdPaysRun {
             prompt_tokens: len,
@@ -251,6 +251,7 @@ fn cell(
     runs: &[Run],
     prefill: usize,
     slo: &Slo,
+    prefill_load: f64,
 ) -> PdPaysCell {
     let at = |r: Router| {
         points
@@ -293,7 +294,7 @@ fn cell(
         decider_choice: choice,
         better,
         decider_right: choice.zip(better).map(|(c, b)| b == "either" || b == c),
-        prefill_load: 0.0,
+        prefill_load,
     }
 }
 
