@@ -14,7 +14,9 @@
 //! * [`stats::Summary`] and [`report`]: percentiles and rates, then a text
 //!   table with ratios to a baseline, JSON, and a PNG plot;
 //! * [`fake::FastEngine`]: an instant fake engine for proxy-overhead runs,
-//!   and [`overhead`]: the direct / kvmesh / nginx comparison.
+//!   and [`overhead`]: the direct / kvmesh / nginx comparison;
+//! * [`valkey`]: real `valkey-server` processes (one, a primary with a
+//!   replica, a cluster of three) for the Valkey index's tests and benches.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), kvmesh_loadgen::LoadgenError> {
@@ -40,6 +42,7 @@ pub mod runner;
 pub mod soak;
 pub mod sse;
 pub mod stats;
+pub mod valkey;
 pub mod workload;
 
 pub use client::{Client, ClientConfig, Target};
