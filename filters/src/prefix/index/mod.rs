@@ -91,6 +91,27 @@ pub struct ApplyStats {
     pub evicted: usize,
 }
 
+/// A block key an [`PrefixIndex::apply_touching`] batch changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Touched {
+    pub key: BlockKey,
+    /// The index in the batch of the `BlockStored` event that stored it, or
+    /// [`Touched::REMOVED`].
+    pub event: u32,
+}
+
+impl Touched {
+    /// `event` of a key a removal or an eviction touched.
+    pub const REMOVED: u32 = u32::MAX;
+
+    fn removed(key: BlockKey) -> Self {
+        Touched {
+            key,
+            event: Self::REMOVED,
+        }
+    }
+}
+
 /// Index size, for metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IndexStats {
@@ -227,18 +248,68 @@ impl PrefixIndex {
     /// Applies one batch of `pod`'s events. `model` is the served model (from
     /// the topic or the pod's config); an event's `lora_name` overrides it.
     pub fn apply(&self, pod: PodId, model: &str, batch: &EventBatch) -> ApplyStats {
+        self.apply_inner(pod, model, batch, None)
+    }
+
+    /// [`Self::apply`], also pushing onto `touched` every block key whose
+    /// holding by `pod` the batch may have changed (stored, removed or
+    /// evicted; a key may appear more than once), each with the index of
+    /// the `BlockStored` event that stored it ([`Touched::REMOVED`] for
+    /// removals and evictions), so a caller can read the event's
+    /// `lora_name`. An `AllBlocksCleared` pushes nothing: `cleared` in the
+    /// stats says the pod starts over. A writer that mirrors one pod
+    /// elsewhere reads each touched key's new state with
+    /// [`Self::pod_mediums`].
+    pub fn apply_touching(
+        &self,
+        pod: PodId,
+        model: &str,
+        batch: &EventBatch,
+        touched: &mut Vec<Touched>,
+    ) -> ApplyStats {
+        self.apply_inner(pod, model, batch, Some(touched))
+    }
+
+    fn apply_inner(
+        &self,
+        pod: PodId,
+        model: &str,
+        batch: &EventBatch,
+        mut touched: Option<&mut Vec<Touched>>,
+    ) -> ApplyStats {
         let mut stats = ApplyStats::default();
         let Some(state) = self.state(pod) else {
             return stats;
         };
         let mut st = state.lock();
         let mut keys = Vec::new();
-        for ev in &batch.events {
+        for (i, ev) in batch.events.iter().enumerate() {
             match ev {
                 KvEvent::BlockStored(s) => {
-                    self.stored(pod, model, s, &mut st, &mut keys, &mut stats)
+                    let evicted_before = stats.evicted;
+                    self.stored(pod, model, s, &mut st, &mut keys, &mut stats);
+                    if let Some(t) = touched.as_deref_mut() {
+                        let event = u32::try_from(i).unwrap_or(Touched::REMOVED);
+                        t.extend(keys.iter().map(|&key| Touched { key, event }));
+                        if stats.evicted > evicted_before {
+                            // Eviction drops whole epochs: every key the
+                            // pod still maps may have lost a holder.
+                            t.extend(st.engine.iter().map(|(_, key)| Touched::removed(key)));
+                        }
+                    }
+                    keys.clear();
                 }
-                KvEvent::BlockRemoved(r) => self.removed(pod, r, &mut st, &mut stats),
+                KvEvent::BlockRemoved(r) => {
+                    if let Some(t) = touched.as_deref_mut() {
+                        t.extend(
+                            r.block_hashes
+                                .iter()
+                                .filter_map(|&h| st.engine.get(h))
+                                .map(Touched::removed),
+                        );
+                    }
+                    self.removed(pod, r, &mut st, &mut stats)
+                }
                 KvEvent::AllBlocksCleared => {
                     self.clear_locked(pod, &mut st);
                     stats.cleared += 1;
@@ -246,6 +317,29 @@ impl PrefixIndex {
             }
         }
         stats
+    }
+
+    /// The media `pod` holds block `key` in, one bit per
+    /// [`crate::prefix::kvevents::Medium::code`] (0: not held).
+    pub fn pod_mediums(&self, pod: PodId, key: BlockKey) -> u8 {
+        let shard = self.shards[shard_of(key)].read();
+        shard.pod_mediums(shard.raw(key), pod.0)
+    }
+
+    /// Every block key `pod` holds, with its media as in
+    /// [`Self::pod_mediums`]: what a writer rewrites when the copy it keeps
+    /// elsewhere was lost.
+    pub fn pod_blocks(&self, pod: PodId) -> Vec<(BlockKey, u8)> {
+        let Some(state) = self.state(pod) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<BlockKey> = state.lock().engine.iter().map(|(_, k)| k).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.into_iter()
+            .map(|k| (k, self.pod_mediums(pod, k)))
+            .filter(|&(_, m)| m != 0)
+            .collect()
     }
 
     fn stored(

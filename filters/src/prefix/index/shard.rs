@@ -126,6 +126,28 @@ impl Shard {
         }
     }
 
+    /// The media `pod` holds in a value from [`Shard::raw`], one bit per
+    /// medium code.
+    pub(crate) fn pod_mediums(&self, v: u64, pod: u16) -> u8 {
+        let bit = |m: Medium| 1u8 << medium_code(m);
+        if v == 0 {
+            0
+        } else if v & MANY == 0 {
+            let h = Holder::unpack(v);
+            if h.pod == pod {
+                bit(h.medium)
+            } else {
+                0
+            }
+        } else if let Some(list) = self.overflow.get((v & !MANY) as usize) {
+            list.iter()
+                .filter(|h| h.pod == pod)
+                .fold(0, |acc, h| acc | bit(h.medium))
+        } else {
+            0
+        }
+    }
+
     /// Loads the holder list behind a value from [`Shard::raw`] into the
     /// cache (the value is meaningless; see `PrefixIndex::match_prefix`).
     pub(crate) fn touch(&self, v: u64) -> u16 {

@@ -410,3 +410,74 @@ mod model {
         held.contains_key(&(pod, b, Medium::Gpu)) || held.contains_key(&(pod, b, Medium::Cpu))
     }
 }
+
+#[test]
+fn apply_touching_names_every_key_whose_holding_changed_and_pod_blocks_lists_them() {
+    let idx = PrefixIndex::default();
+    let a = idx.pod("a").unwrap();
+    let b = idx.pod("b").unwrap();
+    let t = toks(3 * BS, 7);
+    let keys = idx.request_keys("m", None, &t, BS);
+    let mut lora = stored(&[11], Some(10), &t[BS..2 * BS]);
+    lora.lora_name = Some("adapter".into());
+    let mut touched = Vec::new();
+    let st = idx.apply_touching(
+        a,
+        "m",
+        &batch(vec![
+            KvEvent::BlockStored(stored(&[10], None, &t[..BS])),
+            KvEvent::BlockStored(lora),
+        ]),
+        &mut touched,
+    );
+    assert_eq!(st.stored, 2);
+    assert_eq!(
+        touched.iter().map(|t| (t.key, t.event)).collect::<Vec<_>>()[0],
+        (keys[0], 0)
+    );
+    assert_eq!(
+        touched[1].event, 1,
+        "the second event stored the second key"
+    );
+    // Another pod's blocks are not a's.
+    idx.apply(
+        b,
+        "m",
+        &batch(vec![KvEvent::BlockStored(stored(&[10], None, &t[..BS]))]),
+    );
+    let gpu = 1 << Medium::Gpu.code();
+    assert_eq!(idx.pod_mediums(a, keys[0]), gpu);
+    assert_eq!(idx.pod_blocks(a).len(), 2);
+    assert_eq!(idx.pod_blocks(b), vec![(keys[0], gpu)]);
+
+    // A removal names the key it dropped, as removed, and a's blocks shrink.
+    touched.clear();
+    idx.apply_touching(
+        a,
+        "m",
+        &batch(vec![removed(&[10], Medium::Gpu)]),
+        &mut touched,
+    );
+    assert_eq!(
+        touched,
+        vec![Touched {
+            key: keys[0],
+            event: Touched::REMOVED
+        }]
+    );
+    assert_eq!(idx.pod_mediums(a, keys[0]), 0);
+    assert_eq!(idx.pod_mediums(b, keys[0]), gpu, "b still holds it");
+    assert_eq!(idx.pod_blocks(a).len(), 1);
+
+    // A clear touches nothing; the stats say the pod starts over.
+    touched.clear();
+    let st = idx.apply_touching(
+        a,
+        "m",
+        &batch(vec![KvEvent::AllBlocksCleared]),
+        &mut touched,
+    );
+    assert_eq!(st.cleared, 1);
+    assert!(touched.is_empty());
+    assert!(idx.pod_blocks(a).is_empty());
+}
