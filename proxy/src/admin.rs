@@ -74,10 +74,21 @@ impl Admin {
                 ),
             },
             "/config" => reply(StatusCode::OK, "application/json", self.config_json.clone()),
+            "/debug/index" => {
+                let status = match &self.app.index {
+                    Some(v) => serde_json::to_value(v.status()).unwrap_or_default(),
+                    None => serde_json::json!({"backend": "mesh", "peers": self.app.mesh.peers().len()}),
+                };
+                reply(
+                    StatusCode::OK,
+                    "application/json",
+                    Bytes::from(format!("{status}\n")),
+                )
+            }
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "text/plain",
-                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /autoscale /debug/fleet /debug/stat /debug/route (POST)\n"),
+                Bytes::from_static(b"admin endpoints: /health /ready /metrics /config /autoscale /debug/index /debug/fleet /debug/stat /debug/route (POST)\n"),
             ),
         }
     }

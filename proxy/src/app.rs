@@ -30,6 +30,8 @@ pub struct App {
     pub mesh: Arc<crate::mesh::Mesh>,
     /// Spans of the request path (`tracing` in proxy.yaml); `None`: off.
     pub tracer: Option<crate::otel::Tracer>,
+    /// The Valkey index (`index.backend: valkey`); `None`: the mesh.
+    pub index: Option<Arc<crate::valkey::Valkey>>,
 }
 
 impl App {
@@ -50,6 +52,7 @@ impl App {
             engine_ready: self.engine_ready.clone(),
             mesh: self.mesh.clone(),
             tracer: self.tracer.clone(),
+            index: self.index.clone(),
         }
     }
 

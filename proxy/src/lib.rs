@@ -44,6 +44,7 @@ mod sidecar;
 pub mod stat;
 pub mod tls;
 pub mod upstream;
+pub mod valkey;
 
 pub use config::Config;
 pub use error::{Culprit, ProxyError, Retry};

@@ -234,6 +234,8 @@ pub struct Metrics {
     pub pd: crate::pd::metrics::PdMetrics,
     /// The autoscaling hook's answer, set at each scrape.
     pub autoscale: crate::autoscale::AutoscaleMetrics,
+    /// The index backend: lookups, writes, the decision's latency.
+    pub index: crate::valkey::metrics::IndexMetrics,
 }
 
 /// Decrements the in-flight gauge when the response body is finished or dropped.
@@ -271,6 +273,7 @@ impl Metrics {
         let mesh = crate::mesh::metrics::MeshMetrics::register(&mut registry);
         let pd = crate::pd::metrics::PdMetrics::register(&mut registry);
         let autoscale = crate::autoscale::AutoscaleMetrics::register(&mut registry);
+        let index = crate::valkey::metrics::IndexMetrics::register(&mut registry);
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
@@ -374,6 +377,7 @@ impl Metrics {
             mesh,
             pd,
             autoscale,
+            index,
         }
     }
 

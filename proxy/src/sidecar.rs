@@ -38,6 +38,8 @@ pub struct SidecarHandle {
     routing: Arc<Routing>,
     prefix: Arc<crate::prefix::PrefixState>,
     mesh: Arc<crate::mesh::Mesh>,
+    /// The Valkey index (`index.backend: valkey`).
+    index: Option<Arc<crate::valkey::Valkey>>,
     /// The OTLP span pipeline, flushed once the tasks stopped.
     exporter: Option<crate::otel::Exporter>,
 }
@@ -130,6 +132,10 @@ impl Sidecar {
             None => (None, None),
         };
         let config = Arc::new(config);
+        let index = (config.index.backend == crate::config::index::Backend::Valkey)
+            .then(|| Arc::new(crate::valkey::Valkey::new(&config)));
+        // Subscribed before the KV-event feed starts, so no batch is missed.
+        let index_kv = index.as_ref().map(|_| prefix.subscribe_local());
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
             engine: crate::upstream::engine_pool(&config),
@@ -142,7 +148,9 @@ impl Sidecar {
             engine_ready: Arc::new(AtomicBool::new(false)),
             mesh: mesh.clone(),
             tracer,
+            index: index.clone(),
         });
+        let app_index = index.clone();
         let shutdown = Shutdown::new();
         let t = &config.timeouts;
         let mut tasks = JoinSet::new();
@@ -211,6 +219,18 @@ impl Sidecar {
         ));
         tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
         tasks.spawn(crate::kvevents::run(app.clone(), shutdown.clone()));
+        if let (Some(valkey), Some(local_kv)) = (index, index_kv) {
+            let t = crate::valkey::Tasks {
+                valkey,
+                config: config.clone(),
+                metrics: app.metrics.clone(),
+                fleet: fleet.clone(),
+                prefix: prefix.clone(),
+                local_kv,
+                mesh_addr,
+            };
+            tasks.spawn(crate::valkey::run(t, shutdown.clone()));
+        }
         if let Some(l) = mesh_listener {
             tasks.spawn(crate::mesh::run(
                 app.clone(),
@@ -230,6 +250,7 @@ impl Sidecar {
             routing,
             prefix,
             mesh,
+            index: app_index,
             exporter,
         })
     }
@@ -347,6 +368,11 @@ impl SidecarHandle {
     /// The mesh state stream (its mesh port, subscribers, decisions).
     pub fn mesh(&self) -> &Arc<crate::mesh::Mesh> {
         &self.mesh
+    }
+
+    /// The Valkey index, with `index.backend: valkey`.
+    pub fn index(&self) -> Option<&Arc<crate::valkey::Valkey>> {
+        self.index.as_ref()
     }
 
     /// The bound mesh port, if the mesh is on.

@@ -162,6 +162,7 @@ pub fn validate(c: &Config) -> Result<(), (String, String)> {
         );
     }
     super::prefix::validate(c)?;
+    super::index::validate(c)?;
     c.mesh.validate()?;
     c.autoscale.validate()?;
     if let Some(t) = &c.tracing {

@@ -11,6 +11,7 @@
 //! beside it and its checks in [`load::validate`].
 
 pub mod autoscale;
+pub mod index;
 pub mod load;
 pub mod mesh;
 pub mod pd;
@@ -24,6 +25,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use autoscale::Autoscale;
+pub use index::Index;
 pub use load::{from_yaml_str, load_file, ConfigError, ConfigErrorKind};
 pub use mesh::Mesh;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
@@ -51,6 +53,9 @@ pub struct Config {
     pub prefix: Prefix,
     /// The mesh: this pod's mesh port, identity, peer discovery (docs/mesh.md).
     pub mesh: Mesh,
+    /// Where the fleet's prefix index and load live: the mesh, or Valkey
+    /// past a few hundred pods (docs/mesh.md).
+    pub index: Index,
     /// How a request split into prefill and decode is carried out (docs/pd.md).
     pub pd: Pd,
     /// The targets the autoscaling hook sizes each pool against (docs/autoscaling.md).

@@ -68,6 +68,8 @@ struct PodState {
     in_flight: Arc<AtomicU32>,
     /// The pod's cumulative counters, for `kvmesh stat`.
     stats: crate::stat::PodStats,
+    /// When the entry was made.
+    added_at: Instant,
 }
 
 /// Every pod this sidecar can route to.
@@ -285,10 +287,23 @@ impl Fleet {
         block_size: u32,
         matched_blocks: impl Fn(&str) -> u32,
     ) -> Vec<EndpointView> {
+        self.endpoints_among(now, block_size, matched_blocks, |_| true)
+    }
+
+    /// [`Fleet::endpoints`] of the local pod and the pods `among` admits
+    /// (the candidates of an index lookup).
+    pub fn endpoints_among(
+        &self,
+        now: Instant,
+        block_size: u32,
+        matched_blocks: impl Fn(&str) -> u32,
+        among: impl Fn(&str) -> bool,
+    ) -> Vec<EndpointView> {
         let mesh = self.mesh_in_flight();
         self.pods
             .read()
             .iter()
+            .filter(|(id, _)| **id == self.local_id || among(id))
             .map(|(id, s)| {
                 let local = s.in_flight.load(Ordering::Relaxed);
                 let load_block_size = if s.load.block_size > 0 {
@@ -325,26 +340,75 @@ impl Fleet {
             .collect()
     }
 
+    /// The local pod, as [`Fleet::snapshot`] shows it.
+    pub fn local_snapshot(&self, now: Instant) -> PodSnapshot {
+        let mesh = self.mesh_in_flight();
+        let pods = self.pods.read();
+        let Some(s) = pods.get(&self.local_id) else {
+            // The local pod is never removed; a fleet without it reads empty.
+            return PodSnapshot {
+                info: PodInfo {
+                    id: self.local_id.clone(),
+                    sidecar_addr: None,
+                    role: Role::default(),
+                    models: Vec::new(),
+                    lora_adapters: Vec::new(),
+                    labels: BTreeMap::new(),
+                },
+                load: EngineLoad::default(),
+                load_age_ms: None,
+                healthy: false,
+                in_flight_local: 0,
+                in_flight_mesh: 0,
+                ejected_ms: None,
+                ejections: 0,
+            };
+        };
+        self.pod_snapshot(&self.local_id, s, &mesh, now)
+    }
+
+    /// Peers whose load was last refreshed `age` or longer ago (never:
+    /// counted from when they were added), for the Valkey backend to forget.
+    pub fn peers_older_than(&self, now: Instant, age: std::time::Duration) -> Vec<String> {
+        self.pods
+            .read()
+            .iter()
+            .filter(|(id, _)| **id != self.local_id)
+            .filter(|(_, s)| now.saturating_duration_since(s.load_at.unwrap_or(s.added_at)) >= age)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Every pod, for the admin port.
     pub fn snapshot(&self, now: Instant) -> Vec<PodSnapshot> {
         let mesh = self.mesh_in_flight();
         self.pods
             .read()
             .iter()
-            .map(|(id, s)| PodSnapshot {
-                info: s.info.clone(),
-                load: s.load,
-                load_age_ms: s.load_age_ms(now),
-                healthy: s.healthy,
-                in_flight_local: s.in_flight.load(Ordering::Relaxed),
-                in_flight_mesh: mesh.get(id).copied().unwrap_or(0),
-                ejected_ms: self
-                    .outliers
-                    .ejected_for(id, now)
-                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                ejections: self.outliers.ejections(id),
-            })
+            .map(|(id, s)| self.pod_snapshot(id, s, &mesh, now))
             .collect()
+    }
+
+    fn pod_snapshot(
+        &self,
+        id: &str,
+        s: &PodState,
+        mesh: &HashMap<String, u32>,
+        now: Instant,
+    ) -> PodSnapshot {
+        PodSnapshot {
+            info: s.info.clone(),
+            load: s.load,
+            load_age_ms: s.load_age_ms(now),
+            healthy: s.healthy,
+            in_flight_local: s.in_flight.load(Ordering::Relaxed),
+            in_flight_mesh: mesh.get(id).copied().unwrap_or(0),
+            ejected_ms: self
+                .outliers
+                .ejected_for(id, now)
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            ejections: self.outliers.ejections(id),
+        }
     }
 
     /// Records a failed call to pod `id` (see [`outlier`]); returns how long
@@ -405,6 +469,7 @@ impl PodState {
             healthy: true,
             in_flight: Arc::new(AtomicU32::new(0)),
             stats: crate::stat::PodStats::default(),
+            added_at: Instant::now(),
         }
     }
 

@@ -49,6 +49,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmesh_filters::prefix::index::Touched;
 use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, EventBatch, KvMessage};
 use zeromq::SocketRecv;
 
@@ -73,6 +74,10 @@ pub enum LocalKvUpdate {
         seq: u64,
         model: Arc<str>,
         batch: Arc<EventBatch>,
+        /// The block keys the batch touched, when a subscriber asked for
+        /// them ([`crate::prefix::PrefixState::tracks_touched`]: the Valkey
+        /// writer); empty otherwise.
+        touched: Arc<[Touched]>,
     },
     /// The engine restarted: everything it held is gone.
     Cleared,
@@ -323,7 +328,14 @@ impl Feed {
     fn apply(&mut self, m: &KvMessage) {
         let prefix = &self.app.prefix;
         let model: Arc<str> = Arc::from(prefix.event_model(parse_topic(&m.topic).map(|t| t.model)));
-        let stats = prefix.index().apply(prefix.local_pod().0, &model, &m.batch);
+        let mut touched = Vec::new();
+        let stats = if prefix.tracks_touched() {
+            prefix
+                .index()
+                .apply_touching(prefix.local_pod().0, &model, &m.batch, &mut touched)
+        } else {
+            prefix.index().apply(prefix.local_pod().0, &model, &m.batch)
+        };
         if let Some(feed_rank) = self.rank {
             let rank = m
                 .batch
@@ -351,6 +363,7 @@ impl Feed {
                 seq: m.seq,
                 model,
                 batch: Arc::new(m.batch.clone()),
+                touched: touched.into(),
             });
         }
         if self.last_stats.elapsed() >= STATS_EVERY || stats.cleared > 0 {

@@ -112,7 +112,10 @@ impl Mesh {
         tls: Option<crate::tls::MeshTls>,
     ) -> Self {
         let m = &config.mesh;
-        let enabled = mesh_addr.is_some();
+        // The state stream is the mesh backend's; with Valkey the mesh port
+        // only serves forwarded requests.
+        let enabled =
+            mesh_addr.is_some() && config.index.backend == crate::config::index::Backend::Mesh;
         let p = &config.pod;
         Self {
             announce: Announce {

@@ -64,8 +64,10 @@ pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<Respo
         let h = schedule::Schedule {
             routing: &app.routing,
             inputs: app.routing_inputs(),
+            index: app.index.as_deref(),
+            routes: app.mesh.routes(),
         };
-        let plan = schedule::schedule(h, &mut ctx)?;
+        let plan = schedule::schedule(h, &mut ctx).await?;
         execute::execute(app.execution(), &mut ctx, plan, req).await
     }
     .await;

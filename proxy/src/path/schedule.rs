@@ -10,6 +10,10 @@
 //! (`ctx.already_routed`) runs locally, so routing never loops; one an llm-d
 //! EPP split (`ctx.epp_prefiller`) runs the split it names. Non-inference
 //! calls run locally.
+//!
+//! With `index.backend: valkey`, the decision is made among the pods one
+//! index lookup names ([`crate::valkey::Valkey::candidates`]), done here
+//! first; a lookup that fails routes among the pods the sidecar knows.
 
 use crate::error::ProxyError;
 use crate::otel::Stage;
@@ -23,11 +27,34 @@ use opentelemetry::KeyValue;
 pub struct Schedule<'a> {
     pub routing: &'a Routing,
     pub inputs: Inputs<'a>,
+    /// The Valkey index, with `index.backend: valkey`.
+    pub index: Option<&'a crate::valkey::Valkey>,
+    /// Where peers' mesh ports and KV agents are, learned from lookups.
+    pub routes: &'a crate::upstream::mesh::MeshRoutes,
 }
 
-pub fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
+pub async fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, ProxyError> {
+    let started = std::time::Instant::now();
     let span = Stage::of(ctx.trace.as_deref(), "kvmesh.schedule");
+    let routed = ctx.already_routed || ctx.epp_prefiller.is_some();
+    if let (Some(index), Some(view), false) = (h.index, &ctx.view, routed) {
+        let i = h.inputs;
+        let model = i.prefix.request_model(view.model.as_deref());
+        ctx.candidates = index
+            .candidates(i.metrics, i.fleet, h.routes, model, &ctx.block_keys)
+            .await;
+        if span.recording() {
+            let n = ctx.candidates.as_ref().map_or(-1, |c| c.len() as i64);
+            span.set(KeyValue::new("kvmesh.schedule.index_candidates", n));
+        }
+    }
     let plan = h.routing.plan(h.inputs, ctx, &span);
+    if ctx.view.is_some() && !routed {
+        h.inputs
+            .metrics
+            .index
+            .decision(started.elapsed().as_secs_f64());
+    }
     if span.recording() {
         match &plan {
             Ok(p) => {

@@ -87,6 +87,9 @@ pub struct PrefixState {
     adapters: Vec<String>,
     config: crate::config::Prefix,
     local_updates: broadcast::Sender<LocalKvUpdate>,
+    /// Local updates carry the block keys each batch touched (the Valkey
+    /// writer reads them; the mesh does not).
+    track_touched: bool,
 }
 
 impl std::fmt::Debug for PrefixState {
@@ -138,6 +141,7 @@ impl PrefixState {
             adapters: config.pod.lora_adapters.clone(),
             config: p.clone(),
             local_updates,
+            track_touched: config.index.backend == crate::config::index::Backend::Valkey,
         })
     }
 
@@ -222,6 +226,11 @@ impl PrefixState {
     /// of the index (the mesh does).
     pub fn subscribe_local(&self) -> broadcast::Receiver<LocalKvUpdate> {
         self.local_updates.subscribe()
+    }
+
+    /// Whether local updates carry the keys each batch touched.
+    pub fn tracks_touched(&self) -> bool {
+        self.track_touched
     }
 
     pub(crate) fn has_local_subscribers(&self) -> bool {

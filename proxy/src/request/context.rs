@@ -40,6 +40,12 @@ pub struct RequestCtx {
     /// Prompt tokens, when the prompt was tokenized (estimated past the cap).
     pub prompt_tokens: Option<u32>,
     // ---- schedule ----
+    /// With `index.backend: valkey`, the pods the index lookup named, with
+    /// the leading blocks of the prompt each holds: the decision is made
+    /// among them (and the local pod, and pods a recent decision predicts).
+    /// `None`: among every pod the fleet knows (the mesh, or a lookup that
+    /// failed and fell back).
+    pub candidates: Option<Vec<(String, u32)>>,
     /// Why the request goes where it goes ([`super::Plan::reason`]), for logs and metrics.
     pub route_reason: &'static str,
     // ---- execute ----
@@ -79,6 +85,7 @@ impl RequestCtx {
             epp_prefiller: None,
             block_keys: Vec::new(),
             prompt_tokens: None,
+            candidates: None,
             route_reason: "",
             served_by: None,
             attempts: 0,

@@ -137,8 +137,33 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
     // As the prefix stage does: a request a peer routed here is not tokenized.
     if !ctx.already_routed {
         app.prefix.compute(app.prefix_inputs(), &mut ctx).await;
+        // As the schedule stage does: the Valkey index names the candidates.
+        if let (Some(index), Some(view)) = (&app.index, &ctx.view) {
+            let model = app.prefix.request_model(view.model.as_deref());
+            ctx.candidates = index
+                .candidates(
+                    &app.metrics,
+                    &app.fleet,
+                    app.mesh.routes(),
+                    model,
+                    &ctx.block_keys,
+                )
+                .await;
+        }
     }
-    Ok(explain(app, &ctx))
+    let mut out = explain(app, &ctx);
+    out["index"] = match &app.index {
+        Some(index) => json!({
+            "backend": "valkey",
+            "up": index.store().is_up(),
+            // null: the lookup failed, and the decision was made among the
+            // pods this sidecar knows (its own, recent lookups' and decisions').
+            "candidates": ctx.candidates,
+            "fallback": ctx.candidates.is_none(),
+        }),
+        None => json!({"backend": "mesh"}),
+    };
+    Ok(out)
 }
 
 /// One dry-run scheduling cycle, as JSON.

@@ -31,10 +31,26 @@ pub fn build(
         0 => DEFAULT_BLOCK_SIZE,
         n => n,
     };
-    let matches = h.prefix.matches(ctx);
-    let endpoints = h
-        .fleet
-        .endpoints(now, block_size, |id| matches.get(id).copied().unwrap_or(0));
+    let mut matches = h.prefix.matches(ctx);
+    let endpoints = match &ctx.candidates {
+        // The Valkey index named the candidates (and how much each holds);
+        // pods a recent decision predicts stay candidates too.
+        Some(found) => {
+            for (id, depth) in found {
+                let e = matches.entry(id.clone()).or_insert(0);
+                *e = (*e).max(*depth);
+            }
+            h.fleet.endpoints_among(
+                now,
+                block_size,
+                |id| matches.get(id).copied().unwrap_or(0),
+                |id| matches.contains_key(id),
+            )
+        }
+        None => h
+            .fleet
+            .endpoints(now, block_size, |id| matches.get(id).copied().unwrap_or(0)),
+    };
     let req = request_view(
         ctx,
         view,

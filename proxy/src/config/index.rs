@@ -1,0 +1,197 @@
+//! The `index` section of `proxy.yaml`: where the fleet's prefix index and
+//! load live (docs/mesh.md, "Past the full mesh: Valkey").
+//!
+//! * `backend: mesh` (the default): every sidecar follows every peer over
+//!   the mesh's state stream and keeps the whole fleet's index in memory.
+//!   Right for tens of pods.
+//! * `backend: valkey`: each sidecar writes only its own pod's blocks and
+//!   record (address, role, models, load, a lease) to Valkey, and asks it,
+//!   once per routing decision, which pods hold a request's prefix and how
+//!   loaded they and a few others are. Right for hundreds to thousands.
+//!
+//! ```yaml
+//! index:
+//!   backend: valkey
+//!   valkey:
+//!     urls: ["redis://valkey-0.valkey:6379", "redis://valkey-1.valkey:6379"]
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use super::Duration;
+
+/// See the module docs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Index {
+    pub backend: Backend,
+    /// Settings of `backend: valkey` (ignored by the mesh).
+    pub valkey: Valkey,
+}
+
+/// Where the fleet's prefix index and load live.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    /// Every sidecar follows every peer (the state stream of docs/mesh.md).
+    #[default]
+    Mesh,
+    /// A shared Valkey (or Redis) deployment.
+    Valkey,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Mesh => "mesh",
+            Self::Valkey => "valkey",
+        }
+    }
+}
+
+/// `index.valkey`: how the sidecar reaches Valkey and how it uses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Valkey {
+    /// `redis://[user:password@]host:port[/db]`. One URL: a single server.
+    /// Several without `cluster`: a primary and its replicas, in any order;
+    /// the sidecar uses the one that answers `ROLE` as primary and moves to
+    /// another when it fails (after Sentinel, an operator or an operator
+    /// pod promoted it). With `cluster`: seed nodes of a Valkey cluster.
+    pub urls: Vec<String>,
+    /// The URLs are seeds of a Valkey cluster (slots, `MOVED` redirects).
+    pub cluster: bool,
+    /// First part of every key, so several fleets can share one Valkey.
+    pub key_prefix: String,
+    /// Stripes per model: a pod writes to the stripe its id hashes to, and a
+    /// lookup asks every stripe at once (one round trip each, in parallel).
+    /// One stripe is one cluster slot; more spread a large model's writes
+    /// over several primaries (docs/mesh.md has the sizing rule).
+    pub stripes: u16,
+    /// Longest wait for one lookup; past it the request is routed on what
+    /// the sidecar knows (its own pod, recent decisions, recent loads).
+    pub lookup_deadline: Duration,
+    /// How long a lookup's answer is reused for the same prompt prefix.
+    pub cache_ttl: Duration,
+    /// How often the pod's record (load, in-flight, lease) is rewritten.
+    pub lease_interval: Duration,
+    /// A record not rewritten this long expires: the pod leaves every
+    /// decision, and its blocks are fenced until their keys expire.
+    pub lease_ttl: Duration,
+    /// Block keys expire this long after their last write; each sidecar
+    /// rewrites its pod's blocks every half of it (jittered).
+    pub block_ttl: Duration,
+    /// Block changes are gathered this long before they are written.
+    pub flush_interval: Duration,
+    /// Most pods a lookup returns for holding the prefix (deepest first).
+    pub matched: u16,
+    /// Pods sampled at random per stripe besides them (power of d choices).
+    pub random: u16,
+    /// Pods per stripe taken from a hash ring of the prefix, so every sidecar
+    /// sees the same homes for a prefix nobody holds yet.
+    pub ring: u16,
+    /// Upper bound of the random delay before a sidecar rewrites its pod's
+    /// state after Valkey lost it (restart, failover), so a fleet does not
+    /// rewrite at once.
+    pub resync_jitter: Duration,
+    /// Most blocks per second one sidecar rewrites in a resync.
+    pub resync_rate: u32,
+    /// Block changes held while Valkey cannot be written; past it they are
+    /// dropped and the pod's state is rewritten whole once Valkey is back.
+    pub max_pending: usize,
+    /// A pod not seen in any lookup this long is forgotten by this sidecar.
+    pub forget_after: Duration,
+}
+
+impl Default for Valkey {
+    fn default() -> Self {
+        Self {
+            urls: Vec::new(),
+            cluster: false,
+            key_prefix: "kvmesh".to_owned(),
+            stripes: 1,
+            lookup_deadline: Duration::from_millis(5),
+            cache_ttl: Duration::from_millis(50),
+            lease_interval: Duration::from_millis(500),
+            lease_ttl: Duration::from_secs(3),
+            block_ttl: Duration::from_secs(1800),
+            flush_interval: Duration::from_millis(10),
+            matched: 16,
+            random: 4,
+            ring: 2,
+            resync_jitter: Duration::from_secs(2),
+            resync_rate: 20_000,
+            max_pending: 1 << 18,
+            forget_after: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Rules that span fields; `(field, message)` on the first broken one.
+pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
+    let err = |f: &str, m: String| Err((format!("index.{f}"), m));
+    let v = &c.index.valkey;
+    if c.index.backend != Backend::Valkey {
+        return Ok(());
+    }
+    if v.urls.is_empty() {
+        return err(
+            "valkey.urls",
+            "backend valkey needs at least one URL (redis://host:port)".to_owned(),
+        );
+    }
+    for u in &v.urls {
+        if !(u.starts_with("redis://") || u.starts_with("valkey://")) {
+            return err(
+                "valkey.urls",
+                format!("{u:?} must start with redis:// or valkey://"),
+            );
+        }
+    }
+    if v.key_prefix.is_empty() || v.key_prefix.contains(['{', '}']) {
+        return err(
+            "valkey.key_prefix",
+            format!("{:?} must be non-empty without braces", v.key_prefix),
+        );
+    }
+    if !(1..=256).contains(&v.stripes) {
+        return err("valkey.stripes", format!("{} is not in 1..=256", v.stripes));
+    }
+    if v.lease_ttl <= v.lease_interval {
+        return err(
+            "valkey.lease_ttl",
+            format!(
+                "{} must be longer than lease_interval ({}), or a live pod's lease would lapse",
+                v.lease_ttl, v.lease_interval
+            ),
+        );
+    }
+    if v.block_ttl.get() < 4 * v.lease_ttl.get() {
+        return err(
+            "valkey.block_ttl",
+            format!("{} must be at least 4x lease_ttl", v.block_ttl),
+        );
+    }
+    if v.matched == 0 || v.matched > 256 || v.random > 64 || v.ring > 64 {
+        return err(
+            "valkey.matched",
+            "matched must be in 1..=256, random and ring at most 64".to_owned(),
+        );
+    }
+    if v.resync_rate == 0 || v.max_pending == 0 {
+        return err(
+            "valkey.resync_rate",
+            "resync_rate and max_pending must be at least 1".to_owned(),
+        );
+    }
+    let m = &c.mesh;
+    if !m.peers.is_empty() || m.dns.is_some() || m.file.is_some() {
+        return Err((
+            "mesh.peers".to_owned(),
+            "with index.backend valkey, pods find each other through Valkey: \
+             mesh.peers, mesh.dns and mesh.file are for backend mesh"
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}

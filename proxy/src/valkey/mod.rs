@@ -1,0 +1,289 @@
+//! The Valkey index backend (`index.backend: valkey`, docs/mesh.md): the
+//! fleet's prefix index and load in a shared Valkey instead of in every
+//! sidecar, for fleets past the full mesh.
+//!
+//! * [`writer`]: each sidecar writes only its own pod: the blocks its
+//!   engine's KV events stored and removed, and its record (who it is, load,
+//!   in-flight) under a lease.
+//! * [`lookup`]: a routing decision asks once which pods hold the request's
+//!   prefix and how loaded they and a few others are ([`Valkey::candidates`]);
+//!   the answer becomes fleet entries and the decision's candidate set.
+//! * [`store`]: the connection (single server, primary and replicas, or a
+//!   cluster), reconnects and failover; `functions.lua` the server side.
+//! * When Valkey is slow or away, a lookup fails within its deadline and the
+//!   request is routed on what the sidecar knows: its own pod, the pods of
+//!   recent lookups with their last loads, and its recent decisions. Nothing
+//!   fails because of it; `kvmesh_index_lookups_total{outcome}` and
+//!   `/debug/index` say so.
+//!
+//! [`run`] owns the tasks; they stop on shutdown.
+
+pub mod keys;
+pub mod lookup;
+pub mod metrics;
+pub mod record;
+pub mod store;
+pub mod writer;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::broadcast;
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::fleet::Fleet;
+use crate::kvevents::LocalKvUpdate;
+use crate::metrics::Metrics;
+use crate::prefix::PrefixState;
+use crate::shutdown::Shutdown;
+pub use lookup::{Candidate, Found, Lookup};
+pub use record::PodRecord;
+pub use store::{Store, StoreError};
+pub use writer::Writer;
+
+/// This sidecar's side of the Valkey index: the connection, the lookups,
+/// and what the writer last reported (for `/debug/index`).
+#[derive(Debug)]
+pub struct Valkey {
+    store: Arc<Store>,
+    lookup: Lookup,
+    status: Mutex<WriterStatus>,
+}
+
+/// The writer's state, as `/debug/index` shows it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct WriterStatus {
+    pub member: String,
+    pub registered: bool,
+    pub pending: usize,
+    pub rewriting: usize,
+    pub last_error: Option<String>,
+}
+
+/// `/debug/index`: where the index is and how it is doing.
+#[derive(Debug, Clone, Serialize)]
+pub struct IndexStatus {
+    pub backend: &'static str,
+    pub up: bool,
+    pub server: String,
+    pub writer: WriterStatus,
+}
+
+impl Valkey {
+    pub fn new(config: &Config) -> Self {
+        let store = Arc::new(Store::new(config.index.valkey.clone()));
+        Self {
+            lookup: Lookup::new(store.clone()),
+            store,
+            status: Mutex::new(WriterStatus::default()),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    pub fn status(&self) -> IndexStatus {
+        IndexStatus {
+            backend: "valkey",
+            up: self.store.is_up(),
+            server: self.store.server(),
+            writer: self.status.lock().clone(),
+        }
+    }
+
+    /// The schedule stage's lookup: the pods a decision for this request is
+    /// made among, with the leading blocks each holds. Each pod the answer
+    /// names becomes (or refreshes) a fleet entry, with its load and
+    /// in-flight count, so that it can be scored and forwarded to. `None`
+    /// when the lookup failed: the decision is then made among every pod the
+    /// fleet knows, on their last loads.
+    pub async fn candidates(
+        &self,
+        metrics: &Metrics,
+        fleet: &Fleet,
+        routes: &crate::upstream::mesh::MeshRoutes,
+        model: &str,
+        keys: &[u64],
+    ) -> Option<Vec<(String, u32)>> {
+        let found = self.lookup.find(&metrics.index, model, keys).await.ok()?;
+        let now = Instant::now();
+        let mut out = Vec::with_capacity(found.candidates.len());
+        for c in &found.candidates {
+            let r = &c.record;
+            if r.id != fleet.local_id() {
+                let Some(info) = r.info() else { continue };
+                let sidecar = info.sidecar_addr;
+                if fleet.upsert_peer(info).is_err() {
+                    continue;
+                }
+                if let (Some(sidecar), Ok(mesh)) = (sidecar, r.mesh.parse()) {
+                    routes.set(sidecar, mesh, r.kv_agent.parse().ok());
+                }
+                let at = now
+                    .checked_sub(Duration::from_millis(c.age_ms.min(3_600_000)))
+                    .unwrap_or(now);
+                fleet.set_load(&r.id, r.load(), at);
+                fleet.set_healthy(&r.id, r.healthy);
+                fleet.set_remote_in_flight(&r.id, HashMap::from([(r.id.clone(), r.in_flight)]));
+            }
+            out.push((r.id.clone(), c.depth));
+        }
+        Some(out)
+    }
+}
+
+/// What the index tasks use.
+pub struct Tasks {
+    pub valkey: Arc<Valkey>,
+    pub config: Arc<Config>,
+    pub metrics: Arc<Metrics>,
+    pub fleet: Arc<Fleet>,
+    pub prefix: Arc<PrefixState>,
+    /// The local pod's applied KV batches (subscribed before the feed starts).
+    pub local_kv: broadcast::Receiver<LocalKvUpdate>,
+    /// The mesh port, announced for forwarding over mutual TLS.
+    pub mesh_addr: Option<std::net::SocketAddr>,
+}
+
+/// The index tasks: the connection, the local pod's writer, and forgetting
+/// pods no lookup named for `forget_after`. Returns on shutdown.
+pub async fn run(t: Tasks, shutdown: Shutdown) {
+    let store = t.valkey.store.clone();
+    let conn = tokio::spawn(store.clone().run(shutdown.clone()));
+    let forget = tokio::spawn(forget(
+        t.fleet.clone(),
+        t.prefix.clone(),
+        t.config.clone(),
+        shutdown.clone(),
+    ));
+    write(t, shutdown).await;
+    let _ = conn.await;
+    let _ = forget.await;
+}
+
+/// The local pod's writer loop: applies local updates as they come, writes
+/// every `flush_interval`, renews every `lease_interval`.
+async fn write(t: Tasks, shutdown: Shutdown) {
+    let cfg = t.config.index.valkey.clone();
+    let (pod, name) = t.prefix.local_pod();
+    let mut namespaces = t.config.pod.models.clone();
+    namespaces.extend(t.config.pod.lora_adapters.iter().cloned());
+    let mut writer = Writer::new(
+        t.valkey.store.clone(),
+        t.prefix.index().clone(),
+        pod,
+        name,
+        namespaces,
+        record_fn(&t),
+    );
+    let m = &t.metrics.index;
+    let mut rx = Some(t.local_kv);
+    let mut flush = tokio::time::interval(cfg.flush_interval.get());
+    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lease = tokio::time::interval(cfg.lease_interval.get());
+    lease.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut error: Option<String> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => {
+                writer.leave().await;
+                return;
+            }
+            u = recv(&mut rx) => match u {
+                Ok(LocalKvUpdate::Batch { model, batch, touched, .. }) => {
+                    writer.batch(m, &model, &batch, &touched);
+                }
+                Ok(LocalKvUpdate::Cleared) => writer.lagged(m),
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(lost = n, "valkey: local KV updates lagged; rewriting the pod");
+                    writer.lagged(m);
+                }
+                // The feed ended: only the lease from here on.
+                Err(broadcast::error::RecvError::Closed) => rx = None,
+            },
+            _ = flush.tick() => error = writer.flush(m).await.err().map(|e| e.to_string()),
+            _ = lease.tick() => {
+                m.up(t.valkey.store.is_up());
+                error = writer.renew(m).await.err().map(|e| e.to_string());
+            }
+        }
+        *t.valkey.status.lock() = WriterStatus {
+            member: writer.member().to_owned(),
+            registered: writer.is_registered(),
+            pending: writer.pending(),
+            rewriting: writer.rewriting(),
+            last_error: error.clone(),
+        };
+    }
+}
+
+async fn recv(
+    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
+) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The local pod's record, built at each renewal.
+fn record_fn(t: &Tasks) -> writer::RecordFn {
+    let fleet = t.fleet.clone();
+    let config = t.config.clone();
+    let mesh = t.mesh_addr.map(|a| a.to_string()).unwrap_or_default();
+    Box::new(move || {
+        let p = &config.pod;
+        let me = fleet.local_snapshot(Instant::now());
+        PodRecord {
+            id: fleet.local_id().to_owned(),
+            mesh: mesh.clone(),
+            kv_agent: p
+                .node_ip
+                .map(|ip| std::net::SocketAddr::new(ip, config.pd.kvagent_port).to_string())
+                .unwrap_or_default(),
+            role: p.role,
+            models: p.models.clone(),
+            adapters: p.lora_adapters.clone(),
+            labels: p.labels.clone(),
+            waiting: me.load.waiting,
+            running: me.load.running,
+            kv: me.load.kv_usage,
+            block_size: me.load.block_size,
+            blocks: me.load.num_blocks,
+            healthy: me.healthy,
+            in_flight: me.in_flight_local,
+            load_age_ms: me.load_age_ms.unwrap_or(0),
+            ttl_ms: 0,
+        }
+    })
+}
+
+/// Forgets pods no lookup named for `forget_after` (fleet entries and their
+/// predictions), so the fleet holds the pods this sidecar routes among, not
+/// every pod there is.
+async fn forget(
+    fleet: Arc<Fleet>,
+    prefix: Arc<PrefixState>,
+    config: Arc<Config>,
+    shutdown: Shutdown,
+) {
+    let after = config.index.valkey.forget_after.get();
+    let mut tick = tokio::time::interval((after / 4).max(Duration::from_millis(100)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tick.tick() => {
+                for id in fleet.peers_older_than(Instant::now(), after) {
+                    fleet.remove_peer(&id);
+                    prefix.remove_pod(&id);
+                }
+            }
+        }
+    }
+}

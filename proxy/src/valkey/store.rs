@@ -1,0 +1,295 @@
+//! The connection to Valkey: one multiplexed connection (every call of every
+//! request pipelined on it) to the primary, or redis-rs's cluster client,
+//! kept up by [`Store::run`].
+//!
+//! * A call never waits for a connection: while there is none it fails at
+//!   once with [`StoreError::Down`], and the caller routes on what it knows.
+//! * A call that fails with a connection error, `READONLY` (the primary
+//!   became a replica) or a missing function (Valkey restarted empty) drops
+//!   the connection; [`Store::run`] connects again, trying every URL and
+//!   taking the one whose `ROLE` is primary, loads `functions.lua`, and
+//!   backs off with jitter while none answers.
+//! * Every call has a deadline; redis-rs's own timeouts are only a backstop.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use redis::aio::MultiplexedConnection;
+use redis::cluster_async::ClusterConnection;
+use redis::{FromRedisValue, RedisError, ToRedisArgs};
+use tokio::sync::Notify;
+
+use crate::backoff::Backoff;
+use crate::config::index::Valkey as Config;
+use crate::shutdown::Shutdown;
+
+/// The server-side functions every call uses.
+pub const FUNCTIONS: &str = include_str!("functions.lua");
+/// The library version `functions.lua` reports (`kvmesh_version`).
+pub const FUNCTIONS_VERSION: &str = "1";
+
+/// Deadline of connecting and loading the functions.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why a call to Valkey did not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("no connection to Valkey")]
+    Down,
+    #[error("Valkey did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("Valkey: {0}")]
+    Redis(#[from] RedisError),
+    #[error("unexpected reply from Valkey: {0}")]
+    Reply(String),
+}
+
+impl StoreError {
+    /// The metric label of the error.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Down => "down",
+            Self::Timeout(_) => "timeout",
+            Self::Redis(_) => "error",
+            Self::Reply(_) => "bad_reply",
+        }
+    }
+}
+
+#[derive(Clone)]
+enum Link {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl Link {
+    async fn query<T: FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Result<T, RedisError> {
+        match self {
+            Self::Single(c) => cmd.query_async(c).await,
+            Self::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+}
+
+/// See the module docs.
+pub struct Store {
+    cfg: Config,
+    /// The live connection and its generation (`None`: down).
+    link: RwLock<Option<(u64, Link)>>,
+    generation: AtomicU64,
+    /// Rung when the connection is dropped, so [`Store::run`] reconnects.
+    lost: Notify,
+    /// Which URL the connection goes to (for `/debug/index` and logs).
+    server: RwLock<String>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("up", &self.is_up())
+            .field("server", &*self.server.read())
+            .finish()
+    }
+}
+
+impl Store {
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            cfg,
+            link: RwLock::new(None),
+            generation: AtomicU64::new(0),
+            lost: Notify::new(),
+            server: RwLock::new(String::new()),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Whether a connection is up now.
+    pub fn is_up(&self) -> bool {
+        self.link.read().is_some()
+    }
+
+    /// The server the connection goes to ("" while down).
+    pub fn server(&self) -> String {
+        self.server.read().clone()
+    }
+
+    /// Times a connection was made (a change means a reconnect).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    /// Calls function `name` with `keys` and `args`, within `deadline`.
+    pub async fn fcall<T, A>(
+        &self,
+        name: &str,
+        keys: &[String],
+        args: A,
+        deadline: Duration,
+    ) -> Result<T, StoreError>
+    where
+        T: FromRedisValue,
+        A: ToRedisArgs,
+    {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(name).arg(keys.len()).arg(keys).arg(args);
+        self.call(&cmd, deadline).await
+    }
+
+    /// Sends one command within `deadline` (see the module docs).
+    pub async fn call<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        deadline: Duration,
+    ) -> Result<T, StoreError> {
+        let Some((generation, mut link)) = self.link.read().clone() else {
+            return Err(StoreError::Down);
+        };
+        match tokio::time::timeout(deadline, link.query(cmd)).await {
+            Err(_) => Err(StoreError::Timeout(deadline)),
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                if must_reconnect(&e) {
+                    self.drop_link(generation, &e);
+                }
+                Err(StoreError::Redis(e))
+            }
+        }
+    }
+
+    fn drop_link(&self, generation: u64, why: &RedisError) {
+        let mut link = self.link.write();
+        if link.as_ref().is_some_and(|(g, _)| *g == generation) {
+            tracing::warn!(server = %self.server.read(), error = %why, "valkey: connection lost; reconnecting");
+            *link = None;
+            self.server.write().clear();
+            self.lost.notify_one();
+        }
+    }
+
+    /// Keeps a connection up until shutdown (see the module docs).
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+        loop {
+            if !self.is_up() {
+                let connected = tokio::select! {
+                    _ = shutdown.triggered() => return,
+                    c = self.connect() => c,
+                };
+                match connected {
+                    Ok((link, server)) => {
+                        backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+                        let g = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                        tracing::info!(%server, "valkey: connected");
+                        *self.server.write() = server;
+                        *self.link.write() = Some((g, link));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "valkey: no server answered");
+                        tokio::select! {
+                            _ = shutdown.triggered() => return,
+                            _ = tokio::time::sleep(backoff.next_delay()) => continue,
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.triggered() => return,
+                _ = self.lost.notified() => {}
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<(Link, String), StoreError> {
+        if self.cfg.cluster {
+            let client = redis::cluster::ClusterClient::builder(self.cfg.urls.clone())
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(CONNECT_TIMEOUT)
+                .retries(1)
+                .build()?;
+            let conn = timed(client.get_async_connection()).await?;
+            let mut link = Link::Cluster(conn);
+            // FUNCTION LOAD goes to every primary; a version check would ask one.
+            load_functions(&mut link, true).await?;
+            return Ok((link, format!("cluster {}", self.cfg.urls.join(","))));
+        }
+        let mut last = StoreError::Down;
+        for url in &self.cfg.urls {
+            match connect_primary(url).await {
+                Ok(link) => return Ok((link, url.clone())),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Connects to `url` and keeps the connection if the server is a primary.
+async fn connect_primary(url: &str) -> Result<Link, StoreError> {
+    let client = redis::Client::open(url)?;
+    let cfg = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(CONNECT_TIMEOUT)
+        .set_response_timeout(CONNECT_TIMEOUT);
+    let conn = timed(client.get_multiplexed_async_connection_with_config(&cfg)).await?;
+    let mut link = Link::Single(conn);
+    let role: Vec<redis::Value> = timed(link.query(&redis::cmd("ROLE"))).await?;
+    match role.first() {
+        Some(redis::Value::BulkString(r)) if r.as_slice() == b"master" => {}
+        other => {
+            return Err(StoreError::Reply(format!(
+                "{url} is not a primary ({other:?})"
+            )))
+        }
+    }
+    load_functions(&mut link, false).await?;
+    Ok(link)
+}
+
+/// Loads `functions.lua` (on every primary of a cluster), unless `always`
+/// is false and the same version is there already.
+async fn load_functions(link: &mut Link, always: bool) -> Result<(), StoreError> {
+    if !always {
+        let have: Result<String, _> =
+            timed(link.query(redis::cmd("FCALL").arg("kvmesh_version").arg(0))).await;
+        if matches!(&have, Ok(v) if v == FUNCTIONS_VERSION) {
+            return Ok(());
+        }
+    }
+    let _: String = timed(
+        link.query(
+            redis::cmd("FUNCTION")
+                .arg("LOAD")
+                .arg("REPLACE")
+                .arg(FUNCTIONS),
+        ),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn timed<T>(
+    f: impl std::future::Future<Output = Result<T, RedisError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, f).await {
+        Ok(r) => r.map_err(StoreError::from),
+        Err(_) => Err(StoreError::Timeout(CONNECT_TIMEOUT)),
+    }
+}
+
+/// Whether an error means this connection is no use any more.
+fn must_reconnect(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || matches!(
+            e.code(),
+            Some("READONLY") | Some("MASTERDOWN") | Some("LOADING")
+        )
+        || e.to_string().contains("Function not found")
+}

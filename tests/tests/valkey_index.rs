@@ -1,0 +1,535 @@
+//! The Valkey index backend against a real `valkey-server` (never a mock):
+//! writers and lookups agree on who holds what, leases fence a pod that
+//! stopped renewing, an engine restart fences the old member; sidecars in
+//! front of simulated engines route by prefix through Valkey as the mesh
+//! does; and no request fails while Valkey is slow, gone, restarted empty,
+//! or failed over to its replica, after which the index is whole again.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_engine_sim::SimHandle;
+use kvmesh_filters::prefix::index::{PrefixIndex, Touched};
+use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use kvmesh_filters::sched::view::Role;
+use kvmesh_loadgen::valkey::{ValkeyCluster, ValkeyReplicaSet, ValkeyServer};
+use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
+use kvmesh_proxy::config::{Config, Duration as CfgDuration};
+use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::valkey::{Lookup, PodRecord, Store, Writer};
+use kvmesh_proxy::{Shutdown, SidecarHandle};
+use kvmesh_tests::client::{fetch, http1, request};
+use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on};
+use kvmesh_tests::route::{eventually, metric};
+
+const BS: usize = 16;
+
+/// Short timings, so leases lapse and caches expire within a test.
+fn fast(urls: Vec<String>) -> ValkeyConfig {
+    ValkeyConfig {
+        urls,
+        lookup_deadline: CfgDuration::from_millis(200),
+        cache_ttl: CfgDuration::from_millis(20),
+        lease_interval: CfgDuration::from_millis(100),
+        lease_ttl: CfgDuration::from_millis(600),
+        block_ttl: CfgDuration::from_secs(60),
+        flush_interval: CfgDuration::from_millis(5),
+        resync_jitter: CfgDuration::from_millis(200),
+        forget_after: CfgDuration::from_secs(2),
+        ..ValkeyConfig::default()
+    }
+}
+
+async fn connected(cfg: ValkeyConfig, shutdown: &Shutdown) -> Arc<Store> {
+    let store = Arc::new(Store::new(cfg));
+    tokio::spawn(store.clone().run(shutdown.clone()));
+    eventually("connected to valkey", || async {
+        store.is_up().then_some(())
+    })
+    .await;
+    store
+}
+
+fn record(id: &str) -> PodRecord {
+    PodRecord {
+        id: id.to_owned(),
+        mesh: String::new(),
+        kv_agent: String::new(),
+        role: Role::Both,
+        models: vec!["m".into()],
+        adapters: vec![],
+        labels: Default::default(),
+        waiting: 1,
+        running: 2,
+        kv: 0.25,
+        block_size: BS as u32,
+        blocks: 1000,
+        healthy: true,
+        in_flight: 3,
+        load_age_ms: 0,
+        ttl_ms: 0,
+    }
+}
+
+fn tokens(n_blocks: usize, seed: u32) -> Vec<u32> {
+    (0..(n_blocks * BS) as u32)
+        .map(|i| seed * 100_000 + i)
+        .collect()
+}
+
+/// A batch storing the first `n` blocks of `toks` as one chain.
+fn store_chain(toks: &[u32], n: usize, hash_base: u64) -> EventBatch {
+    let stored = BlockStored {
+        block_hashes: (0..n as u64).map(|i| hash_base + i).collect(),
+        parent_block_hash: None,
+        token_ids: toks[..n * BS].to_vec(),
+        block_size: BS as u32,
+        ..Default::default()
+    };
+    EventBatch {
+        events: vec![KvEvent::BlockStored(stored)],
+        ..Default::default()
+    }
+}
+
+fn batch(events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        events,
+        ..Default::default()
+    }
+}
+
+/// One emulated pod: its writer over a shared index.
+struct Pod {
+    writer: Writer,
+    pod: kvmesh_filters::prefix::index::PodId,
+}
+
+impl Pod {
+    fn new(store: &Arc<Store>, index: &Arc<PrefixIndex>, id: &str) -> Self {
+        let pod = index.pod(id).unwrap();
+        let rec = record(id);
+        let writer = Writer::new(
+            store.clone(),
+            index.clone(),
+            pod,
+            id,
+            vec!["m".into()],
+            Box::new(move || rec.clone()),
+        );
+        Pod { writer, pod }
+    }
+
+    async fn apply(&mut self, m: &Metrics, index: &PrefixIndex, b: EventBatch) {
+        let mut touched: Vec<Touched> = Vec::new();
+        index.apply_touching(self.pod, "m", &b, &mut touched);
+        self.writer.batch(&m.index, &Arc::from("m"), &b, &touched);
+        self.sync(m).await;
+    }
+
+    /// Renews, then flushes until nothing (rewrites included) is pending.
+    async fn sync(&mut self, m: &Metrics) {
+        self.writer.renew(&m.index).await.unwrap();
+        for _ in 0..200 {
+            self.writer.flush(&m.index).await.unwrap();
+            if self.writer.is_registered()
+                && self.writer.pending() == 0
+                && self.writer.rewriting() == 0
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("writer did not drain: {:?}", self.writer);
+    }
+}
+
+/// Depth per pod id in a fresh lookup (past the cache).
+async fn depths(lookup: &Lookup, m: &Metrics, keys: &[u64]) -> Vec<(String, u32)> {
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    let found = lookup.find(&m.index, "m", keys).await.unwrap();
+    let mut out: Vec<(String, u32)> = found
+        .candidates
+        .iter()
+        .map(|c| (c.record.id.clone(), c.depth))
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn writers_and_lookups_agree_on_who_holds_what() {
+    let server = ValkeyServer::start().await.unwrap();
+    let shutdown = Shutdown::new();
+    let store = connected(fast(vec![server.url()]), &shutdown).await;
+    let m = Metrics::new();
+    let index = Arc::new(PrefixIndex::default());
+    let mut a = Pod::new(&store, &index, "127.0.0.1:10001");
+    let mut b = Pod::new(&store, &index, "127.0.0.1:10002");
+    let toks = tokens(8, 1);
+    let keys = index.request_keys("m", None, &toks, BS);
+    a.apply(&m, &index, store_chain(&toks, 8, 100)).await;
+    b.apply(&m, &index, store_chain(&toks, 3, 200)).await;
+    let lookup = Lookup::new(store.clone());
+    assert_eq!(
+        depths(&lookup, &m, &keys).await,
+        vec![("127.0.0.1:10001".into(), 8), ("127.0.0.1:10002".into(), 3)]
+    );
+    let found = lookup.find(&m.index, "m", &keys).await.unwrap();
+    assert_eq!(found.deepest, 8);
+    let rec = &found.candidates[0].record;
+    assert_eq!((rec.waiting, rec.running, rec.in_flight), (1, 2, 3));
+
+    // The tail of a's chain evicted: its depth follows.
+    let removed = KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![104, 105, 106, 107],
+        ..Default::default()
+    });
+    a.apply(&m, &index, batch(vec![removed])).await;
+    assert_eq!(
+        depths(&lookup, &m, &keys).await,
+        vec![("127.0.0.1:10001".into(), 4), ("127.0.0.1:10002".into(), 3)]
+    );
+
+    // A prompt nobody holds still gets candidates: the ring's homes and a
+    // random sample, at depth 0.
+    let cold = index.request_keys("m", None, &tokens(4, 9), BS);
+    assert_eq!(
+        depths(&lookup, &m, &cold).await,
+        vec![("127.0.0.1:10001".into(), 0), ("127.0.0.1:10002".into(), 0)]
+    );
+
+    // b's engine restarts: a new member, the old one fenced at once, and
+    // b's new blocks under the new member.
+    let old = b.writer.member().to_owned();
+    b.apply(&m, &index, batch(vec![KvEvent::AllBlocksCleared]))
+        .await;
+    assert_ne!(b.writer.member(), old);
+    b.apply(&m, &index, store_chain(&toks, 2, 300)).await;
+    assert_eq!(
+        depths(&lookup, &m, &keys).await,
+        vec![("127.0.0.1:10001".into(), 4), ("127.0.0.1:10002".into(), 2)]
+    );
+
+    // a stops renewing (its sidecar died): out of every lookup once its
+    // lease lapses.
+    let mut lapsed = false;
+    for _ in 0..200 {
+        b.writer.renew(&m.index).await.unwrap();
+        if depths(&lookup, &m, &keys).await == vec![("127.0.0.1:10002".to_owned(), 2)] {
+            lapsed = true;
+            break;
+        }
+    }
+    assert!(lapsed, "a's lease never lapsed");
+    shutdown.trigger();
+}
+
+#[tokio::test]
+async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_times_out() {
+    let mut server = ValkeyServer::start().await.unwrap();
+    let shutdown = Shutdown::new();
+    let store = connected(fast(vec![server.url()]), &shutdown).await;
+    let m = Metrics::new();
+    let index = Arc::new(PrefixIndex::default());
+    let mut a = Pod::new(&store, &index, "127.0.0.1:10001");
+    let toks = tokens(6, 2);
+    let keys = index.request_keys("m", None, &toks, BS);
+    a.apply(&m, &index, store_chain(&toks, 6, 100)).await;
+    let lookup = Lookup::new(store.clone());
+    assert_eq!(
+        depths(&lookup, &m, &keys).await,
+        vec![("127.0.0.1:10001".into(), 6)]
+    );
+
+    // Frozen: a lookup gives up at its deadline instead of hanging.
+    server.freeze().unwrap();
+    let started = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    assert!(lookup.find(&m.index, "m", &keys).await.is_err());
+    assert!(started.elapsed() < Duration::from_secs(2));
+    server.thaw().unwrap();
+
+    // Restarted empty: the store reconnects (and reloads its functions),
+    // the writer finds its record gone, registers again and rewrites.
+    server.restart_empty().await.unwrap();
+    let old = a.writer.member().to_owned();
+    let mut whole = false;
+    for _ in 0..400 {
+        let _ = a.writer.renew(&m.index).await;
+        let _ = a.writer.flush(&m.index).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        if let Ok(found) = lookup.find(&m.index, "m", &keys).await {
+            if found.candidates.len() == 1 && found.candidates[0].depth == 6 {
+                whole = true;
+                break;
+            }
+        }
+    }
+    assert!(whole, "the index never became whole again");
+    assert_ne!(a.writer.member(), old, "a new member after the restart");
+    shutdown.trigger();
+}
+
+/// A sidecar config on the Valkey backend in front of `engine`.
+fn valkey_sidecar(engine: &SimHandle, cfg: ValkeyConfig) -> Config {
+    let peers = std::env::temp_dir().join("kvmesh-valkey-no-peers");
+    let mut c = mesh_config(engine, &peers);
+    c.mesh.file = None;
+    c.mesh.listen = None;
+    c.index.backend = Backend::Valkey;
+    c.index.valkey = cfg;
+    c
+}
+
+struct Fleet {
+    engines: Vec<SimHandle>,
+    sidecars: Vec<SidecarHandle>,
+}
+
+async fn fleet(n: usize, cfg: ValkeyConfig) -> Fleet {
+    let mut engines = Vec::new();
+    let mut sidecars = Vec::new();
+    for _ in 0..n {
+        let e = kv_sim().await;
+        sidecars.push(start_on(valkey_sidecar(&e, cfg.clone()), None).await);
+        engines.push(e);
+    }
+    for s in &sidecars {
+        eventually("registered in valkey", || async {
+            s.index()?.status().writer.registered.then_some(())
+        })
+        .await;
+    }
+    Fleet { engines, sidecars }
+}
+
+impl Fleet {
+    fn engine_hits(&self) -> (u64, u64) {
+        self.engines.iter().fold((0, 0), |(h, q), e| {
+            let s = e.stats();
+            (h + s.prefix_hits, q + s.prefix_queries)
+        })
+    }
+
+    /// Every sidecar's writer has nothing pending.
+    async fn written(&self) {
+        for s in &self.sidecars {
+            eventually("writes drained", || async {
+                let w = s.index()?.status().writer;
+                (w.registered && w.pending == 0 && w.rewriting == 0).then_some(())
+            })
+            .await;
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+
+    async fn shutdown(self) {
+        for s in self.sidecars {
+            s.shutdown().await;
+        }
+    }
+}
+
+async fn complete(addr: SocketAddr, body: &str) -> u16 {
+    let r = fetch(
+        &http1(),
+        request(
+            "POST",
+            addr,
+            "/v1/completions",
+            body.to_owned(),
+            &[("content-type", "application/json")],
+        ),
+    )
+    .await;
+    r.status.as_u16()
+}
+
+/// Sends each group's first request, waits for the index, then three more
+/// users per group; the engines' prefix hit rate over the later ones.
+async fn shared_prefix_round(
+    f: &Fleet,
+    groups: std::ops::Range<usize>,
+    via: impl Fn(usize) -> SocketAddr,
+) -> f64 {
+    let mut i = 0;
+    for g in groups.clone() {
+        assert_eq!(complete(via(i), &shared_prefix_body(g, 0)).await, 200);
+        i += 1;
+    }
+    f.written().await;
+    let (h0, q0) = f.engine_hits();
+    for u in 1..4 {
+        for g in groups.clone() {
+            assert_eq!(complete(via(i), &shared_prefix_body(g, u)).await, 200);
+            i += 1;
+        }
+    }
+    let (h1, q1) = f.engine_hits();
+    (h1 - h0) as f64 / (q1 - q0).max(1) as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_on_valkey_route_by_prefix_as_the_mesh_does() {
+    let server = ValkeyServer::start().await.unwrap();
+    let f = fleet(4, fast(vec![server.url()])).await;
+    let addrs: Vec<SocketAddr> = f.sidecars.iter().map(|s| s.addr()).collect();
+    let spread = shared_prefix_round(&f, 0..8, |i| addrs[i % 4]).await;
+    let single = shared_prefix_round(&f, 100..108, |_| addrs[0]).await;
+    eprintln!("engine prefix hit rate through valkey: spread {spread:.3}, one sidecar {single:.3}");
+    assert!(single > 0.8, "one sidecar's hit rate {single}");
+    assert!(
+        spread > single - 0.05,
+        "spread {spread} vs one sidecar {single}"
+    );
+    let mut forwarded = 0.0;
+    for s in &f.sidecars {
+        forwarded += metric(s, r#"kvmesh_mesh_requests_total{served="forwarded"}"#)
+            .await
+            .unwrap_or(0.0);
+        assert!(
+            metric(s, r#"kvmesh_index_lookups_total{outcome="ok"}"#)
+                .await
+                .unwrap_or(0.0)
+                > 0.0
+        );
+        assert_eq!(metric(s, "kvmesh_index_up").await, Some(1.0));
+    }
+    assert!(forwarded > 0.0, "spread clients needed forwarding");
+    f.shutdown().await;
+}
+
+/// Sends `n` requests through `via` for groups that pods hold, counting
+/// anything but a 200.
+async fn failures(via: SocketAddr, n: usize, group0: usize) -> usize {
+    let mut bad = 0;
+    for i in 0..n {
+        if complete(via, &shared_prefix_body(group0 + i % 4, i)).await != 200 {
+            bad += 1;
+        }
+    }
+    bad
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_request_fails_while_valkey_is_frozen_gone_or_restarted_empty() {
+    let mut server = ValkeyServer::start().await.unwrap();
+    let f = fleet(3, fast(vec![server.url()])).await;
+    let addrs: Vec<SocketAddr> = f.sidecars.iter().map(|s| s.addr()).collect();
+    // Each group's prefix on some pod.
+    assert!(shared_prefix_round(&f, 0..4, |i| addrs[i % 3]).await > 0.5);
+
+    server.freeze().unwrap();
+    assert_eq!(failures(addrs[0], 12, 0).await, 0, "frozen valkey");
+    server.thaw().unwrap();
+
+    server.kill();
+    assert_eq!(failures(addrs[1], 12, 0).await, 0, "no valkey");
+    for s in &f.sidecars {
+        eventually("valkey down is seen", || async {
+            (!s.index()?.status().up).then_some(())
+        })
+        .await;
+    }
+    let down = metric(
+        &f.sidecars[1],
+        r#"kvmesh_index_lookups_total{outcome="down"}"#,
+    )
+    .await;
+    assert!(down.unwrap_or(0.0) > 0.0, "lookups while down are counted");
+
+    // Back, empty: every writer registers again and rewrites its pod.
+    server.restart_empty().await.unwrap();
+    for s in &f.sidecars {
+        eventually("registered again", || async {
+            let st = s.index()?.status();
+            (st.up && st.writer.registered).then_some(())
+        })
+        .await;
+        let again = metric(
+            s,
+            r#"kvmesh_index_registrations_total{reason="lease_lost"}"#,
+        )
+        .await;
+        assert!(
+            again.unwrap_or(0.0) >= 1.0,
+            "registered again after the restart"
+        );
+    }
+    f.written().await;
+    assert_eq!(failures(addrs[2], 12, 0).await, 0, "after the restart");
+    // Whole again: the groups' next users land where their prefix is.
+    let (h0, q0) = f.engine_hits();
+    assert_eq!(failures(addrs[0], 8, 0).await, 0);
+    let (h1, q1) = f.engine_hits();
+    let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
+    assert!(rate > 0.5, "prefix hit rate after the rewrite {rate}");
+    f.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_follow_a_failover_to_the_replica() {
+    let mut set = ValkeyReplicaSet::start().await.unwrap();
+    let urls = set.urls().to_vec();
+    let f = fleet(2, fast(urls.clone())).await;
+    let addrs: Vec<SocketAddr> = f.sidecars.iter().map(|s| s.addr()).collect();
+    assert_eq!(f.sidecars[0].index().unwrap().status().server, urls[0]);
+    assert!(shared_prefix_round(&f, 0..4, |i| addrs[i % 2]).await > 0.5);
+    set.promote_replica().await.unwrap();
+    assert_eq!(failures(addrs[0], 8, 0).await, 0, "during the failover");
+    for s in &f.sidecars {
+        eventually("on the promoted replica", || async {
+            let st = s.index()?.status();
+            (st.up && st.server == urls[1] && st.writer.registered).then_some(())
+        })
+        .await;
+    }
+    f.written().await;
+    let (h0, q0) = f.engine_hits();
+    assert_eq!(failures(addrs[1], 8, 0).await, 0);
+    let (h1, q1) = f.engine_hits();
+    let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
+    assert!(rate > 0.5, "prefix hit rate after the failover {rate}");
+    f.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_route_through_a_cluster_of_three_primaries_and_a_pod_that_left_is_out() {
+    let cluster = ValkeyCluster::start().await.unwrap();
+    let mut cfg = fast(cluster.urls());
+    cfg.cluster = true;
+    // Three stripes: a model's pods spread over the slots of several primaries.
+    cfg.stripes = 3;
+    let mut f = fleet(3, cfg).await;
+    let addrs: Vec<SocketAddr> = f.sidecars.iter().map(|s| s.addr()).collect();
+    let spread = shared_prefix_round(&f, 0..6, |i| addrs[i % 3]).await;
+    assert!(spread > 0.75, "hit rate through the cluster {spread}");
+
+    // A pod leaves: within 5 s no lookup names it.
+    let gone = f.sidecars.pop().unwrap();
+    let gone_id = gone.fleet().local_id().to_owned();
+    gone.shutdown().await;
+    let started = std::time::Instant::now();
+    eventually("the pod that left is out of the lookups", || async {
+        let r = fetch(
+            &http1(),
+            request(
+                "POST",
+                f.sidecars[0].admin_addr(),
+                "/debug/route",
+                shared_prefix_body(0, 99),
+                &[("content-type", "application/json")],
+            ),
+        )
+        .await;
+        let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+        let c = v["index"]["candidates"].as_array()?;
+        (!c.is_empty() && !c.iter().any(|p| p[0] == gone_id.as_str())).then_some(())
+    })
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    f.shutdown().await;
+}
