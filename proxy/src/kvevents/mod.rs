@@ -328,14 +328,7 @@ impl Feed {
     fn apply(&mut self, m: &KvMessage) {
         let prefix = &self.app.prefix;
         let model: Arc<str> = Arc::from(prefix.event_model(parse_topic(&m.topic).map(|t| t.model)));
-        let mut touched = Vec::new();
-        let stats = if prefix.tracks_touched() {
-            prefix
-                .index()
-                .apply_touching(prefix.local_pod().0, &model, &m.batch, &mut touched)
-        } else {
-            prefix.index().apply(prefix.local_pod().0, &model, &m.batch)
-        };
+        let stats = prefix.ingest_local(m.seq, model.clone(), &m.batch);
         if let Some(feed_rank) = self.rank {
             let rank = m
                 .batch
@@ -357,14 +350,6 @@ impl Feed {
         if bs > 0 {
             // Events are the engine's own word; the metrics scraper agrees.
             self.app.engine_block_size.store(bs, Ordering::Relaxed);
-        }
-        if prefix.has_local_subscribers() {
-            prefix.publish_local(LocalKvUpdate::Batch {
-                seq: m.seq,
-                model,
-                batch: Arc::new(m.batch.clone()),
-                touched: touched.into(),
-            });
         }
         if self.last_stats.elapsed() >= STATS_EVERY || stats.cleared > 0 {
             self.last_stats = std::time::Instant::now();

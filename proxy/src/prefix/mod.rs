@@ -228,6 +228,29 @@ impl PrefixState {
         self.local_updates.subscribe()
     }
 
+    /// Applies a batch of the local pod's KV events keyed by `model` and
+    /// hands it to the local subscribers (the mesh, the Valkey writer): what
+    /// the KV-event feed does with every batch it takes in order, and what
+    /// `kvmesh bench scale` feeds emulated pods through.
+    pub fn ingest_local(&self, seq: u64, model: Arc<str>, batch: &EventBatch) -> ApplyStats {
+        let mut touched = Vec::new();
+        let stats = if self.track_touched {
+            self.index
+                .apply_touching(self.local_pod, &model, batch, &mut touched)
+        } else {
+            self.index.apply(self.local_pod, &model, batch)
+        };
+        if self.has_local_subscribers() {
+            self.publish_local(LocalKvUpdate::Batch {
+                seq,
+                model,
+                batch: Arc::new(batch.clone()),
+                touched: touched.into(),
+            });
+        }
+        stats
+    }
+
     /// Whether local updates carry the keys each batch touched.
     pub fn tracks_touched(&self) -> bool {
         self.track_touched

@@ -183,8 +183,10 @@ async fn write(t: Tasks, shutdown: Shutdown) {
     );
     let m = &t.metrics.index;
     let mut rx = Some(t.local_kv);
-    let mut flush = tokio::time::interval(cfg.flush_interval.get());
-    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let every = cfg.flush_interval.get();
+    // Armed only while something waits, so an idle pod's writer sleeps
+    // between renewals.
+    let mut flush_at: Option<Instant> = None;
     let mut lease = tokio::time::interval(cfg.lease_interval.get());
     lease.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut error: Option<String> = None;
@@ -206,11 +208,17 @@ async fn write(t: Tasks, shutdown: Shutdown) {
                 // The feed ended: only the lease from here on.
                 Err(broadcast::error::RecvError::Closed) => rx = None,
             },
-            _ = flush.tick() => error = writer.flush(m).await.err().map(|e| e.to_string()),
+            _ = sleep_until(flush_at) => {
+                error = writer.flush(m).await.err().map(|e| e.to_string());
+                flush_at = None;
+            }
             _ = lease.tick() => {
                 m.up(t.valkey.store.is_up());
                 error = writer.renew(m).await.err().map(|e| e.to_string());
             }
+        }
+        if flush_at.is_none() && writer.has_work() {
+            flush_at = Some(Instant::now() + every);
         }
         *t.valkey.status.lock() = WriterStatus {
             member: writer.member().to_owned(),
@@ -219,6 +227,13 @@ async fn write(t: Tasks, shutdown: Shutdown) {
             rewriting: writer.rewriting(),
             last_error: error.clone(),
         };
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

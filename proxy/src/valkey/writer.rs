@@ -149,6 +149,11 @@ impl Writer {
         self.dirty.len()
     }
 
+    /// Whether a flush has anything to do (a change or a rewrite waits).
+    pub fn has_work(&self) -> bool {
+        !self.dirty.is_empty() || !self.rewrite.is_empty()
+    }
+
     /// Blocks left to rewrite.
     pub fn rewriting(&self) -> usize {
         self.rewrite.len()
@@ -242,6 +247,14 @@ impl Writer {
     /// where it is not yet). Returns the first error.
     pub async fn renew(&mut self, m: &IndexMetrics) -> Result<(), StoreError> {
         self.retire().await?;
+        let now = Instant::now();
+        if now >= self.refresh_at {
+            let half = self.store.config().block_ttl.get() / 2;
+            self.refresh_at = now + half.mul_f64(0.9 + rand::random::<f64>() / 5.0);
+            if self.rewrite.is_empty() && self.is_registered() {
+                self.rewrite_all(now);
+            }
+        }
         let cfg = self.store.config().clone();
         let mut record = (self.record)();
         record.ttl_ms = ms(cfg.lease_ttl.get());
@@ -323,13 +336,6 @@ impl Writer {
         self.last_flush = now;
         if !self.is_registered() {
             return Ok(());
-        }
-        if now >= self.refresh_at {
-            let half = self.store.config().block_ttl.get() / 2;
-            self.refresh_at = now + half.mul_f64(0.9 + rand::random::<f64>() / 5.0);
-            if self.rewrite.is_empty() {
-                self.rewrite_all(now);
-            }
         }
         self.feed_rewrite(m, now, elapsed);
         while !self.dirty.is_empty() {
