@@ -99,6 +99,18 @@ pub struct RunArgs {
     /// Threads serving requests (`runtime.worker_threads`; default 1).
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+    /// Where the fleet's prefix index and load live (`index.backend`):
+    /// every sidecar following every peer (mesh), or a shared Valkey.
+    #[arg(long, value_name = "mesh|valkey", value_parser = parse_backend)]
+    pub index_backend: Option<config::index::Backend>,
+    /// A Valkey server, redis://HOST:PORT (repeatable; added to
+    /// `index.valkey.urls`): one server, a primary and its replicas, or a
+    /// cluster's seeds with --valkey-cluster.
+    #[arg(long = "valkey-url", value_name = "URL")]
+    pub valkey_urls: Vec<String>,
+    /// The Valkey URLs are seeds of a Valkey cluster (`index.valkey.cluster`).
+    #[arg(long)]
+    pub valkey_cluster: bool,
 }
 
 fn parse_connector(s: &str) -> Result<config::PdConnector, String> {
@@ -107,6 +119,15 @@ fn parse_connector(s: &str) -> Result<config::PdConnector, String> {
         "sglang" => Ok(config::PdConnector::Sglang),
         "kvagent" => Ok(config::PdConnector::Kvagent),
         _ => Err(format!("{s:?} is not nixl, sglang or kvagent")),
+    }
+}
+
+fn parse_backend(s: &str) -> Result<config::index::Backend, String> {
+    use config::index::Backend;
+    match s {
+        "mesh" => Ok(Backend::Mesh),
+        "valkey" => Ok(Backend::Valkey),
+        _ => Err(format!("{s:?} is not mesh or valkey")),
     }
 }
 
@@ -184,6 +205,13 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     }
     if let Some(n) = args.worker_threads {
         c.runtime.worker_threads = n;
+    }
+    if let Some(b) = args.index_backend {
+        c.index.backend = b;
+    }
+    c.index.valkey.urls.extend(args.valkey_urls.iter().cloned());
+    if args.valkey_cluster {
+        c.index.valkey.cluster = true;
     }
     config::load::validate_built(&c, "<flags>")?;
     Ok(c)
@@ -273,17 +301,42 @@ async fn termination() {
 /// filters.yaml; prints `FILE: ok` per file, or the first error with file,
 /// line and field and exits 2. Shared with `kvmesh check-config`.
 pub fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
+    let report = check_files(file, filters);
+    for line in &report.ok {
+        println!("{line}");
+    }
+    match report.error {
+        Some(e) => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+        None => ExitCode::SUCCESS,
+    }
+}
+
+/// What `check-config` prints: a line per file that passed (stdout), then
+/// the first error, if any (stderr, exit code 2).
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    pub ok: Vec<String>,
+    pub error: Option<String>,
+}
+
+/// [`check_config`] without the printing.
+pub fn check_files(file: Option<&Path>, filters: Option<&Path>) -> CheckReport {
+    let mut report = CheckReport::default();
     if file.is_none() && filters.is_none() {
-        eprintln!("check-config: name a proxy.yaml, a --filters file, or both");
-        return ExitCode::from(2);
+        report.error =
+            Some("check-config: name a proxy.yaml, a --filters file, or both".to_owned());
+        return report;
     }
     let mut named_filters = None;
     if let Some(file) = file {
         let config = match config::load_file(file) {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::from(2);
+                report.error = Some(e.to_string());
+                return report;
             }
         };
         let client_tls = config.listeners.tls.as_ref().map(crate::tls::acceptor);
@@ -298,26 +351,150 @@ pub fn check_config(file: Option<&Path>, filters: Option<&Path>) -> ExitCode {
             let loc = config::load::locate(&src, field)
                 .map(|(l, c)| format!(":{l}:{c}"))
                 .unwrap_or_default();
-            eprintln!("{}{loc}: {field}: {e}", file.display());
-            return ExitCode::from(2);
+            report.error = Some(format!("{}{loc}: {field}: {e}", file.display()));
+            return report;
         }
         named_filters = config.scheduling.filters;
-        println!("{}: ok", file.display());
+        report.ok.push(format!("{}: ok", file.display()));
     }
     if let Some(f) = filters.map(Path::to_path_buf).or(named_filters) {
         match crate::routing::load_filters(&f) {
             Ok(active) => {
                 let profiles: Vec<&str> = active.scheduler.profile_names().collect();
-                println!("{}: ok (profiles: {})", f.display(), profiles.join(", "));
+                report.ok.push(format!(
+                    "{}: ok (profiles: {})",
+                    f.display(),
+                    profiles.join(", ")
+                ));
                 for note in &active.prefix.notes {
-                    println!("{}: note: {note}", f.display());
+                    report.ok.push(format!("{}: note: {note}", f.display()));
                 }
             }
-            Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::from(2);
-            }
+            Err(e) => report.error = Some(e.to_string()),
         }
     }
-    ExitCode::SUCCESS
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::config::index::Backend;
+
+    fn run_args(flags: &[&str]) -> RunArgs {
+        let argv = ["kvmesh-proxy", "run"].iter().chain(flags);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Some(Command::Run(args)) => *args,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn write(dir: &Path, text: &str) -> PathBuf {
+        let p = dir.join("proxy.yaml");
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn index_flags_set_the_index_section() {
+        let c = effective_config(&run_args(&[
+            "--index-backend",
+            "valkey",
+            "--valkey-url",
+            "redis://valkey-0.valkey:6379",
+            "--valkey-url=redis://valkey-1.valkey:6379",
+            "--valkey-cluster",
+        ]))
+        .unwrap();
+        assert_eq!(c.index.backend, Backend::Valkey);
+        assert_eq!(
+            c.index.valkey.urls,
+            [
+                "redis://valkey-0.valkey:6379",
+                "redis://valkey-1.valkey:6379"
+            ]
+        );
+        assert!(c.index.valkey.cluster);
+
+        let plain = effective_config(&run_args(&[])).unwrap();
+        assert_eq!(plain.index, config::Index::default());
+        assert!(Cli::try_parse_from(["kvmesh-proxy", "run", "--index-backend", "redis"]).is_err());
+    }
+
+    #[test]
+    fn index_flags_add_to_the_file_and_are_validated_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(
+            dir.path(),
+            "index:\n  valkey:\n    urls: [redis://a:6379]\n    stripes: 4\n",
+        );
+        let file = file.to_str().unwrap();
+        let c = effective_config(&run_args(&[
+            "--config",
+            file,
+            "--index-backend=valkey",
+            "--valkey-url=redis://b:6379",
+        ]))
+        .unwrap();
+        assert_eq!(c.index.valkey.urls, ["redis://a:6379", "redis://b:6379"]);
+        assert_eq!(c.index.valkey.stripes, 4, "the file's other keys stay");
+        assert!(!c.index.valkey.cluster);
+
+        // Flags are checked as the file is: valkey needs a URL, and refuses
+        // the mesh's peer discovery.
+        let e = effective_config(&run_args(&["--index-backend", "valkey"])).unwrap_err();
+        assert_eq!(e.path, "index.valkey.urls", "{e}");
+        assert!(
+            e.to_string().starts_with("<flags>: index.valkey.urls: "),
+            "{e}"
+        );
+        let e = effective_config(&run_args(&[
+            "--index-backend=valkey",
+            "--valkey-url=redis://a:6379",
+            "--peers=10.0.0.2:7000",
+            "--mesh-listen=0.0.0.0:7000",
+        ]))
+        .unwrap_err();
+        assert_eq!(e.path, "mesh.peers", "{e}");
+    }
+
+    #[test]
+    fn check_config_names_the_index_field_at_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, want) in [
+            ("index:\n  backend: valkey\n", ": index.valkey.urls: backend valkey needs"),
+            (
+                "index:\n  backend: valkey\n  valkey:\n    urls: [http://a:6379]\n",
+                ":4:5: index.valkey.urls: \"http://a:6379\" must start with",
+            ),
+            (
+                "index:\n  backend: valkey\n  valkey:\n    urls: [redis://a:6379]\n    lease_ttl: 500ms\n",
+                ":5:5: index.valkey.lease_ttl: 500ms must be longer than lease_interval",
+            ),
+            (
+                "index:\n  valkey:\n    stripe: 2\n",
+                ":3:5: index.valkey.stripe: unknown field `stripe`",
+            ),
+            ("index:\n  backend: redis\n", ":2:12: index.backend: unknown variant"),
+            (
+                "mesh:\n  listen: 0.0.0.0:7000\n  dns: {name: kvmesh-mesh, port: 7000}\nindex:\n  backend: valkey\n  valkey: {urls: [redis://a:6379]}\n",
+                ": mesh.peers: with index.backend valkey",
+            ),
+        ] {
+            let f = write(dir.path(), text);
+            let report = check_files(Some(&f), None);
+            let err = report.error.unwrap_or_else(|| panic!("{text} passed"));
+            let want = format!("{}{want}", f.display());
+            assert!(err.starts_with(&want), "{text}\n{err}\nwant {want}");
+            assert!(report.ok.is_empty());
+        }
+        let f = write(
+            dir.path(),
+            "index:\n  backend: valkey\n  valkey:\n    urls: [redis://a:6379, valkey://b:6379]\n",
+        );
+        let report = check_files(Some(&f), None);
+        assert_eq!(report.error, None);
+        assert_eq!(report.ok, [format!("{}: ok", f.display())]);
+    }
 }
