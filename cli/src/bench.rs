@@ -32,6 +32,38 @@ pub enum BenchCmd {
     /// kvmesh against the routers users would pick instead (round-robin,
     /// SMG, llm-d's config), each on its own simulated fleet, swept over rates.
     Peers(PeersArgs),
+    /// One real sidecar in front of an emulated fleet of 32 to 1000 pods, on
+    /// the full mesh and on Valkey: its CPU, memory, decision latency and
+    /// the index's freshness; what one Valkey core takes; the sizing rule.
+    Scale(ScaleArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ScaleArgs {
+    /// The CI size: one round, short phases, under 10 minutes on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// Fleet sizes (default 32,128,512,1000).
+    #[arg(long, value_delimiter = ',')]
+    pods: Vec<usize>,
+    /// The largest fleet run on the mesh (default 128 with --quick, else 512).
+    #[arg(long)]
+    mesh_max: Option<usize>,
+    /// Rounds per point (default 1 with --quick, else 3).
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// kvmesh-proxy binary (default: next to this binary, then PATH).
+    #[arg(long)]
+    proxy: Option<PathBuf>,
+    /// Write the report as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write per-sidecar CPU and RSS against pods as PNGs (NAME-cpu.png, NAME-rss.png).
+    #[arg(long)]
+    png: Option<PathBuf>,
+    /// Where the sidecars' configs and logs go (default: a temporary directory).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -204,6 +236,7 @@ pub fn main(cmd: BenchCmd) -> Result<()> {
             BenchCmd::FakeEngine(a) => fake_cmd(a).await,
             BenchCmd::Soak(a) => soak_cmd(a).await,
             BenchCmd::Peers(a) => peers_cmd(a).await,
+            BenchCmd::Scale(a) => scale_cmd(a).await,
         }
     })
 }
@@ -306,6 +339,37 @@ async fn overhead_cmd(a: OverheadArgs) -> Result<()> {
     }
     if let Some(p) = &a.png {
         report.to_report().write_png(p)?;
+    }
+    Ok(())
+}
+
+async fn scale_cmd(a: ScaleArgs) -> Result<()> {
+    use crate::scale::{self, ScaleOpts};
+    let work_dir = a.work_dir.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvmesh-scale-{}", std::process::id()))
+    });
+    let mut opts = ScaleOpts::new(a.quick, work_dir.clone());
+    if !a.pods.is_empty() {
+        opts.pods = a.pods;
+    }
+    if let Some(m) = a.mesh_max {
+        opts.mesh_max = m;
+    }
+    if let Some(r) = a.rounds {
+        opts.rounds = r.max(1);
+    }
+    opts.proxy = a.proxy;
+    let report = scale::run(&opts).await?;
+    print!("{}", report.text());
+    eprintln!("configs and logs: {}", work_dir.display());
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    if let Some(p) = &a.png {
+        for f in report.write_pngs(p)? {
+            eprintln!("wrote {}", f.display());
+        }
     }
     Ok(())
 }

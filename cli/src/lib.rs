@@ -9,11 +9,13 @@
 //! admin port), [`prefix`] (token ids and block hashes of a request),
 //! [`demo`] (a simulated fleet with sidecars, and the peers benchmark in
 //! [`demo::peers`]), [`bench`] (load generation and the overhead and peers
-//! benchmarks).
+//! benchmarks), [`scale`] (one sidecar in front of an emulated fleet of up to
+//! 1000 pods, on the mesh and on Valkey).
 
 pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod inject;
 pub mod prefix;
+pub mod scale;
 pub mod stat;

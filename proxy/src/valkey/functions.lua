@@ -5,43 +5,69 @@
 --
 -- Every key of one call shares one hash tag, {PREFIX:MODEL:STRIPE}, so a
 -- call runs on one cluster slot. Under a tag T:
---   T:b:<16 hex>  HASH   member id -> media bitmask: who holds this block
---   T:p:<member>  STRING the member's pod record (JSON), with a PX lease
---   T:members     SET    member ids registered under T
---   T:ring        ZSET   member id -> its position on the prefix ring
+--   T:b:<16 hex>  HASH  member id -> media bitmask: who holds this block
+--   T:recs        HASH  member id -> 13-digit lease expiry (server ms) '|'
+--                       the member's pod record (JSON)
+--   T:members     SET   member ids registered under T
+--   T:ring        ZSET  member id -> its position on the prefix ring
 -- A member id names one registration of a pod: a pod whose engine restarted
 -- or whose state Valkey lost registers again under a new id, so whatever the
--- old id wrote is fenced at once (its record is gone) and expires later.
+-- old id wrote is fenced at once (its record is gone or lapsed) and its
+-- block entries expire later. Leases are checked against the server's own
+-- clock, so the sidecars' clocks never matter.
 
-local VERSION = '1'
+local VERSION = '2'
 
 local function version()
   return VERSION
 end
 
--- KEYS: record, members, ring. ARGV: member, record JSON, lease ms, ring
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The lease expiry of a stored record value.
+local function expiry(value)
+  return tonumber(string.sub(value, 1, 13))
+end
+
+-- Drops a member whose lease lapsed from the records, the set and the ring.
+local function fence(recs, members, ring, member)
+  redis.call('HDEL', recs, member)
+  redis.call('SREM', members, member)
+  redis.call('ZREM', ring, member)
+end
+
+-- KEYS: recs, members, ring. ARGV: member, record JSON, lease ms, ring
 -- position, 'new' or 'renew'. Returns 1, or 0 when renewing a record that
--- is gone (lease lapsed, Valkey restarted or failed over): the caller then
--- registers under a new id and rewrites its blocks.
+-- is gone or lapsed (Valkey restarted or failed over, or the pod was cut off
+-- longer than its lease): the caller then registers under a new id and
+-- rewrites its blocks.
 local function register(keys, args)
-  local member, record, ttl, pos, mode = args[1], args[2], args[3], args[4], args[5]
-  local flag = 'NX'
-  if mode == 'renew' then flag = 'XX' end
-  local ok = redis.call('SET', keys[1], record, 'PX', ttl, flag)
-  if not ok then
+  local recs, members, ring = keys[1], keys[2], keys[3]
+  local member, record, ttl, pos, mode = args[1], args[2], tonumber(args[3]), args[4], args[5]
+  local now = now_ms()
+  local old = redis.call('HGET', recs, member)
+  if mode == 'renew' then
+    if not old or expiry(old) <= now then
+      return 0
+    end
+  elseif old then
     return 0
   end
-  redis.call('SADD', keys[2], member)
-  redis.call('ZADD', keys[3], pos, member)
+  redis.call('HSET', recs, member, string.format('%013d', now + ttl) .. '|' .. record)
+  redis.call('SADD', members, member)
+  redis.call('ZADD', ring, pos, member)
   return 1
 end
 
--- KEYS: record, then block keys. ARGV: member, block ttl ms, then one media
+-- KEYS: recs, then block keys. ARGV: member, block ttl ms, then one media
 -- bitmask per block key (0: the member no longer holds it). Returns the
 -- number of blocks written, or -1 when the member's record is gone (fenced:
 -- the caller registers again and rewrites).
 local function write(keys, args)
-  if redis.call('EXISTS', keys[1]) == 0 then
+  if redis.call('HEXISTS', keys[1], args[1]) == 0 then
     return -1
   end
   local member, ttl = args[1], args[2]
@@ -57,31 +83,27 @@ local function write(keys, args)
   return #keys - 1
 end
 
--- Drops a member whose record is gone from the member set and the ring.
-local function fence(members, ring, member)
-  redis.call('SREM', members, member)
-  redis.call('ZREM', ring, member)
-end
-
 -- The ring position of a block key's name: its first 52 bits, exact in a
 -- Lua number.
 local function ring_pos(key)
   return tonumber(string.sub(key, -16, -4), 16)
 end
 
--- KEYS: members, ring, then the request's block keys in order. ARGV: most
--- matched members, random members, ring members, how many blocks past the
--- deepest match the ring anchor is taken. Returns
---   { deepest block any live member holds, member, depth, record, pttl, ... }
+-- KEYS: members, ring, recs, then the request's block keys in order. ARGV:
+-- most matched members, random members, ring members, how many blocks past
+-- the deepest match the ring anchor is taken. Returns
+--   { deepest block any live member holds, member, depth, record, ms left
+--     of its lease, ... }
 -- for the matched members (deepest first, depth >= 1) and then the ring and
--- random members not already listed (depth 0). Members whose record is gone
+-- random members not already listed (depth 0). Members whose lease lapsed
 -- are fenced on the way and left out.
 local function lookup(keys, args)
-  local members, ring = keys[1], keys[2]
+  local members, ring, recs = keys[1], keys[2], keys[3]
   local most, nrandom, nring, ahead =
     tonumber(args[1]), tonumber(args[2]), tonumber(args[3]), tonumber(args[4])
-  local n = #keys - 2
-  local function block(i) return keys[i + 2] end
+  local n = #keys - 3
+  local function block(i) return keys[i + 3] end
+  local now = now_ms()
 
   -- The deepest block anybody holds. Chained keys make holding prefix-closed
   -- (a block's key names its whole prefix, and engines evict the tail of a
@@ -95,22 +117,9 @@ local function lookup(keys, args)
 
   -- Members at probes deepest, deepest-1, deepest-3, deepest-7, ... and 1:
   -- each is first seen at the deepest probe it holds, so its depth lies
-  -- between that probe and the previous one; a binary search with HEXISTS
-  -- settles it. Big hashes (a system prompt every pod holds) are sampled.
-  local out, seen, found = {}, {}, {}
-  local live = {}
-  local function alive(member)
-    if live[member] == nil then
-      local rec = redis.call('GET', string.sub(members, 1, -8) .. 'p:' .. member)
-      if rec then
-        live[member] = { rec, redis.call('PTTL', string.sub(members, 1, -8) .. 'p:' .. member) }
-      else
-        live[member] = false
-        fence(members, ring, member)
-      end
-    end
-    return live[member]
-  end
+  -- between that probe and the previous one. Big hashes (a system prompt
+  -- every pod holds) are sampled. Their records come in one HMGET.
+  local seen, found, where = {}, {}, {}
   local probe, step, above = deepest, 1, n + 1
   while probe >= 1 and #found < most do
     local key = block(probe)
@@ -122,13 +131,10 @@ local function lookup(keys, args)
       fields = redis.call('HKEYS', key)
     end
     for _, member in ipairs(fields) do
-      if not seen[member] and #found < most then
+      if not seen[member] then
         seen[member] = true
-        if alive(member) then
-          table.insert(found, { member, probe, above - 1 })
-        else
-          redis.call('HDEL', key, member)
-        end
+        table.insert(found, { member, probe, above - 1 })
+        where[member] = key
       end
     end
     above = probe
@@ -136,32 +142,15 @@ local function lookup(keys, args)
     probe = math.max(1, probe - step)
     step = step * 2
   end
-  for _, f in ipairs(found) do
-    local member, lo2, hi2 = f[1], f[2], f[3]
-    while lo2 < hi2 do
-      local mid = math.floor((lo2 + hi2 + 1) / 2)
-      if redis.call('HEXISTS', block(mid), member) == 1 then lo2 = mid else hi2 = mid - 1 end
-    end
-    local rec = live[member]
-    table.insert(out, member)
-    table.insert(out, lo2)
-    table.insert(out, rec[1])
-    table.insert(out, rec[2])
-  end
 
+  -- Homes on the ring for the prefix past the deepest match, and a sample.
+  local extra = {}
   local function add(member)
     if not seen[member] then
       seen[member] = true
-      local rec = alive(member)
-      if rec then
-        table.insert(out, member)
-        table.insert(out, 0)
-        table.insert(out, rec[1])
-        table.insert(out, rec[2])
-      end
+      table.insert(extra, member)
     end
   end
-  -- Homes on the ring for the prefix past the deepest match.
   if nring > 0 and n > 0 then
     local pos = ring_pos(block(math.min(n, deepest + ahead)))
     local homes = redis.call('ZRANGEBYSCORE', ring, pos, '+inf', 'LIMIT', 0, nring)
@@ -174,7 +163,41 @@ local function lookup(keys, args)
   if nrandom > 0 then
     for _, m in ipairs(redis.call('SRANDMEMBER', members, nrandom)) do add(m) end
   end
-  table.insert(out, 1, deepest)
+
+  local ids = {}
+  for _, f in ipairs(found) do table.insert(ids, f[1]) end
+  for _, m in ipairs(extra) do table.insert(ids, m) end
+  local out = { deepest }
+  if #ids == 0 then
+    return out
+  end
+  local values = redis.call('HMGET', recs, unpack(ids))
+  local matched = 0
+  for i, member in ipairs(ids) do
+    local v = values[i]
+    local left = v and (expiry(v) - now) or -1
+    if left <= 0 then
+      fence(recs, members, ring, member)
+      if where[member] then redis.call('HDEL', where[member], member) end
+    elseif i > #found or matched < most then
+      if i <= #found then matched = matched + 1 end
+      local depth = 0
+      local f = found[i]
+      if f then
+        -- Settle the depth inside its bracket with a binary search.
+        local lo2, hi2 = f[2], f[3]
+        while lo2 < hi2 do
+          local mid = math.floor((lo2 + hi2 + 1) / 2)
+          if redis.call('HEXISTS', block(mid), member) == 1 then lo2 = mid else hi2 = mid - 1 end
+        end
+        depth = lo2
+      end
+      table.insert(out, member)
+      table.insert(out, depth)
+      table.insert(out, string.sub(v, 15))
+      table.insert(out, left)
+    end
+  end
   return out
 end
 

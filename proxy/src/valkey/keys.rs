@@ -25,13 +25,12 @@ impl Tag {
         format!("{}:b:{key:016x}", self.0)
     }
 
-    /// A member's pod record (with its lease).
-    pub fn record(&self, member: &str) -> String {
-        format!("{}:p:{member}", self.0)
+    /// The members' pod records, each with its lease's expiry.
+    pub fn records(&self) -> String {
+        format!("{}:recs", self.0)
     }
 
-    /// The set of members registered under this tag. `functions.lua` finds
-    /// the record keys by cutting `members` off this name.
+    /// The set of members registered under this tag.
     pub fn members(&self) -> String {
         format!("{}:members", self.0)
     }
@@ -72,7 +71,7 @@ mod tests {
             "{kvmesh:Qwen/Qwen3-32B:3}:b:00000000000000ab"
         );
         assert_eq!(t.members(), "{kvmesh:Qwen/Qwen3-32B:3}:members");
-        assert_eq!(t.record("m1"), "{kvmesh:Qwen/Qwen3-32B:3}:p:m1");
+        assert_eq!(t.records(), "{kvmesh:Qwen/Qwen3-32B:3}:recs");
         assert_eq!(Tag::new("p", "a}b{", 0).ring(), "{p:a_b_:0}:ring");
     }
 

@@ -156,9 +156,10 @@ impl Lookup {
     ) -> Result<Found, StoreError> {
         let cfg = self.store.config();
         let tag = Tag::new(&cfg.key_prefix, model, stripe);
-        let mut names = Vec::with_capacity(keys.len() + 2);
+        let mut names = Vec::with_capacity(keys.len() + 3);
         names.push(tag.members());
         names.push(tag.ring());
+        names.push(tag.records());
         names.extend(keys.iter().map(|&k| tag.block(k)));
         let reply: Value = self
             .store

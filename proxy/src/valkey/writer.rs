@@ -65,9 +65,10 @@ pub struct Writer {
     member: String,
     /// Namespaces the current member is registered in.
     registered: BTreeSet<Arc<str>>,
-    /// Records of members given up while their lease still ran, to delete
-    /// (so lookups fence them now, not when the lease lapses).
-    retired: Vec<String>,
+    /// Members given up while their lease still ran, with the records hash
+    /// each is in, to delete (so lookups fence them now, not when the lease
+    /// lapses).
+    retired: Vec<(String, String)>,
     /// Why the next registration happens.
     reason: &'static str,
     /// The member has not been registered everywhere yet: once it is, the
@@ -230,7 +231,7 @@ impl Writer {
         for ns in &self.registered {
             if self.retired.len() < 256 {
                 let tag = Tag::new(&cfg.key_prefix, ns, self.stripe);
-                self.retired.push(tag.record(&self.member));
+                self.retired.push((tag.records(), self.member.clone()));
             }
         }
         self.member = new_member();
@@ -266,7 +267,7 @@ impl Writer {
         for ns in namespaces {
             let tag = Tag::new(&cfg.key_prefix, &ns, self.stripe);
             let renewing = self.registered.contains(&ns);
-            let keys = [tag.record(&self.member), tag.members(), tag.ring()];
+            let keys = [tag.records(), tag.members(), tag.ring()];
             let mode = if renewing { "renew" } else { "new" };
             let ok: i64 = self
                 .store
@@ -399,7 +400,7 @@ impl Writer {
         let cfg = self.store.config();
         let tag = Tag::new(&cfg.key_prefix, ns, self.stripe);
         let mut names = Vec::with_capacity(keys.len() + 1);
-        names.push(tag.record(&self.member));
+        names.push(tag.records());
         let mut args: Vec<String> = Vec::with_capacity(keys.len() + 2);
         args.push(self.member.clone());
         args.push(ms(cfg.block_ttl.get()).to_string());
@@ -434,10 +435,10 @@ impl Writer {
 
     /// Deletes the records of retired members.
     async fn retire(&mut self) -> Result<(), StoreError> {
-        while let Some(record) = self.retired.last() {
+        while let Some((records, member)) = self.retired.last() {
             let _: i64 = self
                 .store
-                .call(redis::cmd("DEL").arg(record), WRITE_DEADLINE)
+                .call(redis::cmd("HDEL").arg(records).arg(member), WRITE_DEADLINE)
                 .await?;
             self.retired.pop();
         }
@@ -450,7 +451,7 @@ impl Writer {
         let cfg = self.store.config().clone();
         for ns in std::mem::take(&mut self.registered) {
             let tag = Tag::new(&cfg.key_prefix, &ns, self.stripe);
-            self.retired.push(tag.record(&self.member));
+            self.retired.push((tag.records(), self.member.clone()));
         }
         let _ = self.retire().await;
     }

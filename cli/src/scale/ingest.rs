@@ -1,0 +1,142 @@
+//! What one Valkey core takes: block changes written as fast as emulated
+//! writers send them, and lookups as fast as a few routers ask, each with
+//! the server's CPU measured over the same window. The per-core rates are
+//! the measured rates divided by the share of its one core the server used
+//! (the load generator shares this machine's two cores, so the server is
+//! rarely saturated).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use kvmesh_loadgen::valkey::ValkeyServer;
+use kvmesh_proxy::config::Duration as CfgDuration;
+use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::valkey::Lookup;
+use serde::Serialize;
+
+use super::emulate::{prefix_tokens, Blocks, ValkeyFleet, BLOCK, MODEL};
+use super::{valkey_config, ScaleOpts};
+
+/// Writers in the ingest run.
+const INGEST_PODS: usize = 64;
+/// Pods registered for the lookup run.
+const LOOKUP_PODS: usize = 1000;
+/// Routers asking at once in the lookup run.
+const LOOKUP_TASKS: usize = 8;
+
+/// The saturation figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct Saturation {
+    /// Block changes written a second, and the server's share of a core.
+    pub blocks_per_s: f64,
+    pub ingest_core_share: f64,
+    pub blocks_per_core_s: f64,
+    pub cpu_us_per_block: f64,
+    pub lookups_per_s: f64,
+    pub lookup_core_share: f64,
+    pub lookups_per_core_s: f64,
+    pub cpu_us_per_lookup: f64,
+    /// Pods registered while the lookups ran.
+    pub lookup_pods: usize,
+    /// Valkey's memory per (block, pod) entry with the lookup run's fleet.
+    pub bytes_per_block: f64,
+}
+
+pub async fn saturate(opts: &ScaleOpts) -> Result<Saturation> {
+    let (blocks_per_s, ingest_share) = ingest(opts).await?;
+    let (lookups_per_s, lookup_share, bytes_per_block) = lookups(opts).await?;
+    let per_core = |rate: f64, share: f64| if share > 0.0 { rate / share } else { f64::NAN };
+    Ok(Saturation {
+        blocks_per_s,
+        ingest_core_share: ingest_share,
+        blocks_per_core_s: per_core(blocks_per_s, ingest_share),
+        cpu_us_per_block: ingest_share * 1e6 / blocks_per_s.max(1e-9),
+        lookups_per_s,
+        lookup_core_share: lookup_share,
+        lookups_per_core_s: per_core(lookups_per_s, lookup_share),
+        cpu_us_per_lookup: lookup_share * 1e6 / lookups_per_s.max(1e-9),
+        lookup_pods: LOOKUP_PODS,
+        bytes_per_block,
+    })
+}
+
+/// Block changes a second the writers got written, and the server's share
+/// of a core meanwhile.
+async fn ingest(opts: &ScaleOpts) -> Result<(f64, f64)> {
+    let server = ValkeyServer::start().await?;
+    let cfg = valkey_config(vec![server.url()]);
+    let blocks = Blocks {
+        groups: 8,
+        per_pod: 64,
+        churn_per_pod: 0.0,
+    };
+    let mut fleet = ValkeyFleet::start(INGEST_PODS, &cfg, &blocks, false).await?;
+    let written = |f: &ValkeyFleet| {
+        super::sut::series(&f.metrics.encode(), "kvmesh_index_blocks_written_total").unwrap_or(0.0)
+    };
+    let (w0, c0, started) = (written(&fleet), server.cpu_seconds()?, Instant::now());
+    let mut k = 0;
+    while started.elapsed() < opts.saturate {
+        // Each churn queues two changes; the writers' queues push back.
+        fleet.churn(k % INGEST_PODS).await;
+        k += 1;
+    }
+    fleet.drain().await;
+    let secs = started.elapsed().as_secs_f64();
+    let (w1, c1) = (written(&fleet), server.cpu_seconds()?);
+    fleet.stop().await;
+    Ok(((w1 - w0) / secs, (c1 - c0) / secs))
+}
+
+/// Lookups a second a few routers got answered against a 1000-pod fleet,
+/// the server's share of a core, and its memory per block entry.
+async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
+    let server = ValkeyServer::start().await?;
+    let before = server.info_memory_used().await?;
+    let mut cfg = valkey_config(vec![server.url()]);
+    cfg.cache_ttl = CfgDuration::from_millis(1);
+    let blocks = Blocks {
+        groups: 32,
+        per_pod: 64,
+        churn_per_pod: 0.0,
+    };
+    let fleet = ValkeyFleet::start(LOOKUP_PODS, &cfg, &blocks, false).await?;
+    let bytes = server.info_memory_used().await?.saturating_sub(before) as f64
+        / (LOOKUP_PODS * blocks.per_pod) as f64;
+    let keys: Vec<Vec<u64>> = (0..blocks.groups)
+        .map(|g| prefix_tokens(g).map(|t| fleet.index.request_keys(MODEL, None, &t, BLOCK)))
+        .collect::<Result<_>>()?;
+    let keys = Arc::new(keys);
+    let lookup = Arc::new(Lookup::new(fleet.store.clone()));
+    let metrics = Arc::new(Metrics::new());
+    let (c0, started) = (server.cpu_seconds()?, Instant::now());
+    let until = started + opts.saturate;
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..LOOKUP_TASKS {
+        let (keys, lookup, metrics) = (keys.clone(), lookup.clone(), metrics.clone());
+        tasks.spawn(async move {
+            let mut n = 0u64;
+            let mut i = t;
+            while Instant::now() < until {
+                // A last key nobody holds makes every prompt distinct, so
+                // no answer comes from the cache.
+                let mut k = keys[i % keys.len()].clone();
+                k.push(rand::random());
+                if lookup.find(&metrics.index, MODEL, &k).await.is_ok() {
+                    n += 1;
+                }
+                i += LOOKUP_TASKS;
+            }
+            n
+        });
+    }
+    let mut n = 0;
+    while let Some(r) = tasks.join_next().await {
+        n += r.unwrap_or(0);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let c1 = server.cpu_seconds()?;
+    fleet.stop().await;
+    Ok((n as f64 / secs, (c1 - c0) / secs, bytes))
+}
