@@ -30,6 +30,10 @@ pub struct App {
     pub mesh: Arc<crate::mesh::Mesh>,
     /// Spans of the request path (`tracing` in proxy.yaml); `None`: off.
     pub tracer: Option<crate::otel::Tracer>,
+    /// P/D's counters (the other subsystems hold their own).
+    pub pd_metrics: Arc<crate::pd::metrics::PdMetrics>,
+    /// The autoscaling hook's answer, set at each `/metrics` scrape.
+    pub autoscale_metrics: Arc<crate::autoscale::AutoscaleMetrics>,
 }
 
 impl App {
@@ -50,6 +54,8 @@ impl App {
             engine_ready: self.engine_ready.clone(),
             mesh: self.mesh.clone(),
             tracer: self.tracer.clone(),
+            pd_metrics: self.pd_metrics.clone(),
+            autoscale_metrics: self.autoscale_metrics.clone(),
         }
     }
 
@@ -71,7 +77,6 @@ impl App {
     pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
         crate::prefix::Compute {
             config: &self.config,
-            metrics: &self.metrics,
             client: &self.client,
             engine_block_size: &self.engine_block_size,
             approx_max_blocks: self.routing.approx_max_blocks(),
@@ -82,7 +87,6 @@ impl App {
     pub fn routing_inputs(&self) -> crate::routing::Inputs<'_> {
         crate::routing::Inputs {
             config: &self.config,
-            metrics: &self.metrics,
             fleet: &self.fleet,
             prefix: &self.prefix,
             engine_block_size: &self.engine_block_size,
@@ -95,6 +99,7 @@ impl App {
         crate::path::execute::Execute {
             up: self.upstreams(),
             books: self.accounting(),
+            pd: &self.pd_metrics,
             engine_ready: &self.engine_ready,
         }
     }

@@ -17,68 +17,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Arrows allowed to run back up, `(from, to, why)`. Only ever remove one.
+#[rustfmt::skip]
 const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
     ("app", "path", "App builds the stages' handles"),
-    (
-        "body",
-        "respond",
-        "the codecs' bodies map their errors to a response",
-    ),
-    (
-        "body",
-        "server",
-        "the client's request body as the HTTP/1.1 server reads it",
-    ),
-    (
-        "body",
-        "upstream",
-        "the engine's reply body as its pool reads it",
-    ),
-    (
-        "fleet",
-        "app",
-        "the engine scrape and the ranks' /debug/route view take the whole App",
-    ),
-    (
-        "kvevents",
-        "app",
-        "the KV-event subscriber takes the whole App",
-    ),
-    (
-        "kvevents",
-        "fleet",
-        "one feed per data-parallel rank, named by the fleet's rank pods",
-    ),
+    ("body", "respond", "the codecs' bodies map their errors to a response"),
+    ("body", "server", "the client's request body as the HTTP/1.1 server reads it"),
+    ("body", "upstream", "the engine's reply body as its pool reads it"),
+    ("fleet", "app", "the engine scrape and the ranks' /debug/route view take the whole App"),
+    ("kvevents", "app", "the KV-event subscriber takes the whole App"),
+    ("kvevents", "fleet", "one feed per data-parallel rank, named by the fleet's rank pods"),
     ("mesh", "app", "the mesh's tasks take the whole App"),
-    (
-        "metrics",
-        "autoscale",
-        "Metrics holds the autoscale families",
-    ),
-    (
-        "metrics",
-        "fleet",
-        "the in-flight gauge holds the fleet's count of the target",
-    ),
-    ("metrics", "mesh", "Metrics holds the mesh families"),
-    ("metrics", "pd", "Metrics holds the P/D families"),
-    ("metrics", "prefix", "Metrics holds the prefix families"),
-    ("metrics", "routing", "Metrics holds the routing families"),
-    (
-        "request",
-        "fleet",
-        "the rank choice inside the call; peers' addresses",
-    ),
-    (
-        "request",
-        "prefix",
-        "the rank choice reads the prefix predictions",
-    ),
-    (
-        "routing",
-        "app",
-        "/debug/route and the filter reload take the whole App",
-    ),
+    ("request", "fleet", "the rank choice inside the call; peers' addresses"),
+    ("request", "prefix", "the rank choice reads the prefix predictions"),
+    ("routing", "app", "/debug/route and the filter reload take the whole App"),
     ("stat", "app", "/debug/stat takes the whole App"),
     ("stat", "mesh", "a peer's stream status"),
 ];

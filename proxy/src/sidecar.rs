@@ -94,7 +94,10 @@ impl Sidecar {
             .transpose()?;
         let addr = client.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let routing = Arc::new(Routing::from_config(&config)?);
+        // Each subsystem registers its families as it is built, then the
+        // request families join them.
+        let mut registry = crate::metrics::registry();
+        let routing = Arc::new(Routing::from_config(&config, &mut registry)?);
         let fleet = Arc::new(Fleet::new(crate::routing::local_pod(&config, addr)));
         // Fresh as of start with its load unknown: the scraper takes over at
         // once, and until then the local pod is not filtered out as stale.
@@ -103,7 +106,11 @@ impl Sidecar {
             crate::fleet::EngineLoad::default(),
             tokio::time::Instant::now(),
         );
-        let prefix = Arc::new(crate::prefix::PrefixState::new(&config, fleet.local_id())?);
+        let prefix = Arc::new(crate::prefix::PrefixState::new(
+            &config,
+            fleet.local_id(),
+            &mut registry,
+        )?);
         let mesh_listener =
             crate::mesh::bind(&config)
                 .await
@@ -120,8 +127,16 @@ impl Sidecar {
             .map(crate::tls::MeshTls::load)
             .transpose()?;
         let mesh = Arc::new(crate::mesh::Mesh::new(
-            &config, &fleet, &prefix, mesh_addr, mesh_tls,
+            &config,
+            &fleet,
+            &prefix,
+            mesh_addr,
+            mesh_tls,
+            &mut registry,
         ));
+        let pd_metrics = Arc::new(crate::pd::metrics::PdMetrics::register(&mut registry));
+        let autoscale_metrics =
+            Arc::new(crate::autoscale::AutoscaleMetrics::register(&mut registry));
         let (tracer, exporter) = match &config.tracing {
             Some(t) => {
                 let (tracer, exporter) = crate::otel::build(t, fleet.local_id())?;
@@ -134,7 +149,7 @@ impl Sidecar {
             client: crate::upstream::build(&config),
             engine: crate::upstream::engine_pool(&config),
             config: config.clone(),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::with_registry(registry)),
             routing: routing.clone(),
             fleet: fleet.clone(),
             engine_block_size: Arc::new(AtomicU32::new(0)),
@@ -142,6 +157,8 @@ impl Sidecar {
             engine_ready: Arc::new(AtomicBool::new(false)),
             mesh: mesh.clone(),
             tracer,
+            pd_metrics,
+            autoscale_metrics,
         });
         let shutdown = Shutdown::new();
         let t = &config.timeouts;

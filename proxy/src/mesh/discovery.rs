@@ -121,8 +121,8 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
             }
         }
     }
-    app.metrics.mesh.peers(known, fresh, other_models);
-    app.metrics.mesh.lag_ms(lag);
+    app.mesh.metrics.peers(known, fresh, other_models);
+    app.mesh.metrics.lag_ms(lag);
     entries.sort_by(|a, b| a.mesh_addr.cmp(&b.mesh_addr));
     app.mesh.set_peers(entries);
 }

@@ -1,7 +1,7 @@
 //! The routing stage's metrics: decisions by kind and reason, the time one
 //! scheduling cycle takes, filter-config reloads (good and bad) and failed
-//! engine scrapes. Registered into the sidecar's one registry by
-//! [`crate::metrics::Metrics::new`]. Every label value is a `&'static str`
+//! engine scrapes, held by [`super::Routing`] and registered into the
+//! sidecar's one registry when it is built. Every label value is a `&'static str`
 //! from a closed set, so the number of series is bounded.
 
 use prometheus_client::encoding::EncodeLabelSet;

@@ -130,9 +130,9 @@ pub fn local_stats(app: &App) -> PodStats {
         .stats()
         .remove(app.fleet.local_id())
         .unwrap_or_default();
-    let (pd_splits, pd_failures) = app.metrics.pd.totals();
+    let (pd_splits, pd_failures) = app.pd_metrics.totals();
     PodStats {
-        requests: app.metrics.mesh.served_total(),
+        requests: app.mesh.metrics.served_total(),
         pd_splits,
         pd_failures,
         ..scraped
