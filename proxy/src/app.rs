@@ -1,5 +1,6 @@
 //! What every request shares: the effective config, metrics, the upstream
-//! connection pool, the fleet and the routing state.
+//! connection pool, the fleet and the routing state. The stages' narrow
+//! handles are built from it in `path/handles.rs`.
 
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
@@ -59,20 +60,6 @@ impl App {
         }
     }
 
-    /// The narrow handle upstream calls take: borrowed, nothing cloned.
-    pub fn upstreams(&self) -> crate::request::Upstreams<'_> {
-        crate::request::Upstreams {
-            config: &self.config,
-            metrics: &self.metrics,
-            client: &self.client,
-            engine: self.engine.as_ref(),
-            mesh_tls: self.mesh.tls_client(),
-            mesh_routes: self.mesh.routes(),
-            fleet: &self.fleet,
-            prefix: &self.prefix,
-        }
-    }
-
     /// What the prefix stage reads besides the prefix state: borrowed.
     pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
         crate::prefix::Compute {
@@ -90,27 +77,6 @@ impl App {
             fleet: &self.fleet,
             prefix: &self.prefix,
             engine_block_size: &self.engine_block_size,
-        }
-    }
-
-    /// The narrow handle the execute stage takes: the upstream calls, the
-    /// books, the engine's readiness; borrowed, nothing cloned.
-    pub fn execution(&self) -> crate::path::execute::Execute<'_> {
-        crate::path::execute::Execute {
-            up: self.upstreams(),
-            books: self.accounting(),
-            pd: &self.pd_metrics,
-            engine_ready: &self.engine_ready,
-        }
-    }
-
-    /// The narrow handle the accounting stage takes: borrowed, nothing cloned.
-    pub fn accounting(&self) -> crate::path::account::Accounting<'_> {
-        crate::path::account::Accounting {
-            fleet: &self.fleet,
-            prefix: &self.prefix,
-            metrics: &self.metrics,
-            mesh: &self.mesh,
         }
     }
 }

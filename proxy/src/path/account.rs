@@ -23,7 +23,7 @@ use crate::prefix::PrefixState;
 use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
 
 /// The books the accounting stage keeps, borrowed for one request (built by
-/// `App::accounting`): nothing cloned, no reference count touched.
+/// `path::handles::accounting`): nothing cloned, no reference count touched.
 #[derive(Clone, Copy)]
 pub struct Accounting<'a> {
     /// In-flight counts, outlier calls, pod ids.

@@ -33,7 +33,7 @@ use crate::upstream::ReplyBody;
 
 use super::account::Accounting;
 
-/// What the execute stage reads, borrowed for one request (`App::execution`):
+/// What the execute stage reads, borrowed for one request (`path::handles::execute`):
 /// the upstream calls (pools, fleet view, deadlines, counters), the books
 /// it keeps as it goes, and whether the local engine is up (the last
 /// resort).
