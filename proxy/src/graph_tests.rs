@@ -29,7 +29,6 @@ const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
     ("request", "prefix", "the rank choice reads the prefix predictions"),
     ("routing", "app", "/debug/route and the filter reload take the whole App"),
     ("stat", "app", "/debug/stat takes the whole App"),
-    ("stat", "mesh", "a peer's stream status"),
 ];
 
 /// An arrow between two top-level modules and where the sources draw it.
