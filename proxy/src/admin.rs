@@ -51,7 +51,7 @@ impl Admin {
                 }
             }
             "/metrics" => {
-                self.app.metrics.autoscale.set(&self.autoscale());
+                self.app.autoscale_metrics.set(&self.autoscale());
                 let ready = self.app.engine_ready.load(Ordering::Acquire);
                 self.app.metrics.engine_ready.set(i64::from(ready));
                 let ejected = self.app.fleet.ejected_count(tokio::time::Instant::now());

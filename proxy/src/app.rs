@@ -1,5 +1,6 @@
 //! What every request shares: the effective config, metrics, the upstream
-//! connection pool, the fleet and the routing state.
+//! connection pool, the fleet and the routing state. The stages' narrow
+//! handles are built from it in `path/handles.rs`.
 
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::Arc;
@@ -32,6 +33,10 @@ pub struct App {
     pub tracer: Option<crate::otel::Tracer>,
     /// The Valkey index (`index.backend: valkey`); `None`: the mesh.
     pub index: Option<Arc<crate::valkey::Valkey>>,
+    /// P/D's counters (the other subsystems hold their own).
+    pub pd_metrics: Arc<crate::pd::metrics::PdMetrics>,
+    /// The autoscaling hook's answer, set at each `/metrics` scrape.
+    pub autoscale_metrics: Arc<crate::autoscale::AutoscaleMetrics>,
 }
 
 impl App {
@@ -53,20 +58,8 @@ impl App {
             mesh: self.mesh.clone(),
             tracer: self.tracer.clone(),
             index: self.index.clone(),
-        }
-    }
-
-    /// The narrow handle upstream calls take: borrowed, nothing cloned.
-    pub fn upstreams(&self) -> crate::request::Upstreams<'_> {
-        crate::request::Upstreams {
-            config: &self.config,
-            metrics: &self.metrics,
-            client: &self.client,
-            engine: self.engine.as_ref(),
-            mesh_tls: self.mesh.tls_client(),
-            mesh_routes: self.mesh.routes(),
-            fleet: &self.fleet,
-            prefix: &self.prefix,
+            pd_metrics: self.pd_metrics.clone(),
+            autoscale_metrics: self.autoscale_metrics.clone(),
         }
     }
 
@@ -74,7 +67,6 @@ impl App {
     pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
         crate::prefix::Compute {
             config: &self.config,
-            metrics: &self.metrics,
             client: &self.client,
             engine_block_size: &self.engine_block_size,
             approx_max_blocks: self.routing.approx_max_blocks(),
@@ -85,30 +77,9 @@ impl App {
     pub fn routing_inputs(&self) -> crate::routing::Inputs<'_> {
         crate::routing::Inputs {
             config: &self.config,
-            metrics: &self.metrics,
             fleet: &self.fleet,
             prefix: &self.prefix,
             engine_block_size: &self.engine_block_size,
-        }
-    }
-
-    /// The narrow handle the execute stage takes: the upstream calls, the
-    /// books, the engine's readiness; borrowed, nothing cloned.
-    pub fn execution(&self) -> crate::path::execute::Execute<'_> {
-        crate::path::execute::Execute {
-            up: self.upstreams(),
-            books: self.accounting(),
-            engine_ready: &self.engine_ready,
-        }
-    }
-
-    /// The narrow handle the accounting stage takes: borrowed, nothing cloned.
-    pub fn accounting(&self) -> crate::path::account::Accounting<'_> {
-        crate::path::account::Accounting {
-            fleet: &self.fleet,
-            prefix: &self.prefix,
-            metrics: &self.metrics,
-            mesh: &self.mesh,
         }
     }
 }

@@ -24,6 +24,8 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod fleet;
+#[cfg(test)]
+mod graph_tests;
 pub mod h1;
 pub mod headers;
 pub mod kvevents;

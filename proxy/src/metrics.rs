@@ -7,8 +7,8 @@
 //! are resolved once and kept ([`PerRoute`]): a family lookup takes a lock
 //! shared by every worker thread and hashes the labels.
 
-use std::sync::atomic::AtomicU64;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -200,7 +200,15 @@ where
     }
 }
 
-/// All metric handles; cheap to share behind an `Arc`.
+/// The families every request touches, and the registry `/metrics` encodes.
+/// Each subsystem owns its own families and registers them in the same
+/// registry ([`registry`]) before this is built: routing's in [`Routing`],
+/// the prefix state's in [`PrefixState`], the mesh's in [`Mesh`], P/D's and
+/// the autoscaling hook's in `App`. Cheap to share behind an `Arc`.
+///
+/// [`Routing`]: crate::routing::Routing
+/// [`PrefixState`]: crate::prefix::PrefixState
+/// [`Mesh`]: crate::mesh::Mesh
 pub struct Metrics {
     registry: Registry,
     requests: Family<StatusLabels, Counter>,
@@ -224,18 +232,6 @@ pub struct Metrics {
     pub outliers_ejected: Gauge,
     /// 1 while the local engine answers its health check (set at each scrape).
     pub engine_ready: Gauge,
-    /// Scheduling decisions, filter reloads, engine scrapes.
-    pub routing: crate::routing::metrics::RoutingMetrics,
-    /// Tokenization, KV event ingestion and the prefix index.
-    pub prefix: crate::prefix::metrics::PrefixMetrics,
-    /// Peers, the state stream, forwarding.
-    pub mesh: crate::mesh::metrics::MeshMetrics,
-    /// Prefill/decode disaggregation.
-    pub pd: crate::pd::metrics::PdMetrics,
-    /// The autoscaling hook's answer, set at each scrape.
-    pub autoscale: crate::autoscale::AutoscaleMetrics,
-    /// The index backend: lookups, writes, the decision's latency.
-    pub index: crate::valkey::metrics::IndexMetrics,
 }
 
 /// Decrements the in-flight gauge when the response body is finished or dropped.
@@ -243,7 +239,34 @@ pub struct InFlight {
     gauge: Gauge<i64, std::sync::atomic::AtomicI64>,
     /// The fleet's count of requests towards the pod serving this one, held
     /// exactly as long (until the response body ends).
-    target: Option<crate::fleet::InFlightGuard>,
+    target: Option<CountGuard>,
+}
+
+/// Counts one request towards a pod (and, for a request a peer forwarded
+/// here, among those received) until dropped: the fleet's in-flight counts.
+#[derive(Debug)]
+pub struct CountGuard(Arc<AtomicU32>, Option<Arc<AtomicU32>>);
+
+impl CountGuard {
+    /// Holds one count of `counter`, already incremented.
+    pub fn new(counter: Arc<AtomicU32>) -> Self {
+        Self(counter, None)
+    }
+
+    /// Holds one count of `also` too, already incremented.
+    pub fn and(mut self, also: Arc<AtomicU32>) -> Self {
+        self.1 = Some(also);
+        self
+    }
+}
+
+impl Drop for CountGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(r) = &self.1 {
+            r.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -251,9 +274,22 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.0005, 2.0, 18))
 }
 
+/// The registry `/metrics` encodes: every family's name starts `kvmesh_`.
+/// The subsystems register theirs in it, then [`Metrics::with_registry`]
+/// adds the request families and keeps it.
+pub fn registry() -> Registry {
+    Registry::with_prefix("kvmesh")
+}
+
 impl Metrics {
+    /// The request families alone, in a registry of their own.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("kvmesh");
+        Self::with_registry(registry())
+    }
+
+    /// The request families, registered in `registry` beside the
+    /// subsystems' families already there.
+    pub fn with_registry(mut registry: Registry) -> Self {
         let requests = Family::<StatusLabels, Counter>::default();
         let in_flight = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
         let histograms = || {
@@ -268,12 +304,6 @@ impl Metrics {
             )
         };
         let (bytes_in, bytes_out) = (counters(), counters());
-        let routing = crate::routing::metrics::RoutingMetrics::register(&mut registry);
-        let prefix = crate::prefix::metrics::PrefixMetrics::register(&mut registry);
-        let mesh = crate::mesh::metrics::MeshMetrics::register(&mut registry);
-        let pd = crate::pd::metrics::PdMetrics::register(&mut registry);
-        let autoscale = crate::autoscale::AutoscaleMetrics::register(&mut registry);
-        let index = crate::valkey::metrics::IndexMetrics::register(&mut registry);
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
@@ -372,12 +402,6 @@ impl Metrics {
             outlier_ejections,
             outliers_ejected,
             engine_ready,
-            routing,
-            prefix,
-            mesh,
-            pd,
-            autoscale,
-            index,
         }
     }
 
@@ -463,7 +487,7 @@ impl Default for Metrics {
 impl InFlight {
     /// Counts the request towards the pod now serving it (replacing an
     /// earlier target's count after a fallback).
-    pub fn hold_target(&mut self, guard: Option<crate::fleet::InFlightGuard>) {
+    pub fn hold_target(&mut self, guard: Option<CountGuard>) {
         self.target = guard;
     }
 }

@@ -7,7 +7,6 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde::Serialize;
 
-use crate::body::ResponseBody;
 use crate::error::{Culprit, ProxyError};
 use crate::headers::REQUEST_ID;
 
@@ -91,10 +90,11 @@ pub fn openai_error(err: &ProxyError) -> ErrorReply {
     }
 }
 
-/// A complete error response for a request whose response has not started.
-pub fn error_response(err: &ProxyError, request_id: &HeaderValue) -> Response<ResponseBody> {
+/// A complete error response for a request whose response has not started,
+/// its body whole (the caller wraps it in whichever body type it sends).
+pub fn error_response(err: &ProxyError, request_id: &HeaderValue) -> Response<Bytes> {
     let reply = openai_error(err);
-    let mut resp = Response::new(ResponseBody::full(reply.json));
+    let mut resp = Response::new(reply.json);
     *resp.status_mut() = reply.status;
     let h = resp.headers_mut();
     h.insert(

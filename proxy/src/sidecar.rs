@@ -96,7 +96,10 @@ impl Sidecar {
             .transpose()?;
         let addr = client.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let routing = Arc::new(Routing::from_config(&config)?);
+        // Each subsystem registers its families as it is built, then the
+        // request families join them.
+        let mut registry = crate::metrics::registry();
+        let routing = Arc::new(Routing::from_config(&config, &mut registry)?);
         let fleet = Arc::new(Fleet::new(crate::routing::local_pod(&config, addr)));
         // Fresh as of start with its load unknown: the scraper takes over at
         // once, and until then the local pod is not filtered out as stale.
@@ -105,7 +108,11 @@ impl Sidecar {
             crate::fleet::EngineLoad::default(),
             tokio::time::Instant::now(),
         );
-        let prefix = Arc::new(crate::prefix::PrefixState::new(&config, fleet.local_id())?);
+        let prefix = Arc::new(crate::prefix::PrefixState::new(
+            &config,
+            fleet.local_id(),
+            &mut registry,
+        )?);
         let mesh_listener =
             crate::mesh::bind(&config)
                 .await
@@ -122,8 +129,16 @@ impl Sidecar {
             .map(crate::tls::MeshTls::load)
             .transpose()?;
         let mesh = Arc::new(crate::mesh::Mesh::new(
-            &config, &fleet, &prefix, mesh_addr, mesh_tls,
+            &config,
+            &fleet,
+            &prefix,
+            mesh_addr,
+            mesh_tls,
+            &mut registry,
         ));
+        let pd_metrics = Arc::new(crate::pd::metrics::PdMetrics::register(&mut registry));
+        let autoscale_metrics =
+            Arc::new(crate::autoscale::AutoscaleMetrics::register(&mut registry));
         let (tracer, exporter) = match &config.tracing {
             Some(t) => {
                 let (tracer, exporter) = crate::otel::build(t, fleet.local_id())?;
@@ -133,14 +148,14 @@ impl Sidecar {
         };
         let config = Arc::new(config);
         let index = (config.index.backend == crate::config::index::Backend::Valkey)
-            .then(|| Arc::new(crate::valkey::Valkey::new(&config)));
+            .then(|| Arc::new(crate::valkey::Valkey::new(&config, &mut registry)));
         // Subscribed before the KV-event feed starts, so no batch is missed.
         let index_kv = index.as_ref().map(|_| prefix.subscribe_local());
         let app = Arc::new(App {
             client: crate::upstream::build(&config),
             engine: crate::upstream::engine_pool(&config),
             config: config.clone(),
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(Metrics::with_registry(registry)),
             routing: routing.clone(),
             fleet: fleet.clone(),
             engine_block_size: Arc::new(AtomicU32::new(0)),
@@ -149,6 +164,8 @@ impl Sidecar {
             mesh: mesh.clone(),
             tracer,
             index: index.clone(),
+            pd_metrics,
+            autoscale_metrics,
         });
         let app_index = index.clone();
         let shutdown = Shutdown::new();
@@ -223,7 +240,6 @@ impl Sidecar {
             let t = crate::valkey::Tasks {
                 valkey,
                 config: config.clone(),
-                metrics: app.metrics.clone(),
                 fleet: fleet.clone(),
                 prefix: prefix.clone(),
                 local_kv,

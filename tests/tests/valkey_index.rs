@@ -17,7 +17,7 @@ use kvmesh_filters::sched::view::Role;
 use kvmesh_loadgen::valkey::{ValkeyCluster, ValkeyReplicaSet, ValkeyServer};
 use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
 use kvmesh_proxy::config::{Config, Duration as CfgDuration};
-use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::valkey::metrics::IndexMetrics;
 use kvmesh_proxy::valkey::{Lookup, PodRecord, Store, Writer};
 use kvmesh_proxy::{Shutdown, SidecarHandle};
 use kvmesh_tests::client::{fetch, http1, request};
@@ -122,18 +122,18 @@ impl Pod {
         Pod { writer, pod }
     }
 
-    async fn apply(&mut self, m: &Metrics, index: &PrefixIndex, b: EventBatch) {
+    async fn apply(&mut self, m: &IndexMetrics, index: &PrefixIndex, b: EventBatch) {
         let mut touched: Vec<Touched> = Vec::new();
         index.apply_touching(self.pod, "m", &b, &mut touched);
-        self.writer.batch(&m.index, &Arc::from("m"), &b, &touched);
+        self.writer.batch(m, &Arc::from("m"), &b, &touched);
         self.sync(m).await;
     }
 
     /// Renews, then flushes until nothing (rewrites included) is pending.
-    async fn sync(&mut self, m: &Metrics) {
-        self.writer.renew(&m.index).await.unwrap();
+    async fn sync(&mut self, m: &IndexMetrics) {
+        self.writer.renew(m).await.unwrap();
         for _ in 0..200 {
-            self.writer.flush(&m.index).await.unwrap();
+            self.writer.flush(m).await.unwrap();
             if self.writer.is_registered()
                 && self.writer.pending() == 0
                 && self.writer.rewriting() == 0
@@ -147,9 +147,9 @@ impl Pod {
 }
 
 /// Depth per pod id in a fresh lookup (past the cache).
-async fn depths(lookup: &Lookup, m: &Metrics, keys: &[u64]) -> Vec<(String, u32)> {
+async fn depths(lookup: &Lookup, m: &IndexMetrics, keys: &[u64]) -> Vec<(String, u32)> {
     tokio::time::sleep(Duration::from_millis(25)).await;
-    let found = lookup.find(&m.index, "m", keys).await.unwrap();
+    let found = lookup.find(m, "m", keys).await.unwrap();
     let mut out: Vec<(String, u32)> = found
         .candidates
         .iter()
@@ -164,20 +164,20 @@ async fn writers_and_lookups_agree_on_who_holds_what() {
     let server = ValkeyServer::start().await.unwrap();
     let shutdown = Shutdown::new();
     let store = connected(fast(vec![server.url()]), &shutdown).await;
-    let m = Metrics::new();
+    let m = &IndexMetrics::default();
     let index = Arc::new(PrefixIndex::default());
     let mut a = Pod::new(&store, &index, "127.0.0.1:10001");
     let mut b = Pod::new(&store, &index, "127.0.0.1:10002");
     let toks = tokens(8, 1);
     let keys = index.request_keys("m", None, &toks, BS);
-    a.apply(&m, &index, store_chain(&toks, 8, 100)).await;
-    b.apply(&m, &index, store_chain(&toks, 3, 200)).await;
+    a.apply(m, &index, store_chain(&toks, 8, 100)).await;
+    b.apply(m, &index, store_chain(&toks, 3, 200)).await;
     let lookup = Lookup::new(store.clone());
     assert_eq!(
-        depths(&lookup, &m, &keys).await,
+        depths(&lookup, m, &keys).await,
         vec![("127.0.0.1:10001".into(), 8), ("127.0.0.1:10002".into(), 3)]
     );
-    let found = lookup.find(&m.index, "m", &keys).await.unwrap();
+    let found = lookup.find(m, "m", &keys).await.unwrap();
     assert_eq!(found.deepest, 8);
     let rec = &found.candidates[0].record;
     assert_eq!((rec.waiting, rec.running, rec.in_flight), (1, 2, 3));
@@ -187,9 +187,9 @@ async fn writers_and_lookups_agree_on_who_holds_what() {
         block_hashes: vec![104, 105, 106, 107],
         ..Default::default()
     });
-    a.apply(&m, &index, batch(vec![removed])).await;
+    a.apply(m, &index, batch(vec![removed])).await;
     assert_eq!(
-        depths(&lookup, &m, &keys).await,
+        depths(&lookup, m, &keys).await,
         vec![("127.0.0.1:10001".into(), 4), ("127.0.0.1:10002".into(), 3)]
     );
 
@@ -197,19 +197,19 @@ async fn writers_and_lookups_agree_on_who_holds_what() {
     // random sample, at depth 0.
     let cold = index.request_keys("m", None, &tokens(4, 9), BS);
     assert_eq!(
-        depths(&lookup, &m, &cold).await,
+        depths(&lookup, m, &cold).await,
         vec![("127.0.0.1:10001".into(), 0), ("127.0.0.1:10002".into(), 0)]
     );
 
     // b's engine restarts: a new member, the old one fenced at once, and
     // b's new blocks under the new member.
     let old = b.writer.member().to_owned();
-    b.apply(&m, &index, batch(vec![KvEvent::AllBlocksCleared]))
+    b.apply(m, &index, batch(vec![KvEvent::AllBlocksCleared]))
         .await;
     assert_ne!(b.writer.member(), old);
-    b.apply(&m, &index, store_chain(&toks, 2, 300)).await;
+    b.apply(m, &index, store_chain(&toks, 2, 300)).await;
     assert_eq!(
-        depths(&lookup, &m, &keys).await,
+        depths(&lookup, m, &keys).await,
         vec![("127.0.0.1:10001".into(), 4), ("127.0.0.1:10002".into(), 2)]
     );
 
@@ -217,8 +217,8 @@ async fn writers_and_lookups_agree_on_who_holds_what() {
     // lease lapses.
     let mut lapsed = false;
     for _ in 0..200 {
-        b.writer.renew(&m.index).await.unwrap();
-        if depths(&lookup, &m, &keys).await == vec![("127.0.0.1:10002".to_owned(), 2)] {
+        b.writer.renew(m).await.unwrap();
+        if depths(&lookup, m, &keys).await == vec![("127.0.0.1:10002".to_owned(), 2)] {
             lapsed = true;
             break;
         }
@@ -232,15 +232,15 @@ async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_ti
     let mut server = ValkeyServer::start().await.unwrap();
     let shutdown = Shutdown::new();
     let store = connected(fast(vec![server.url()]), &shutdown).await;
-    let m = Metrics::new();
+    let m = &IndexMetrics::default();
     let index = Arc::new(PrefixIndex::default());
     let mut a = Pod::new(&store, &index, "127.0.0.1:10001");
     let toks = tokens(6, 2);
     let keys = index.request_keys("m", None, &toks, BS);
-    a.apply(&m, &index, store_chain(&toks, 6, 100)).await;
+    a.apply(m, &index, store_chain(&toks, 6, 100)).await;
     let lookup = Lookup::new(store.clone());
     assert_eq!(
-        depths(&lookup, &m, &keys).await,
+        depths(&lookup, m, &keys).await,
         vec![("127.0.0.1:10001".into(), 6)]
     );
 
@@ -248,7 +248,7 @@ async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_ti
     server.freeze().unwrap();
     let started = std::time::Instant::now();
     tokio::time::sleep(Duration::from_millis(25)).await;
-    assert!(lookup.find(&m.index, "m", &keys).await.is_err());
+    assert!(lookup.find(m, "m", &keys).await.is_err());
     assert!(started.elapsed() < Duration::from_secs(2));
     server.thaw().unwrap();
 
@@ -258,10 +258,10 @@ async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_ti
     let old = a.writer.member().to_owned();
     let mut whole = false;
     for _ in 0..400 {
-        let _ = a.writer.renew(&m.index).await;
-        let _ = a.writer.flush(&m.index).await;
+        let _ = a.writer.renew(m).await;
+        let _ = a.writer.flush(m).await;
         tokio::time::sleep(Duration::from_millis(25)).await;
-        if let Ok(found) = lookup.find(&m.index, "m", &keys).await {
+        if let Ok(found) = lookup.find(m, "m", &keys).await {
             if found.candidates.len() == 1 && found.candidates[0].depth == 6 {
                 whole = true;
                 break;

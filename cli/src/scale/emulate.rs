@@ -26,7 +26,7 @@ use kvmesh_filters::prefix::tokenize::{Builtin, Tokenizer};
 use kvmesh_filters::sched::view::Role;
 use kvmesh_loadgen::fake::{FastEngine, FastEngineConfig};
 use kvmesh_proxy::config::index::Valkey as ValkeyConfig;
-use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::valkey::metrics::IndexMetrics;
 use kvmesh_proxy::valkey::{PodRecord, Store, Writer};
 use kvmesh_proxy::{Shutdown, SidecarHandle};
 use tokio::sync::mpsc;
@@ -175,7 +175,7 @@ enum ToPod {
 pub struct ValkeyFleet {
     pub store: Arc<Store>,
     pub index: Arc<PrefixIndex>,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<IndexMetrics>,
     pods: Vec<(PodId, String, PodEvents, mpsc::Sender<ToPod>)>,
     engines: Vec<FastEngine>,
     tasks: JoinSet<()>,
@@ -206,7 +206,7 @@ impl ValkeyFleet {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let index = Arc::new(PrefixIndex::default());
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(IndexMetrics::default());
         let prefixes: Vec<Vec<u32>> = (0..blocks.groups)
             .map(prefix_tokens)
             .collect::<Result<_>>()?;
@@ -367,10 +367,10 @@ async fn drive(
     mut w: Writer,
     mut rx: mpsc::Receiver<ToPod>,
     cfg: ValkeyConfig,
-    m: Arc<Metrics>,
+    m: Arc<IndexMetrics>,
     shutdown: Shutdown,
 ) {
-    let m = &m.index;
+    let m = &*m;
     let model: Arc<str> = Arc::from(MODEL);
     let mut lease = tokio::time::interval(cfg.lease_interval.get());
     lease.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

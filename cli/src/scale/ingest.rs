@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::Result;
 use kvmesh_loadgen::valkey::ValkeyServer;
 use kvmesh_proxy::config::Duration as CfgDuration;
-use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::valkey::metrics::IndexMetrics;
 use kvmesh_proxy::valkey::Lookup;
 use serde::Serialize;
 
@@ -72,9 +72,7 @@ async fn ingest(opts: &ScaleOpts) -> Result<(f64, f64)> {
         churn_per_pod: 0.0,
     };
     let mut fleet = ValkeyFleet::start(INGEST_PODS, &cfg, &blocks, false).await?;
-    let written = |f: &ValkeyFleet| {
-        super::sut::series(&f.metrics.encode(), "kvmesh_index_blocks_written_total").unwrap_or(0.0)
-    };
+    let written = |f: &ValkeyFleet| f.metrics.blocks_written() as f64;
     let (w0, c0, started) = (written(&fleet), server.cpu_seconds()?, Instant::now());
     let mut k = 0;
     while started.elapsed() < opts.saturate {
@@ -109,7 +107,7 @@ async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
         .collect::<Result<_>>()?;
     let keys = Arc::new(keys);
     let lookup = Arc::new(Lookup::new(fleet.store.clone()));
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(IndexMetrics::default());
     let (c0, started) = (server.cpu_seconds()?, Instant::now());
     let until = started + opts.saturate;
     let mut tasks = tokio::task::JoinSet::new();
@@ -123,7 +121,7 @@ async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
                 // no answer comes from the cache.
                 let mut k = keys[i % keys.len()].clone();
                 k.push(rand::random());
-                if lookup.find(&metrics.index, MODEL, &k).await.is_ok() {
+                if lookup.find(&metrics, MODEL, &k).await.is_ok() {
                     n += 1;
                 }
                 i += LOOKUP_TASKS;

@@ -184,9 +184,7 @@ async fn valkey_point(
     .await?;
     let lookup = Lookup::new(fleet.store.clone());
     let valkey_cpu = || server.cpu_seconds().unwrap_or(0.0);
-    let written = |f: &ValkeyFleet| {
-        sut::series(&f.metrics.encode(), "kvmesh_index_blocks_written_total").unwrap_or(0.0)
-    };
+    let written = |f: &ValkeyFleet| f.metrics.blocks_written() as f64;
     let mut s = idle_phase(opts, &sut).await?;
     let (cpu0, w0) = (valkey_cpu(), written(&fleet));
     let load = load_phase(
@@ -196,7 +194,7 @@ async fn valkey_point(
         Probe::Valkey {
             fleet: &mut fleet,
             lookup: &lookup,
-            metrics: &kvmesh_proxy::metrics::Metrics::new(),
+            metrics: &kvmesh_proxy::valkey::metrics::IndexMetrics::default(),
         },
     )
     .await?;
@@ -292,7 +290,7 @@ enum Probe<'a> {
     Valkey {
         fleet: &'a mut ValkeyFleet,
         lookup: &'a Lookup,
-        metrics: &'a kvmesh_proxy::metrics::Metrics,
+        metrics: &'a kvmesh_proxy::valkey::metrics::IndexMetrics,
     },
     Mesh {
         fleet: &'a mut MeshFleet,
@@ -402,7 +400,7 @@ async fn fresh_ms(probe: &mut Probe<'_>, sut: &Sut, k: usize, salt: u64) -> f64 
                 let key = fleet.probe(k, salt).await;
                 let id = fleet.id(k).to_owned();
                 loop {
-                    if let Ok(found) = lookup.find(&metrics.index, MODEL, &[key]).await {
+                    if let Ok(found) = lookup.find(metrics, MODEL, &[key]).await {
                         if found
                             .candidates
                             .iter()

@@ -88,17 +88,7 @@ pub struct Fleet {
 }
 
 /// Counts one request in flight towards a pod until dropped.
-#[derive(Debug)]
-pub struct InFlightGuard(Arc<AtomicU32>, Option<Arc<AtomicU32>>);
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-        if let Some(r) = &self.1 {
-            r.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
+pub type InFlightGuard = crate::metrics::CountGuard;
 
 /// Why a pod could not be added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -206,16 +196,15 @@ impl Fleet {
         let pods = self.pods.read();
         let counter = pods.get(id)?.in_flight.clone();
         counter.fetch_add(1, Ordering::Relaxed);
-        Some(InFlightGuard(counter, None))
+        Some(InFlightGuard::new(counter))
     }
 
     /// Counts a request a peer forwarded here (already routed) towards the
     /// local pod until the guard drops.
     pub fn begin_received(&self) -> Option<InFlightGuard> {
-        let mut g = self.begin(&self.local_id)?;
+        let g = self.begin(&self.local_id)?;
         self.received.fetch_add(1, Ordering::Relaxed);
-        g.1 = Some(self.received.clone());
-        Some(g)
+        Some(g.and(self.received.clone()))
     }
 
     /// What this sidecar publishes to its peers: its in-flight counts per

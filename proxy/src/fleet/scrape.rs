@@ -81,7 +81,7 @@ pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
                 warned_no_load = false;
             }
             Outcome::NoLoad(why) => {
-                app.metrics.routing.scrape_failed(why);
+                app.routing.metrics.scrape_failed(why);
                 if !warned_no_load {
                     tracing::warn!(url = %uri, why, "the engine's metrics hold no load figures; load-aware scoring sees this pod as idle");
                     warned_no_load = true;
@@ -91,11 +91,11 @@ pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
                 unreachable_since = None;
             }
             Outcome::Timeout => {
-                app.metrics.routing.scrape_failed("timeout");
+                app.routing.metrics.scrape_failed("timeout");
                 tracing::debug!(url = %uri, ?deadline, "engine metrics scrape timed out");
             }
             Outcome::Unreachable => {
-                app.metrics.routing.scrape_failed("connect");
+                app.routing.metrics.scrape_failed("connect");
                 let since = *unreachable_since.get_or_insert(started);
                 if now.saturating_duration_since(since) >= UNHEALTHY_AFTER {
                     app.fleet.set_healthy(&local, false);

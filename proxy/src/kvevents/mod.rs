@@ -154,7 +154,7 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
         let mut sub = match opened {
             Ok((sub, resolved)) => {
                 tracing::info!(endpoint = %resolved, bind, "KV events: subscribed");
-                feed.app.metrics.prefix.connected(true);
+                feed.app.prefix.metrics.connected(true);
                 backoff.reset();
                 sub
             }
@@ -177,7 +177,7 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
         loop {
             let msg = tokio::select! {
                 _ = shutdown.triggered() => {
-                    feed.app.metrics.prefix.connected(false);
+                    feed.app.prefix.metrics.connected(false);
                     return;
                 }
                 m = sub.recv() => Some(m),
@@ -189,7 +189,7 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
                         after = ?silence.unwrap_or_default(),
                         "KV events: the live stream missed batches the replay socket holds; reopening"
                     );
-                    feed.app.metrics.prefix.connected(false);
+                    feed.app.prefix.metrics.connected(false);
                     break;
                 }
                 continue;
@@ -200,14 +200,14 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
                     match decode_message(&frames) {
                         Ok(m) => feed.live(&shutdown, m).await,
                         Err(e) => {
-                            feed.app.metrics.prefix.decode_error();
+                            feed.app.prefix.metrics.decode_error();
                             tracing::debug!(error = %e, "KV events: undecodable message skipped");
                         }
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "KV events: socket failed; reopening");
-                    feed.app.metrics.prefix.connected(false);
+                    feed.app.prefix.metrics.connected(false);
                     break;
                 }
             }
@@ -226,7 +226,7 @@ impl Feed {
             Step::Apply => self.apply(&m),
             Step::Duplicate => {}
             Step::Gap { from } => {
-                self.app.metrics.prefix.gap(m.seq - from);
+                self.app.prefix.metrics.gap(m.seq - from);
                 tracing::info!(from, to = m.seq, "KV events: sequence gap");
                 if self.replay.is_some() {
                     self.resync(shutdown, from).await;
@@ -238,7 +238,7 @@ impl Feed {
             Step::Restart => {
                 let prefix = &self.app.prefix;
                 tracing::info!(seq = m.seq, "KV events: engine restarted; clearing the pod");
-                self.app.metrics.prefix.restart();
+                self.app.prefix.metrics.restart();
                 prefix.index().clear_pod(prefix.local_pod().0);
                 for id in self.rank_pods.iter().flatten() {
                     prefix.index().clear_pod(*id);
@@ -274,7 +274,7 @@ impl Feed {
         let before = self.tracker.last_applied();
         let outcome = self.replay_from(shutdown, self.tracker.next()).await;
         let missed = self.tracker.last_applied() != before;
-        let m = &self.app.metrics.prefix;
+        let m = &self.app.prefix.metrics;
         m.silence_check(missed);
         if let Some(o) = outcome.filter(|&o| missed || o == "failed") {
             m.replay(o);
@@ -285,7 +285,7 @@ impl Feed {
     /// Replays from `from`, applies what is new and counts the replay.
     async fn resync(&mut self, shutdown: &Shutdown, from: u64) {
         if let Some(outcome) = self.replay_from(shutdown, from).await {
-            self.app.metrics.prefix.replay(outcome);
+            self.app.prefix.metrics.replay(outcome);
         }
     }
 
@@ -304,7 +304,7 @@ impl Feed {
                 return Some("failed");
             }
         };
-        let m = &self.app.metrics.prefix;
+        let m = &self.app.prefix.metrics;
         for _ in 0..replayed.decode_errors {
             m.decode_error();
         }
@@ -341,7 +341,7 @@ impl Feed {
             }
         }
         self.tracker.applied(m.seq);
-        let metrics = &self.app.metrics.prefix;
+        let metrics = &self.app.prefix.metrics;
         metrics.batch();
         metrics.events("stored", stats.stored);
         metrics.events("removed", stats.removed);

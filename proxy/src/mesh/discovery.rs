@@ -104,7 +104,7 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     let mut entries = Vec::with_capacity(follows.len());
     for (addr, f) in follows {
         let s = f.status.borrow();
-        entries.extend(crate::stat::PeerEntry::of(*addr, &s, now, stale));
+        entries.extend(peer_entry(*addr, &s, now, stale));
         if s.is_self {
             continue;
         }
@@ -121,8 +121,8 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
             }
         }
     }
-    app.metrics.mesh.peers(known, fresh, other_models);
-    app.metrics.mesh.lag_ms(lag);
+    app.mesh.metrics.peers(known, fresh, other_models);
+    app.mesh.metrics.lag_ms(lag);
     entries.sort_by(|a, b| a.mesh_addr.cmp(&b.mesh_addr));
     app.mesh.set_peers(entries);
 }
@@ -201,9 +201,58 @@ pub fn parse_peers(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// A followed address as `/debug/stat` shows it (`None`: the address is
+/// this sidecar).
+fn peer_entry(
+    addr: SocketAddr,
+    s: &PeerStatus,
+    now: Instant,
+    stale: Duration,
+) -> Option<crate::stat::PeerEntry> {
+    if s.is_self {
+        return None;
+    }
+    let age = s.last_frame.map(|at| now.saturating_duration_since(at));
+    let state = if s.other_models {
+        "other_models"
+    } else if !s.synced {
+        "connecting"
+    } else if age.is_some_and(|a| a < stale) {
+        "connected"
+    } else {
+        "stale"
+    };
+    Some(crate::stat::PeerEntry {
+        mesh_addr: addr.to_string(),
+        id: s.id.clone(),
+        state: state.to_owned(),
+        last_frame_ms: age.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn peer_states() {
+        let now = tokio::time::Instant::now();
+        let addr: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        let stale = Duration::from_secs(1);
+        let mut s = PeerStatus::default();
+        let state = |s: &PeerStatus| peer_entry(addr, s, now, stale).map(|e| e.state);
+        assert_eq!(state(&s).as_deref(), Some("connecting"));
+        s.synced = true;
+        s.last_frame = Some(now);
+        assert_eq!(state(&s).as_deref(), Some("connected"));
+        s.last_frame = now.checked_sub(Duration::from_secs(2));
+        assert_eq!(state(&s).as_deref(), Some("stale"));
+        s.other_models = true;
+        assert_eq!(state(&s).as_deref(), Some("other_models"));
+        s.is_self = true;
+        assert_eq!(state(&s), None);
+    }
 
     #[test]
     fn peers_file_lines() {

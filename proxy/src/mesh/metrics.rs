@@ -1,6 +1,7 @@
 //! The mesh's metrics: peers known and fresh, stream lag, resyncs, frames,
 //! subscribers served and dropped, requests by where they ran, and failed TLS
-//! handshakes. Label values are `&'static str` from closed sets, except
+//! handshakes; held by [`super::Mesh`] and registered into the sidecar's one
+//! registry when it is built. Label values are `&'static str` from closed sets, except
 //! `target`, a pod id (bounded by the fleet's size limit).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,6 +137,15 @@ impl MeshMetrics {
     /// A mesh TLS handshake failed on `side` (`accept` or `connect`).
     pub fn tls_failure(&self, side: &'static str) {
         self.tls_failures.get_or_create(&SideLabels { side }).inc();
+    }
+
+    /// [`Self::tls_failure`] on `side`, for a caller that cannot name the
+    /// mesh (the forwarding client); the series appears at the first failure.
+    pub fn tls_failures(&self, side: &'static str) -> impl Fn() + Send + Sync + 'static {
+        let family = self.tls_failures.clone();
+        move || {
+            family.get_or_create(&SideLabels { side }).inc();
+        }
     }
 
     /// Peers followed (`known`), of them in sync and heard from within

@@ -36,9 +36,10 @@ use tokio::time::Instant;
 
 use crate::app::App;
 use crate::kvevents::LocalKvUpdate;
-use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
+use metrics::MeshMetrics;
 use mirror::Mirror;
+use prometheus_client::registry::Registry;
 use wire::{Announce, LoadMsg, Msg};
 
 /// Recent approximate decisions kept for snapshots.
@@ -65,6 +66,8 @@ pub struct Mesh {
     routes: client::MeshRoutes,
     /// Every followed address's stream state, refreshed by discovery.
     peers: Mutex<Vec<crate::stat::PeerEntry>>,
+    /// Peers, the state stream, forwarding.
+    pub metrics: MeshMetrics,
 }
 
 struct Hub {
@@ -110,8 +113,10 @@ impl Mesh {
         prefix: &crate::prefix::PrefixState,
         mesh_addr: Option<SocketAddr>,
         tls: Option<crate::tls::MeshTls>,
+        registry: &mut Registry,
     ) -> Self {
         let m = &config.mesh;
+        let metrics = MeshMetrics::register(registry);
         // The state stream is the mesh backend's; with Valkey the mesh port
         // only serves forwarded requests.
         let enabled =
@@ -148,12 +153,14 @@ impl Mesh {
             max_subscribers: m.max_subscribers,
             local_kv: Mutex::new(enabled.then(|| prefix.subscribe_local())),
             enabled,
-            client: tls
-                .clone()
-                .map(|t| client::MeshClient::new(t, config.timeouts.connect.get())),
+            client: tls.clone().map(|t| {
+                let tls_failed = metrics.tls_failures("connect");
+                client::MeshClient::new(t, config.timeouts.connect.get(), tls_failed)
+            }),
             tls,
             routes: client::MeshRoutes::default(),
             peers: Mutex::new(Vec::new()),
+            metrics,
         }
     }
 
@@ -203,7 +210,7 @@ impl Mesh {
     }
 
     /// Publishes an approximate routing decision: `pod` was sent `keys`.
-    pub fn decision(&self, metrics: &Metrics, pod: &str, keys: &[u64]) {
+    pub fn decision(&self, pod: &str, keys: &[u64]) {
         if !self.enabled || keys.is_empty() {
             return;
         }
@@ -214,7 +221,7 @@ impl Mesh {
         }
         hub.decisions.push_back((pod.to_owned(), keys.clone()));
         hub.publish(
-            metrics,
+            &self.metrics,
             &Msg::Decision {
                 pod: pod.to_owned(),
                 keys,
@@ -227,14 +234,15 @@ impl Mesh {
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
     /// when the sidecar is shutting down. `stats`: the subscriber also takes
     /// `Stats` frames (out of sequence, see [`Hub::publish_stats`]).
-    pub fn subscribe(&self, metrics: &Metrics, stats: bool) -> Option<Subscription> {
+    pub fn subscribe(&self, stats: bool) -> Option<Subscription> {
+        let metrics = &self.metrics;
         let mut hub = self.hub.lock();
         if hub.closed {
             return None;
         }
         hub.subs.retain(|s| !s.tx.is_closed());
         if hub.subs.len() >= self.max_subscribers {
-            metrics.mesh.dropped("over_limit");
+            metrics.dropped("over_limit");
             return None;
         }
         let seq = hub.seq;
@@ -267,11 +275,12 @@ impl Mesh {
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
         hub.subs.push(Sub { tx, stats });
-        metrics.mesh.subscribers(hub.subs.len());
+        metrics.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
 
-    fn local_kv(&self, metrics: &Metrics, update: LocalKvUpdate) {
+    fn local_kv(&self, update: LocalKvUpdate) {
+        let metrics = &self.metrics;
         let mut hub = self.hub.lock();
         match update {
             LocalKvUpdate::Batch { model, batch, .. } => {
@@ -284,11 +293,11 @@ impl Mesh {
                     },
                 );
             }
-            LocalKvUpdate::Cleared => self.cleared(metrics, &mut hub),
+            LocalKvUpdate::Cleared => self.cleared(&mut hub),
         }
     }
 
-    fn cleared(&self, metrics: &Metrics, hub: &mut Hub) {
+    fn cleared(&self, hub: &mut Hub) {
         hub.mirror.clear();
         let batch = kvmesh_filters::prefix::kvevents::EventBatch {
             ts: 0.0,
@@ -297,7 +306,7 @@ impl Mesh {
             unknown_events: 0,
         };
         hub.publish(
-            metrics,
+            &self.metrics,
             &Msg::Kv {
                 model: String::new(),
                 batch,
@@ -323,17 +332,17 @@ impl Mesh {
         let mut hub = self.hub.lock();
         if let Some(l) = load {
             hub.last_load = Some(l);
-            hub.publish(&app.metrics, &Msg::Load(l));
+            hub.publish(&self.metrics, &Msg::Load(l));
         }
         hub.last_in_flight = in_flight.clone();
-        hub.publish(&app.metrics, &Msg::InFlight(in_flight));
-        hub.publish_stats(&app.metrics, crate::stat::local_stats(app));
+        hub.publish(&self.metrics, &Msg::InFlight(in_flight));
+        hub.publish_stats(&self.metrics, crate::stat::local_stats(app));
     }
 }
 
 impl Hub {
     /// Queues one delta to every subscriber; a full queue drops its subscriber.
-    fn publish(&mut self, metrics: &Metrics, msg: &Msg) {
+    fn publish(&mut self, metrics: &MeshMetrics, msg: &Msg) {
         self.seq += 1;
         if self.subs.is_empty() {
             return;
@@ -345,7 +354,7 @@ impl Hub {
     /// Queues the local pod's counters to the subscribers that asked for
     /// them. Outside the sequence: the frame carries the last delta's number
     /// and takes none, so the other subscribers see no gap.
-    fn publish_stats(&mut self, metrics: &Metrics, stats: crate::stat::PodStats) {
+    fn publish_stats(&mut self, metrics: &MeshMetrics, stats: crate::stat::PodStats) {
         if self.subs.iter().any(|s| s.stats) {
             let frame = wire::encode(self.seq, &Msg::Stats(stats));
             self.send(metrics, &frame, true);
@@ -354,7 +363,7 @@ impl Hub {
 
     /// Queues `frame` to every subscriber (`stats_only`: to those that take
     /// `Stats`); a full queue drops its subscriber.
-    fn send(&mut self, metrics: &Metrics, frame: &Bytes, stats_only: bool) {
+    fn send(&mut self, metrics: &MeshMetrics, frame: &Bytes, stats_only: bool) {
         let before = self.subs.len();
         let mut slow = 0;
         let mut sent = 0u64;
@@ -374,13 +383,12 @@ impl Hub {
                 Err(mpsc::error::TrySendError::Closed(_)) => false,
             }
         });
-        let m = &metrics.mesh;
         for _ in 0..slow {
-            m.dropped("slow");
+            metrics.dropped("slow");
         }
-        m.frames_out(sent);
+        metrics.frames_out(sent);
         if self.subs.len() != before {
-            m.subscribers(self.subs.len());
+            metrics.subscribers(self.subs.len());
         }
     }
 }
@@ -423,13 +431,13 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
             }
             _ = tick.tick() => mesh.tick(&app),
             u = recv(&mut kv) => match u {
-                Ok(update) => mesh.local_kv(&app.metrics, update),
+                Ok(update) => mesh.local_kv(update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Batches were lost: the mirror cannot be trusted, so the
                     // peers forget this pod's blocks and relearn them live.
                     tracing::warn!(lost = n, "mesh: local KV updates lagged; peers told to clear this pod");
                     let mut hub = mesh.hub.lock();
-                    mesh.cleared(&app.metrics, &mut hub);
+                    mesh.cleared(&mut hub);
                 }
                 Err(broadcast::error::RecvError::Closed) => kv = None,
             },

@@ -126,11 +126,11 @@ pub async fn serve<H: Handler>(
             match tokio::time::timeout(handshake, tls.acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => serve_conn(app.clone(), stream, forwarded, &shutdown).await,
                 Ok(Err(e)) => {
-                    app.metrics.mesh.tls_failure("accept");
+                    app.mesh.metrics.tls_failure("accept");
                     tracing::info!(error = %e, "mesh: TLS handshake with a subscriber failed");
                 }
                 Err(_) => {
-                    app.metrics.mesh.tls_failure("accept");
+                    app.mesh.metrics.tls_failure("accept");
                     tracing::info!("mesh: TLS handshake with a subscriber timed out");
                 }
             }
@@ -224,12 +224,12 @@ fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
     if let Some(theirs) = theirs {
         let ours = &app.config.pod.models;
         if !crate::config::mesh::Follow::SameModels.follows(&theirs, ours) {
-            app.metrics.mesh.dropped("other_models");
+            app.mesh.metrics.dropped("other_models");
             return status(StatusCode::CONFLICT);
         }
     }
     let stats = req.headers().contains_key(TAKES_STATS);
-    match app.mesh.subscribe(&app.metrics, stats) {
+    match app.mesh.subscribe(stats) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

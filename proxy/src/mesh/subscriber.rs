@@ -219,7 +219,7 @@ async fn follow(
             None => handshake(tcp).await,
             Some(tls) => {
                 let stream = tls.connect(tcp).await.map_err(|e| {
-                    app.metrics.mesh.tls_failure("connect");
+                    app.mesh.metrics.tls_failure("connect");
                     format!("TLS handshake: {e}")
                 })?;
                 handshake(stream).await
@@ -254,7 +254,7 @@ async fn follow(
             // With TLS 1.3 a peer that refuses this sidecar's certificate
             // says so here, after the handshake.
             if crate::upstream::mesh::tls_alert(&e) {
-                app.metrics.mesh.tls_failure("connect");
+                app.mesh.metrics.tls_failure("connect");
             }
             return StreamEnd::Connect(e.to_string());
         }
@@ -331,7 +331,7 @@ impl Reader<'_> {
 
     async fn apply(&mut self, seq: u64, msg: Msg) -> Result<(), StreamEnd> {
         let app = self.app;
-        app.metrics.mesh.frame_in();
+        app.mesh.metrics.frame_in();
         self.status
             .send_modify(|s| s.last_frame = Some(Instant::now()));
         if let Msg::Hello(a) = msg {
@@ -355,7 +355,7 @@ impl Reader<'_> {
             Msg::Hello(_) => {}
             Msg::SnapshotEnd => {
                 self.next_seq = Some(seq + 1);
-                app.metrics.mesh.resync(self.reason);
+                app.mesh.metrics.resync(self.reason);
                 self.status.send_modify(|s| s.synced = true);
                 tracing::info!(peer, "mesh: peer in sync");
             }

@@ -23,7 +23,7 @@ use crate::prefix::PrefixState;
 use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
 
 /// The books the accounting stage keeps, borrowed for one request (built by
-/// `App::accounting`): nothing cloned, no reference count touched.
+/// `path::handles::accounting`): nothing cloned, no reference count touched.
 #[derive(Clone, Copy)]
 pub struct Accounting<'a> {
     /// In-flight counts, outlier calls, pod ids.
@@ -75,7 +75,7 @@ pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
         if let (Target::Peer { .. }, Some(id), Some(_)) = (target, &pod, &ctx.view) {
             // Counted when sent, not when answered: a request lost with its
             // peer (a partition, a crash) was still forwarded there.
-            a.metrics.mesh.forwarded(id);
+            a.mesh.metrics.forwarded(id);
         }
         pod.and_then(|id| a.fleet.begin(&id))
     };
@@ -126,7 +126,7 @@ fn ran_on(a: Accounting<'_>, ctx: &RequestCtx, peer: Option<SocketAddr>) {
     if ctx.view.is_none() {
         return;
     }
-    let m = &a.metrics.mesh;
+    let m = &a.mesh.metrics;
     let pod = match peer {
         None if ctx.already_routed => {
             m.request("received");
@@ -146,6 +146,6 @@ fn ran_on(a: Accounting<'_>, ctx: &RequestCtx, peer: Option<SocketAddr>) {
     };
     if a.prefix.mode() == crate::prefix::Mode::Approximate && !ctx.block_keys.is_empty() {
         a.prefix.record(&pod, ctx);
-        a.mesh.decision(a.metrics, &pod, &ctx.block_keys);
+        a.mesh.decision(&pod, &ctx.block_keys);
     }
 }

@@ -24,6 +24,7 @@ use crate::error::{ProxyError, UpstreamName};
 use crate::fleet::Fleet;
 use crate::headers::UNSERVED;
 use crate::otel::Hop;
+use crate::pd::metrics::PdMetrics;
 use crate::request::{
     leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Target, Upstream,
     Upstreams, FORWARD, MAX_ATTEMPTS,
@@ -32,7 +33,7 @@ use crate::upstream::ReplyBody;
 
 use super::account::Accounting;
 
-/// What the execute stage reads, borrowed for one request (`App::execution`):
+/// What the execute stage reads, borrowed for one request (`path::handles::execute`):
 /// the upstream calls (pools, fleet view, deadlines, counters), the books
 /// it keeps as it goes, and whether the local engine is up (the last
 /// resort).
@@ -40,6 +41,8 @@ use super::account::Accounting;
 pub struct Execute<'a> {
     pub up: Upstreams<'a>,
     pub books: Accounting<'a>,
+    /// P/D's counters, for a split.
+    pub pd: &'a PdMetrics,
     /// Set by the readiness probe once the local engine answers.
     pub engine_ready: &'a AtomicBool,
 }
@@ -98,7 +101,11 @@ pub async fn execute(
                     a.legs(leg_pod(h.up.fleet, &prefill), leg_pod(h.up.fleet, &decode));
                 }
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
-                let pd = Box::pin(crate::pd::execute(h.up, ctx, pd, &req));
+                let split = crate::pd::Pd {
+                    up: h.up,
+                    metrics: h.pd,
+                };
+                let pd = Box::pin(crate::pd::execute(split, ctx, pd, &req));
                 let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
                 ctx.access = access;
                 match r {

@@ -16,6 +16,7 @@
 pub mod account;
 pub mod classify;
 pub mod execute;
+pub mod handles;
 pub mod observe;
 pub mod prefix;
 pub mod schedule;
@@ -50,30 +51,11 @@ pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<Respo
         }
     }
     let result = async {
-        let h = classify::Classify {
-            config: &app.config,
-            metrics: &app.metrics,
-            fleet: &app.fleet,
-        };
-        let req = classify::classify(h, &mut ctx, req).await?;
-        let h = prefix::Prefix {
-            state: &app.prefix,
-            compute: app.prefix_inputs(),
-        };
-        prefix::prefix(h, &mut ctx).await?;
-        let h = schedule::Schedule {
-            routing: &app.routing,
-            inputs: app.routing_inputs(),
-            index: app.index.as_deref(),
-            routes: app.mesh.routes(),
-        };
-        let plan = schedule::schedule(h, &mut ctx).await?;
-        execute::execute(app.execution(), &mut ctx, plan, req).await
+        let req = classify::classify(handles::classify(&app), &mut ctx, req).await?;
+        prefix::prefix(handles::prefix(&app), &mut ctx).await?;
+        let plan = schedule::schedule(handles::schedule(&app), &mut ctx).await?;
+        execute::execute(handles::execute(&app), &mut ctx, plan, req).await
     }
     .await;
-    let h = observe::Observe {
-        metrics: &app.metrics,
-        fleet: &app.fleet,
-    };
-    observe::observe(h, ctx, result)
+    observe::observe(handles::observe(&app), ctx, result)
 }

@@ -34,7 +34,7 @@ pub fn observe(
             } else {
                 tracing::warn!(request_id = ctx.id(), route = ctx.route.as_str(), ?culprit, retry = ?e.retry(), error = %e, "request failed");
             }
-            let mut resp = error_response(&e, &ctx.request_id);
+            let mut resp = error_response(&e, &ctx.request_id).map(ResponseBody::full);
             if ctx.already_routed && crate::error::next_target_may_serve(&e) {
                 // The forwarding sidecar walks its fallbacks on this mark.
                 resp.headers_mut().insert(

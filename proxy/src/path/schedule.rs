@@ -41,7 +41,7 @@ pub async fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, Pro
         let i = h.inputs;
         let model = i.prefix.request_model(view.model.as_deref());
         ctx.candidates = index
-            .candidates(i.metrics, i.fleet, h.routes, model, &ctx.block_keys)
+            .candidates(i.fleet, h.routes, model, &ctx.block_keys)
             .await;
         if span.recording() {
             let n = ctx.candidates.as_ref().map_or(-1, |c| c.len() as i64);
@@ -50,10 +50,9 @@ pub async fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, Pro
     }
     let plan = h.routing.plan(h.inputs, ctx, &span);
     if ctx.view.is_some() && !routed {
-        h.inputs
+        h.routing
             .metrics
-            .index
-            .decision(started.elapsed().as_secs_f64());
+            .decision_latency(started.elapsed().as_secs_f64());
     }
     if span.recording() {
         match &plan {

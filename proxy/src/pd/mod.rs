@@ -33,6 +33,14 @@ use crate::error::ProxyError;
 use crate::request::{leg_upstream, Upstream};
 use crate::request::{ClientBody, ClientRequest, Upstreams};
 use crate::request::{Leg, RequestCtx};
+use metrics::PdMetrics;
+
+/// What a split takes: the upstream calls, and P/D's own counters.
+#[derive(Clone, Copy)]
+pub struct Pd<'a> {
+    pub up: Upstreams<'a>,
+    pub metrics: &'a PdMetrics,
+}
 
 /// Where the legs of one disaggregated request go.
 #[derive(Debug, Clone)]
@@ -57,11 +65,12 @@ impl PdPlan {
 
 /// Runs the configured connector for one request.
 pub async fn execute(
-    up: Upstreams<'_>,
+    h: Pd<'_>,
     ctx: &mut RequestCtx,
     plan: PdPlan,
     req: &ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
+    let up = h.up;
     let ClientBody::Buffered(bytes) = &req.body else {
         return Err(ProxyError::Internal(
             "P/D needs the inference body read whole".to_owned(),
@@ -69,12 +78,12 @@ pub async fn execute(
     };
     let client = body::object(bytes)?;
     match up.config.pd.connector {
-        PdConnector::Nixl => twoleg::run(up, ctx, &plan, req, &client, "nixl", &Map::new()).await,
+        PdConnector::Nixl => twoleg::run(h, ctx, &plan, req, &client, "nixl", &Map::new()).await,
         PdConnector::Kvagent => {
             let extra = kvagent_params(up, &plan);
-            twoleg::run(up, ctx, &plan, req, &client, "kvagent", &extra).await
+            twoleg::run(h, ctx, &plan, req, &client, "kvagent", &extra).await
         }
-        PdConnector::Sglang => sglang::run(up, ctx, &plan, req, &client).await,
+        PdConnector::Sglang => sglang::run(h, ctx, &plan, req, &client).await,
     }
 }
 

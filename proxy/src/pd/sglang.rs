@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::body;
 use super::metrics::Outcome;
-use super::PdPlan;
+use super::{Pd, PdPlan};
 use super::{DECODE, PREFILL};
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::error::ProxyError;
@@ -25,13 +25,13 @@ use crate::request::{ClientRequest, Upstreams};
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
 
 pub async fn run(
-    up: Upstreams<'_>,
+    h: Pd<'_>,
     ctx: &mut RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
     client: &Map<String, Value>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let metrics = &up.metrics.pd;
+    let (up, metrics) = (h.up, h.metrics);
     let prefill = &plan.prefill[0];
     let rooms: Vec<u64> = (0..body::rooms_needed(client))
         // SGLang keeps rooms as int64: stay below 2^63.

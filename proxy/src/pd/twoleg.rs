@@ -12,15 +12,15 @@ use tokio::time::Instant;
 
 use super::body;
 use super::metrics::Outcome;
-use super::PdPlan;
+use super::{Pd, PdPlan};
 use super::{DECODE, PREFILL};
 use crate::backoff::Backoff;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
+use crate::request::ClientRequest;
 use crate::request::RequestCtx;
 use crate::request::{relay, send, Upstream};
-use crate::request::{ClientRequest, Upstreams};
 
 /// Largest prefill response read (it holds one token and the parameters).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
@@ -31,7 +31,7 @@ fn retryable(status: StatusCode) -> bool {
 }
 
 pub async fn run(
-    up: Upstreams<'_>,
+    h: Pd<'_>,
     ctx: &mut RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
@@ -39,9 +39,9 @@ pub async fn run(
     connector: &'static str,
     extra: &Map<String, Value>,
 ) -> Result<Response<ResponseBody>, ProxyError> {
-    let metrics = &up.metrics.pd;
+    let (up, metrics) = (h.up, h.metrics);
     let prefill_body = body::prefill_leg(client, req.head.uri.path(), extra)?;
-    let (decode_body, outcome) = match prefill(up, ctx, plan, req, prefill_body).await {
+    let (decode_body, outcome) = match prefill(h, ctx, plan, req, prefill_body).await {
         Ok(Some(params)) => (
             body::decode_leg(client, Some(&params))?,
             Outcome::Disaggregated,
@@ -112,12 +112,13 @@ pub async fn run(
 /// The prefill leg, retried on the plan's prefill pods in turn: the transfer
 /// parameters it returned (`None` when it sent none), or why it failed.
 async fn prefill(
-    up: Upstreams<'_>,
+    h: Pd<'_>,
     ctx: &RequestCtx,
     plan: &PdPlan,
     req: &ClientRequest,
     body: Bytes,
 ) -> Result<Option<Value>, ProxyError> {
+    let up = h.up;
     let pd = &up.config.pd;
     let attempts = pd.prefill_retries as usize + 1;
     // Doubling from `retry_backoff` with jitter; the cap only bounds a
@@ -127,13 +128,13 @@ async fn prefill(
     let mut last = None;
     for attempt in 0..attempts {
         if attempt > 0 {
-            up.metrics.pd.prefill_retry();
+            h.metrics.prefill_retry();
             tokio::time::sleep(backoff.next_delay()).await;
         }
         let upstream = &plan.prefill[attempt % plan.prefill.len()];
         let leg = tokio::time::timeout(
             pd.prefill_timeout.get(),
-            prefill_once(up, ctx, upstream, req, body.clone(), attempt_no(attempt)),
+            prefill_once(h, ctx, upstream, req, body.clone(), attempt_no(attempt)),
         )
         .await
         .unwrap_or_else(|_| {
@@ -190,13 +191,14 @@ fn attempt_no(attempt: usize) -> u8 {
 }
 
 async fn prefill_once(
-    up: Upstreams<'_>,
+    h: Pd<'_>,
     ctx: &RequestCtx,
     upstream: &Upstream,
     req: &ClientRequest,
     body: Bytes,
     attempt: u8,
 ) -> Result<Option<Value>, ProxyError> {
+    let up = h.up;
     // The prefill pod counts this leg until it ends, so the mesh's
     // schedulers see its queue (the decode pod counts the request: the
     // execute stage tracks it there).
@@ -226,7 +228,7 @@ async fn prefill_once(
         })?
         .to_bytes();
     drop(hop);
-    up.metrics.pd.leg("prefill", sent.elapsed().as_secs_f64());
+    h.metrics.leg("prefill", sent.elapsed().as_secs_f64());
     if !status.is_success() {
         return Err(ProxyError::PrefillFailed {
             upstream: name,

@@ -1,5 +1,6 @@
-//! The prefix stage's and the KV event feed's metrics, registered into the
-//! sidecar's one registry (prefix `kvmesh`). Label values come from closed
+//! The prefix stage's and the KV event feed's metrics, held by
+//! [`super::PrefixState`] and registered into the sidecar's one registry
+//! (prefix `kvmesh`) when it is built. Label values come from closed
 //! sets of `&'static str`, so the number of series is bounded.
 
 use prometheus_client::encoding::EncodeLabelSet;

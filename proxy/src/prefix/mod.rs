@@ -31,25 +31,25 @@ use kvmesh_filters::prefix::approx::{ApproxConfig, ApproxIndex};
 use kvmesh_filters::prefix::index::{ApplyStats, IndexConfig, PodId, PrefixIndex};
 use kvmesh_filters::prefix::kvevents::EventBatch;
 use kvmesh_filters::prefix::predicted::PredictedIndex;
+use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
 
 use crate::config::{Config, TokenizerChoice};
 use crate::kvevents::LocalKvUpdate;
-use crate::metrics::Metrics;
 use crate::request::{RequestCtx, RequestView};
 use crate::upstream::UpstreamClient;
+use metrics::PrefixMetrics;
 pub use tokenize::{LocalTokenizer, PrefixError, Tokenized};
 
 /// Local KV updates buffered for slow mesh subscribers before they lag.
 pub const LOCAL_UPDATES_CAPACITY: usize = 4096;
 
 /// What computing one request's keys reads besides [`PrefixState`]: the
-/// engine's address and the pooled client (`tokenizer: engine`), the
-/// counters, and the block size the engine reported. Borrowed per request.
+/// engine's address and the pooled client (`tokenizer: engine`), and the
+/// block size the engine reported. Borrowed per request.
 #[derive(Clone, Copy)]
 pub struct Compute<'a> {
     pub config: &'a Config,
-    pub metrics: &'a Metrics,
     pub client: &'a UpstreamClient,
     /// The local engine's KV block size from its metrics (0: not yet known).
     pub engine_block_size: &'a AtomicU32,
@@ -90,6 +90,8 @@ pub struct PrefixState {
     /// Local updates carry the block keys each batch touched (the Valkey
     /// writer reads them; the mesh does not).
     track_touched: bool,
+    /// Tokenization, KV event ingestion and the prefix index.
+    pub metrics: PrefixMetrics,
 }
 
 impl std::fmt::Debug for PrefixState {
@@ -104,7 +106,12 @@ impl std::fmt::Debug for PrefixState {
 impl PrefixState {
     /// Builds the state for a sidecar whose pod id is `local_pod`; reads the
     /// tokenizer directory, if one is configured, once.
-    pub fn new(config: &Config, local_pod: &str) -> Result<Self, PrefixError> {
+    /// Its families are registered in `registry`.
+    pub fn new(
+        config: &Config,
+        local_pod: &str,
+        registry: &mut Registry,
+    ) -> Result<Self, PrefixError> {
         let p = &config.prefix;
         let cache = usize::try_from(p.token_cache_bytes.0).unwrap_or(usize::MAX);
         let source = match p.tokenizer.resolve(config.engine.kv_events.is_some()) {
@@ -142,6 +149,7 @@ impl PrefixState {
             config: p.clone(),
             local_updates,
             track_touched: config.index.backend == crate::config::index::Backend::Valkey,
+            metrics: PrefixMetrics::register(registry),
         })
     }
 
@@ -278,8 +286,7 @@ impl PrefixState {
         if tokens.is_some() {
             ctx.prompt_tokens = tokens;
         }
-        c.metrics
-            .prefix
+        self.metrics
             .tokenized(outcome, started.elapsed().as_secs_f64());
     }
 
@@ -309,9 +316,7 @@ impl PrefixState {
             Source::Local(t) => {
                 let r = t.tokenize(&view.prompt, add_gen, max);
                 let s = t.cache().stats();
-                c.metrics
-                    .prefix
-                    .token_cache(s.reused_bytes, s.tokenized_bytes);
+                self.metrics.token_cache(s.reused_bytes, s.tokenized_bytes);
                 r
             }
             Source::Engine => {

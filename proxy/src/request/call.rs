@@ -214,13 +214,9 @@ async fn request(
             // Boxed, like the P/D calls: the mesh client's future is large
             // and rarely needed, and inlined it would grow every request's
             // future (which is moved on every request).
+            // The client counts a failed TLS handshake itself.
             let resp = Box::pin(mesh.send(port, out)).await.map_err(|e| match e {
-                MeshSendError::Connect { tls, .. } => {
-                    if tls {
-                        up.metrics.mesh.tls_failure("connect");
-                    }
-                    connect(e.to_string())
-                }
+                MeshSendError::Connect { .. } => connect(e.to_string()),
                 MeshSendError::Request { .. } => failed(e.to_string()),
             })?;
             Ok(resp.map(ReplyBody::plain))

@@ -22,9 +22,6 @@ pub mod hops;
 pub mod plan;
 pub mod view;
 
-#[cfg(test)]
-mod tests;
-
 pub use call::Upstreams;
 pub(crate) use call::{leg_upstream, relay, send, Upstream, FORWARD};
 pub use client::{ClientBody, ClientRequest};

@@ -141,13 +141,7 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
         if let (Some(index), Some(view)) = (&app.index, &ctx.view) {
             let model = app.prefix.request_model(view.model.as_deref());
             ctx.candidates = index
-                .candidates(
-                    &app.metrics,
-                    &app.fleet,
-                    app.mesh.routes(),
-                    model,
-                    &ctx.block_keys,
-                )
+                .candidates(&app.fleet, app.mesh.routes(), model, &ctx.block_keys)
                 .await;
         }
     }

@@ -27,27 +27,26 @@ use kvmesh_filters::sched::{
 };
 use opentelemetry::KeyValue;
 use parking_lot::RwLock;
+use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fleet::{Fleet, PodInfo};
-use crate::metrics::Metrics;
 use crate::otel::Stage;
 use crate::prefix::PrefixState;
 use crate::request::{Plan, RequestCtx};
+use metrics::RoutingMetrics;
 pub use producers::PrefixSettings;
 
 /// Block size assumed until the engine reports its own (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// What planning one request reads besides the filter config: the fleet's
-/// pods, the prefix index and its block size, the local models, the
-/// counters. Borrowed per request (`App::routing_inputs`).
+/// pods, the prefix index and its block size, the local models. Borrowed per request (`App::routing_inputs`).
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
     pub config: &'a Config,
-    pub metrics: &'a Metrics,
     pub fleet: &'a Fleet,
     pub prefix: &'a PrefixState,
     /// The local engine's KV block size from its metrics (0: not yet known).
@@ -96,6 +95,8 @@ pub struct Routing {
     /// The active config's `maxPrefixBlocksToMatch`, read by every request's
     /// prefix stage without taking the lock.
     approx_max_blocks: AtomicUsize,
+    /// Decisions, reloads, failed engine scrapes.
+    pub metrics: RoutingMetrics,
 }
 
 /// Reads and compiles a filter config file.
@@ -155,7 +156,8 @@ impl std::fmt::Debug for Routing {
 
 impl Routing {
     /// The filter config of `config.scheduling.filters`, or the built-in default.
-    pub fn from_config(config: &Config) -> Result<Self, FiltersError> {
+    /// Its families are registered in `registry`.
+    pub fn from_config(config: &Config, registry: &mut Registry) -> Result<Self, FiltersError> {
         let file = config.scheduling.filters.clone();
         let active = match &file {
             Some(path) => load_filters_with(path, config.pd.min_uncached_tokens)?,
@@ -170,6 +172,7 @@ impl Routing {
             active: RwLock::new(Arc::new(active)),
             file,
             epoch: Instant::now(),
+            metrics: RoutingMetrics::register(registry),
         })
     }
 
@@ -215,7 +218,7 @@ impl Routing {
     /// `span`: the schedule stage's span; a recording one gets the chosen
     /// pods, the top scores and the reason ([`record`]).
     pub fn plan(&self, h: Inputs<'_>, ctx: &RequestCtx, span: &Stage) -> Result<Plan, ProxyError> {
-        let m = &h.metrics.routing;
+        let m = &self.metrics;
         if let Some(prefiller) = &ctx.epp_prefiller {
             let plan = Plan::epp(prefiller.clone());
             m.decision(plan.decision(), plan.reason);

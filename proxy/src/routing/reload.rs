@@ -38,11 +38,11 @@ pub async fn watch(app: Arc<App>, shutdown: Shutdown) {
         match load(&path, app.config.pd.min_uncached_tokens).await {
             Ok(active) => {
                 app.routing.swap(active);
-                app.metrics.routing.reloaded();
+                app.routing.metrics.reloaded();
                 tracing::info!(file = %path.display(), "filter config reloaded");
             }
             Err(e) => {
-                app.metrics.routing.reload_failed();
+                app.routing.metrics.reload_failed();
                 tracing::error!(error = %e, "filter config rejected; the previous one stays active");
             }
         }

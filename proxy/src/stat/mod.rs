@@ -10,7 +10,6 @@
 //! cumulative, so rates need two samples: the client side (`kvmesh stat`, in
 //! the `kvmesh` CLI crate) takes them and turns them into one row per pod.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -22,7 +21,6 @@ use tokio::time::Instant;
 use crate::app::App;
 use crate::body::ResponseBody;
 use crate::config::EngineKind;
-use crate::mesh::subscriber::PeerStatus;
 
 /// The admin path the client asks.
 pub const PATH: &str = "/debug/stat";
@@ -97,31 +95,6 @@ pub struct Report {
     pub peers: Vec<PeerEntry>,
 }
 
-impl PeerEntry {
-    /// The entry for a followed address (`None`: the address is this sidecar).
-    pub fn of(addr: SocketAddr, s: &PeerStatus, now: Instant, stale: Duration) -> Option<Self> {
-        if s.is_self {
-            return None;
-        }
-        let age = s.last_frame.map(|at| now.saturating_duration_since(at));
-        let state = if s.other_models {
-            "other_models"
-        } else if !s.synced {
-            "connecting"
-        } else if age.is_some_and(|a| a < stale) {
-            "connected"
-        } else {
-            "stale"
-        };
-        Some(Self {
-            mesh_addr: addr.to_string(),
-            id: s.id.clone(),
-            state: state.to_owned(),
-            last_frame_ms: age.map(millis),
-        })
-    }
-}
-
 /// This pod's counters now: requests and P/D from the sidecar's metrics, the
 /// prefix cache's from the last engine scrape.
 pub fn local_stats(app: &App) -> PodStats {
@@ -130,9 +103,9 @@ pub fn local_stats(app: &App) -> PodStats {
         .stats()
         .remove(app.fleet.local_id())
         .unwrap_or_default();
-    let (pd_splits, pd_failures) = app.metrics.pd.totals();
+    let (pd_splits, pd_failures) = app.pd_metrics.totals();
     PodStats {
-        requests: app.metrics.mesh.served_total(),
+        requests: app.mesh.metrics.served_total(),
         pd_splits,
         pd_failures,
         ..scraped

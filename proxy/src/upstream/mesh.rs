@@ -86,6 +86,8 @@ pub struct MeshClient {
     tls: MeshTls,
     connect_timeout: Duration,
     conns: Mutex<HashMap<SocketAddr, SendRequest<UpstreamBody>>>,
+    /// Counts a failed TLS handshake (the mesh's `tls_failures{side="connect"}`).
+    tls_failed: Box<dyn Fn() + Send + Sync>,
 }
 
 impl std::fmt::Debug for MeshClient {
@@ -97,11 +99,17 @@ impl std::fmt::Debug for MeshClient {
 }
 
 impl MeshClient {
-    pub fn new(tls: MeshTls, connect_timeout: Duration) -> Self {
+    /// `tls_failed` counts each call that fails on a TLS handshake or alert.
+    pub fn new(
+        tls: MeshTls,
+        connect_timeout: Duration,
+        tls_failed: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
         Self {
             tls,
             connect_timeout,
             conns: Mutex::new(HashMap::new()),
+            tls_failed: Box::new(tls_failed),
         }
     }
 
@@ -113,6 +121,18 @@ impl MeshClient {
     /// this sidecar's certificate says so only after the handshake, when the
     /// first request is written).
     pub async fn send(
+        &self,
+        addr: SocketAddr,
+        req: http::Request<UpstreamBody>,
+    ) -> Result<http::Response<Incoming>, MeshSendError> {
+        let sent = self.try_send(addr, req).await;
+        if let Err(MeshSendError::Connect { tls: true, .. }) = &sent {
+            (self.tls_failed)();
+        }
+        sent
+    }
+
+    async fn try_send(
         &self,
         addr: SocketAddr,
         req: http::Request<UpstreamBody>,

@@ -37,10 +37,12 @@ use tokio::time::Instant;
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::kvevents::LocalKvUpdate;
-use crate::metrics::Metrics;
+use prometheus_client::registry::Registry;
+
 use crate::prefix::PrefixState;
 use crate::shutdown::Shutdown;
 pub use lookup::{Candidate, Found, Lookup};
+use metrics::IndexMetrics;
 pub use record::PodRecord;
 pub use store::{Store, StoreError};
 pub use writer::Writer;
@@ -52,6 +54,8 @@ pub struct Valkey {
     store: Arc<Store>,
     lookup: Lookup,
     status: Mutex<WriterStatus>,
+    /// Lookups, writes, registrations, the connection.
+    pub metrics: IndexMetrics,
 }
 
 /// The writer's state, as `/debug/index` shows it.
@@ -74,12 +78,14 @@ pub struct IndexStatus {
 }
 
 impl Valkey {
-    pub fn new(config: &Config) -> Self {
+    /// The index of `config.index.valkey`, its metrics registered in `registry`.
+    pub fn new(config: &Config, registry: &mut Registry) -> Self {
         let store = Arc::new(Store::new(config.index.valkey.clone()));
         Self {
             lookup: Lookup::new(store.clone()),
             store,
             status: Mutex::new(WriterStatus::default()),
+            metrics: IndexMetrics::register(registry),
         }
     }
 
@@ -104,13 +110,12 @@ impl Valkey {
     /// fleet knows, on their last loads.
     pub async fn candidates(
         &self,
-        metrics: &Metrics,
         fleet: &Fleet,
         routes: &crate::upstream::mesh::MeshRoutes,
         model: &str,
         keys: &[u64],
     ) -> Option<Vec<(String, u32)>> {
-        let found = self.lookup.find(&metrics.index, model, keys).await.ok()?;
+        let found = self.lookup.find(&self.metrics, model, keys).await.ok()?;
         let now = Instant::now();
         let mut out = Vec::with_capacity(found.candidates.len());
         for c in &found.candidates {
@@ -141,7 +146,6 @@ impl Valkey {
 pub struct Tasks {
     pub valkey: Arc<Valkey>,
     pub config: Arc<Config>,
-    pub metrics: Arc<Metrics>,
     pub fleet: Arc<Fleet>,
     pub prefix: Arc<PrefixState>,
     /// The local pod's applied KV batches (subscribed before the feed starts).
@@ -181,7 +185,7 @@ async fn write(t: Tasks, shutdown: Shutdown) {
         namespaces,
         record_fn(&t),
     );
-    let m = &t.metrics.index;
+    let m = &t.valkey.metrics;
     let mut rx = Some(t.local_kv);
     let every = cfg.flush_interval.get();
     // Armed only while something waits, so an idle pod's writer sleeps

@@ -1,0 +1,78 @@
+//! The stages' handles, built from [`App`] per request: borrowed references,
+//! nothing cloned. The one file of the stages but `mod.rs` that names `App`;
+//! each stage sees only its handle.
+
+use crate::app::App;
+use crate::request::Upstreams;
+
+use super::account::Accounting;
+use super::classify::Classify;
+use super::execute::Execute;
+use super::observe::Observe;
+use super::prefix::Prefix;
+use super::schedule::Schedule;
+
+pub fn classify(app: &App) -> Classify<'_> {
+    Classify {
+        config: &app.config,
+        metrics: &app.metrics,
+        fleet: &app.fleet,
+    }
+}
+
+pub fn prefix(app: &App) -> Prefix<'_> {
+    Prefix {
+        state: &app.prefix,
+        compute: app.prefix_inputs(),
+    }
+}
+
+pub fn schedule(app: &App) -> Schedule<'_> {
+    Schedule {
+        routing: &app.routing,
+        inputs: app.routing_inputs(),
+        index: app.index.as_deref(),
+        routes: app.mesh.routes(),
+    }
+}
+
+/// The upstream calls, the books, P/D's counters, the engine's readiness.
+pub fn execute(app: &App) -> Execute<'_> {
+    Execute {
+        up: upstreams(app),
+        books: accounting(app),
+        pd: &app.pd_metrics,
+        engine_ready: &app.engine_ready,
+    }
+}
+
+/// What the accounting stage (called by execute as it goes) takes.
+pub fn accounting(app: &App) -> Accounting<'_> {
+    Accounting {
+        fleet: &app.fleet,
+        prefix: &app.prefix,
+        metrics: &app.metrics,
+        mesh: &app.mesh,
+    }
+}
+
+pub fn observe(app: &App) -> Observe<'_> {
+    Observe {
+        metrics: &app.metrics,
+        fleet: &app.fleet,
+    }
+}
+
+/// What upstream calls take: pools, the fleet view, deadlines.
+pub fn upstreams(app: &App) -> Upstreams<'_> {
+    Upstreams {
+        config: &app.config,
+        metrics: &app.metrics,
+        client: &app.client,
+        engine: app.engine.as_ref(),
+        mesh_tls: app.mesh.tls_client(),
+        mesh_routes: app.mesh.routes(),
+        fleet: &app.fleet,
+        prefix: &app.prefix,
+    }
+}
