@@ -22,6 +22,9 @@ use kvmesh::inject::command::{options, ConnectorArg, InjectArgs, RoleArg};
 use kvmesh::inject::{self, yaml, CONTAINER};
 use serde_yaml_ng::{Mapping, Value};
 
+#[path = "deploy/valkey_start.rs"]
+mod valkey_start;
+
 const K8S: &str = "1.30.0";
 
 fn root() -> PathBuf {
@@ -170,6 +173,8 @@ fn every_yaml_file_under_deploy_is_validated() {
         "Deployment",
         "StatefulSet",
         "LeaderWorkerSet",
+        "ConfigMap",
+        "PodDisruptionBudget",
     ] {
         assert!(
             checked.iter().any(|c| c.kind.as_deref() == Some(kind)),
@@ -586,3 +591,4 @@ fn pd_connector_flag_is_passed_and_checked() {
     assert!(err.contains("pd.min_uncached_tokens"), "{err}");
     assert!(err.contains("with the flags"), "{err}");
 }
+
