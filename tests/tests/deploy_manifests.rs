@@ -18,7 +18,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kvmesh::inject::command::{options, ConnectorArg, InjectArgs, RoleArg};
+use kvmesh::inject::command::{options, ConnectorArg, IndexArg, InjectArgs, RoleArg};
 use kvmesh::inject::{self, yaml, CONTAINER};
 use serde_yaml_ng::{Mapping, Value};
 
@@ -301,6 +301,7 @@ fn inject_args(roles: &[RoleArg]) -> InjectArgs {
         config: None,
         filters: None,
         image: Some("ghcr.io/kvmesh/kvmesh-proxy:0.1.0".to_owned()),
+        ..InjectArgs::default()
     }
 }
 
@@ -592,3 +593,77 @@ fn pd_connector_flag_is_passed_and_checked() {
     assert!(err.contains("with the flags"), "{err}");
 }
 
+/// deploy/valkey as its README says to run it, and the sidecars pointed at
+/// it: `kvmesh inject --index valkey --valkey-url ...` on the examples gives
+/// valid objects whose proxy.yaml has the index section and no mesh
+/// discovery, without the headless mesh Service; the URLs of
+/// deploy/examples/proxy-valkey.yaml name deploy/valkey's pods.
+#[test]
+fn valkey_index_inject_output_and_deploy_valkey_agree_and_are_valid() {
+    let valkey_dir = root().join("deploy/valkey");
+    let sts = read_docs(&valkey_dir.join("statefulset.yaml")).remove(0);
+    let svc = read_docs(&valkey_dir.join("service.yaml")).remove(0);
+    assert_eq!(sts["spec"]["serviceName"], svc["metadata"]["name"]);
+    assert_eq!(svc["spec"]["clusterIP"], "None");
+    let container = &sts["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["image"], "valkey/valkey:8.1");
+    let replicas = sts["spec"]["replicas"].as_u64().unwrap();
+    let env_replicas = container["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "VALKEY_REPLICAS")
+        .unwrap();
+    assert_eq!(env_replicas["value"], replicas.to_string().as_str());
+    let urls: Vec<String> = (0..replicas)
+        .map(|i| {
+            format!(
+                "redis://{}-{i}.{}:6379",
+                sts["metadata"]["name"].as_str().unwrap(),
+                svc["metadata"]["name"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let example =
+        kvmesh_proxy::config::load_file(&root().join("deploy/examples/proxy-valkey.yaml")).unwrap();
+    assert_eq!(example.index.valkey.urls, urls);
+    assert_eq!(example.index.backend.as_str(), "valkey");
+
+    let dir = tempfile::tempdir().unwrap();
+    let examples = root().join("deploy/inject/examples");
+    let mut outputs = Vec::new();
+    for file in [
+        "deployment.yaml",
+        "statefulset.yaml",
+        "leaderworkerset.yaml",
+    ] {
+        let args = InjectArgs {
+            index: Some(IndexArg::Valkey),
+            valkey_urls: urls.clone(),
+            ..inject_args(&[])
+        };
+        let (opts, notes) = options(&args).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        let out = inject::inject(read_docs(&examples.join(file)), &opts).unwrap();
+        let cm = out.docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+        let proxy_yaml = cm["data"]["proxy.yaml"].as_str().unwrap();
+        let c = kvmesh_proxy::config::from_yaml_str(proxy_yaml, "configmap").unwrap();
+        assert_eq!(c.index.backend.as_str(), "valkey", "{proxy_yaml}");
+        assert_eq!(c.index.valkey.urls, urls);
+        assert!(
+            c.mesh.dns.is_none() && c.mesh.listen.is_none(),
+            "{proxy_yaml}"
+        );
+        let services: Vec<&str> = out
+            .docs
+            .iter()
+            .filter(|d| d["kind"] == "Service")
+            .map(|d| d["metadata"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(services, ["kvmesh"], "{file}: no headless mesh Service");
+        let path = dir.path().join(file);
+        std::fs::write(&path, yaml::emit_stream(&out.docs).unwrap()).unwrap();
+        outputs.push(path);
+    }
+    assert_valid(&outputs);
+}

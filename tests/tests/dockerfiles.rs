@@ -252,6 +252,7 @@ fn the_manifests_run_the_images_the_dockerfiles_build() {
         config: None,
         filters: None,
         image: None,
+        ..Default::default()
     };
     let (opts, _) = kvmesh::inject::command::options(&args).unwrap();
     assert_eq!(opts.image, proxy);

@@ -11,7 +11,9 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use serde_yaml_ng::Value;
 
+use super::index::IndexFlags;
 use super::{yaml, InjectOptions, Outcome, Ports};
+use kvmesh_proxy::config::index::Backend;
 use kvmesh_proxy::config::PdConnector;
 
 /// Largest input read (all files together, or stdin).
@@ -44,6 +46,36 @@ pub struct InjectArgs {
     /// The sidecar image.
     #[arg(long, value_name = "IMAGE")]
     pub image: Option<String>,
+    /// Where the fleet's prefix index lives (`index.backend` in the
+    /// ConfigMap's proxy.yaml). valkey also leaves out the mesh's peer
+    /// discovery and its headless Service (and the mesh port, unless mesh.tls).
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    pub index: Option<IndexArg>,
+    /// A Valkey server, redis://HOST:PORT (repeatable; added to
+    /// `index.valkey.urls`): one server, or a primary and its replicas.
+    #[arg(long = "valkey-url", value_name = "URL")]
+    pub valkey_urls: Vec<String>,
+    /// The Valkey URLs are seeds of a Valkey cluster (`index.valkey.cluster`).
+    #[arg(long)]
+    pub valkey_cluster: bool,
+}
+
+impl Default for InjectArgs {
+    /// stdin, no flags (as `kvmesh inject` with no arguments).
+    fn default() -> Self {
+        Self {
+            input: "-".to_owned(),
+            role: None,
+            pd_connector: None,
+            model: None,
+            config: None,
+            filters: None,
+            image: None,
+            index: None,
+            valkey_urls: Vec::new(),
+            valkey_cluster: false,
+        }
+    }
 }
 
 /// Arguments of `kvmesh uninject`.
@@ -70,6 +102,22 @@ pub enum ConnectorArg {
     Kvagent,
 }
 
+/// `--index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IndexArg {
+    Mesh,
+    Valkey,
+}
+
+impl IndexArg {
+    fn backend(self) -> Backend {
+        match self {
+            Self::Mesh => Backend::Mesh,
+            Self::Valkey => Backend::Valkey,
+        }
+    }
+}
+
 /// Why the command failed (printed on stderr; exit code 2).
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
@@ -87,6 +135,8 @@ pub enum CommandError {
     Filters(String),
     #[error("{0}")]
     Usage(String),
+    #[error(transparent)]
+    Index(#[from] super::index::IndexError),
     #[error(transparent)]
     Inject(#[from] super::InjectError),
     #[error("writing the output: {0}")]
@@ -159,6 +209,7 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
         }
     };
     let file = kvmesh_proxy::config::load::from_yaml_str(&proxy_yaml, &origin)?;
+    let (proxy_yaml, file) = index_flags(args, proxy_yaml, file, &origin, &mut notes)?;
     if file.scheduling.filters.is_some() && args.filters.is_none() {
         return Err(CommandError::Usage(format!(
             "{origin} names scheduling.filters; pass that file with --filters so it goes into the ConfigMap"
@@ -219,10 +270,48 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
             admin: effective.listeners.admin.port(),
             mesh: effective.mesh.listen.map(|a| a.port()),
         },
+        mesh_service: effective.index.backend == Backend::Mesh,
         extra_args,
         version,
     };
     Ok((opts, notes))
+}
+
+/// proxy.yaml with `--index`, `--valkey-url` and `--valkey-cluster` applied
+/// (`inject/index.rs`), and its config; unchanged without them.
+fn index_flags(
+    args: &InjectArgs,
+    text: String,
+    file: kvmesh_proxy::config::Config,
+    origin: &str,
+    notes: &mut Vec<String>,
+) -> Result<(String, kvmesh_proxy::config::Config), CommandError> {
+    let flags = IndexFlags {
+        backend: args.index.map(IndexArg::backend),
+        urls: args.valkey_urls.clone(),
+        cluster: args.valkey_cluster,
+    };
+    let Some(rewritten) = super::index::apply(&text, &file, &flags, origin)? else {
+        return Ok((text, file));
+    };
+    let config = kvmesh_proxy::config::load::from_yaml_str(
+        &rewritten.text,
+        &format!("{origin} with the index flags"),
+    )?;
+    if args.config.is_some() && !rewritten.dropped.is_empty() {
+        notes.push(format!(
+            "{origin}: {} left out of the sidecars' proxy.yaml: with index.backend valkey pods find each other through Valkey",
+            rewritten.dropped.join(", ")
+        ));
+    }
+    let m = &config.mesh;
+    let discovers = !m.peers.is_empty() || m.dns.is_some() || m.file.is_some();
+    if config.index.backend == Backend::Mesh && !discovers {
+        notes.push(format!(
+            "{origin} discovers no mesh peers (mesh.dns, mesh.peers or mesh.file): each sidecar will route to its own engine only"
+        ));
+    }
+    Ok((rewritten.text, config))
 }
 
 /// All documents of the input, in order.

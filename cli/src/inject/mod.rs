@@ -13,12 +13,15 @@
 //! Every other kind passes through unchanged, with a note. Beside the
 //! workloads, inject emits (before them, so `kubectl apply` creates them
 //! first) one ConfigMap per namespace with proxy.yaml and filters.yaml under a
-//! content-hashed name, and the Services `kvmesh` and `kvmesh-mesh`, all
-//! annotated `kvmesh.dev/injected`; such resources in the input are dropped
-//! and made again, which keeps inject idempotent. Uninject drops them and
-//! removes from each template exactly what inject added.
+//! content-hashed name, and the Services `kvmesh` and `kvmesh-mesh` (the
+//! latter for the mesh backend's DNS discovery only, not with `--index
+//! valkey`: [`index`]), all annotated `kvmesh.dev/injected`; such resources in
+//! the input are dropped and made again, which keeps inject idempotent.
+//! Uninject drops them and removes from each template exactly what inject
+//! added.
 
 pub mod command;
+pub mod index;
 mod sidecar;
 mod template;
 #[cfg(test)]

@@ -38,6 +38,10 @@ pub struct InjectOptions {
     /// filters.yaml, when one was given.
     pub filters_yaml: Option<String>,
     pub ports: Ports,
+    /// Emit the headless `kvmesh-mesh` Service the mesh backend's DNS
+    /// discovery resolves (with a mesh port); not with `index.backend:
+    /// valkey`, whose pods find each other through Valkey.
+    pub mesh_service: bool,
     /// Flags appended to `run` (`--role=decode`, `--model=...`, `--pd-connector=...`).
     pub extra_args: Vec<String>,
     /// The version recorded in [`INJECTED`].
@@ -163,8 +167,9 @@ impl InjectOptions {
         ])
     }
 
-    /// `kvmesh` (clients, port 8000 to the sidecars) and, with a mesh port,
-    /// the headless `kvmesh-mesh` the default proxy.yaml discovers peers with.
+    /// `kvmesh` (clients, port 8000 to the sidecars) and, with a mesh port
+    /// and `mesh_service`, the headless `kvmesh-mesh` the default proxy.yaml
+    /// discovers peers with.
     pub fn services(&self, namespace: Option<&str>) -> Vec<Value> {
         let selector = || map([(LABEL, s("true"))]);
         let service_port = |name: &str, port: u16, target: u16| {
@@ -189,7 +194,7 @@ impl InjectOptions {
                 ("ports", service_port("http", 8000, self.ports.client)),
             ]),
         )];
-        if let Some(mesh) = self.ports.mesh {
+        if let Some(mesh) = self.ports.mesh.filter(|_| self.mesh_service) {
             out.push(service(
                 "kvmesh-mesh",
                 map([

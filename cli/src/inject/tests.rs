@@ -18,6 +18,7 @@ fn opts() -> InjectOptions {
             admin: 9090,
             mesh: Some(7000),
         },
+        mesh_service: true,
         extra_args: vec!["--model=m".to_owned()],
         version: "0.1.0".to_owned(),
     }
@@ -300,4 +301,101 @@ fn the_config_map_name_follows_the_content() {
     b.filters_yaml = Some("x".to_owned());
     assert_ne!(a.config_map_name(), b.config_map_name());
     assert_eq!(a.config_map_name().len(), "kvmesh-proxy-".len() + 10);
+}
+
+fn valkey_args(config: Option<std::path::PathBuf>) -> command::InjectArgs {
+    command::InjectArgs {
+        model: Some("m".to_owned()),
+        config,
+        index: Some(command::IndexArg::Valkey),
+        valkey_urls: vec![
+            "redis://valkey-0.valkey:6379".to_owned(),
+            "redis://valkey-1.valkey:6379".to_owned(),
+        ],
+        ..command::InjectArgs::default()
+    }
+}
+
+fn proxy_yaml_of(out: &Outcome) -> kvmesh_proxy::config::Config {
+    let cm = out.docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    let text = at(cm, &["data", "proxy.yaml"]).as_str().unwrap();
+    kvmesh_proxy::config::load::from_yaml_str(text, "configmap").unwrap()
+}
+
+fn kinds(out: &Outcome) -> Vec<(&str, &str)> {
+    out.docs
+        .iter()
+        .map(|d| {
+            let name = at(d, &["metadata", "name"]).as_str().unwrap();
+            (d["kind"].as_str().unwrap(), name)
+        })
+        .collect()
+}
+
+#[test]
+fn index_valkey_configures_the_index_and_leaves_out_the_mesh_discovery() {
+    let (o, notes) = command::options(&valkey_args(None)).unwrap();
+    assert!(notes.is_empty(), "{notes:?}");
+    let out = inject(docs(DEPLOYMENT), &o).unwrap();
+    let c = proxy_yaml_of(&out);
+    assert_eq!(c.index.backend.as_str(), "valkey");
+    assert_eq!(
+        c.index.valkey.urls,
+        [
+            "redis://valkey-0.valkey:6379",
+            "redis://valkey-1.valkey:6379"
+        ]
+    );
+    assert_eq!((c.mesh.listen, c.mesh.dns), (None, None));
+    assert_eq!(c.pod.models, ["my-model"], "the rest of the built-in file");
+    // No headless mesh Service, no mesh port on the sidecar.
+    let found = kinds(&out);
+    assert_eq!(
+        found[..2],
+        [("ConfigMap", found[0].1), ("Service", "kvmesh")]
+    );
+    assert_eq!(found.len(), 3, "{found:?}");
+    let tpl = at(workload(&out), &["spec", "template"]);
+    let ports: Vec<u64> = at(tpl, &["spec", "initContainers"]).as_sequence().unwrap()[0]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p["containerPort"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ports, [8100, 9090]);
+    assert_eq!(uninject(out.docs).unwrap().docs, docs(DEPLOYMENT));
+}
+
+#[test]
+fn index_valkey_keeps_the_mesh_port_for_mutual_tls_but_not_its_headless_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("proxy.yaml");
+    std::fs::write(
+        &config,
+        "listeners: {client: 0.0.0.0:8100}\nmesh:\n  listen: 0.0.0.0:7000\n  dns: {name: kvmesh-mesh, port: 7000}\n  tls: {ca: /m/ca.pem, cert: /m/tls.crt, key: /m/tls.key}\n",
+    )
+    .unwrap();
+    let mut args = valkey_args(Some(config));
+    args.valkey_cluster = true;
+    let (o, notes) = command::options(&args).unwrap();
+    assert_eq!(o.ports.mesh, Some(7000));
+    assert!(
+        notes.iter().any(|n| n.contains("mesh.dns left out")),
+        "{notes:?}"
+    );
+    let out = inject(docs(DEPLOYMENT), &o).unwrap();
+    let c = proxy_yaml_of(&out);
+    assert!(c.index.valkey.cluster);
+    assert_eq!(
+        (c.mesh.listen.map(|a| a.port()), c.mesh.dns),
+        (Some(7000), None)
+    );
+    assert!(!kinds(&out).contains(&("Service", "kvmesh-mesh")));
+
+    let e = command::options(&command::InjectArgs {
+        index: None,
+        ..valkey_args(None)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("need --index valkey"), "{e}");
 }
