@@ -469,8 +469,8 @@ mod tests {
                 ":4:5: index.valkey.urls: \"http://a:6379\" must start with",
             ),
             (
-                "index:\n  backend: valkey\n  valkey:\n    urls: [redis://a:6379]\n    lease_ttl: 500ms\n",
-                ":5:5: index.valkey.lease_ttl: 500ms must be longer than lease_interval",
+                "index:\n  backend: valkey\n  valkey:\n    urls: [redis://a:6379]\n    lease_ttl: 200ms\n",
+                ":5:5: index.valkey.lease_ttl: 200ms must be longer than lease_interval",
             ),
             (
                 "index:\n  valkey:\n    stripe: 2\n",
@@ -479,7 +479,7 @@ mod tests {
             ("index:\n  backend: redis\n", ":2:12: index.backend: unknown variant"),
             (
                 "mesh:\n  listen: 0.0.0.0:7000\n  dns: {name: kvmesh-mesh, port: 7000}\nindex:\n  backend: valkey\n  valkey: {urls: [redis://a:6379]}\n",
-                ": mesh.peers: with index.backend valkey",
+                ":3:3: mesh.dns: with index.backend valkey",
             ),
         ] {
             let f = write(dir.path(), text);

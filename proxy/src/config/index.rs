@@ -112,7 +112,7 @@ impl Default for Valkey {
             stripes: 1,
             lookup_deadline: Duration::from_millis(5),
             cache_ttl: Duration::from_millis(50),
-            lease_interval: Duration::from_millis(500),
+            lease_interval: Duration::from_millis(200),
             lease_ttl: Duration::from_secs(3),
             block_ttl: Duration::from_secs(1800),
             flush_interval: Duration::from_millis(10),
@@ -185,13 +185,51 @@ pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
         );
     }
     let m = &c.mesh;
-    if !m.peers.is_empty() || m.dns.is_some() || m.file.is_some() {
+    let discovery = [
+        ("mesh.peers", !m.peers.is_empty()),
+        ("mesh.dns", m.dns.is_some()),
+        ("mesh.file", m.file.is_some()),
+    ];
+    if let Some((field, _)) = discovery.iter().find(|(_, set)| *set) {
         return Err((
-            "mesh.peers".to_owned(),
+            (*field).to_owned(),
             "with index.backend valkey, pods find each other through Valkey: \
              mesh.peers, mesh.dns and mesh.file are for backend mesh"
                 .to_owned(),
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valkey() -> super::super::Config {
+        let mut c = super::super::Config::default();
+        c.index.backend = Backend::Valkey;
+        c.index.valkey.urls = vec!["redis://127.0.0.1:6379".into()];
+        c
+    }
+
+    #[test]
+    fn the_error_names_the_field_that_is_wrong() {
+        assert_eq!(validate(&valkey()), Ok(()));
+        let mut c = valkey();
+        c.mesh.file = Some("peers.txt".into());
+        assert_eq!(validate(&c).unwrap_err().0, "mesh.file");
+        let mut c = valkey();
+        c.index.valkey.urls.clear();
+        assert_eq!(validate(&c).unwrap_err().0, "index.valkey.urls");
+        let mut c = valkey();
+        c.index.valkey.lease_ttl = c.index.valkey.lease_interval;
+        assert_eq!(validate(&c).unwrap_err().0, "index.valkey.lease_ttl");
+        let mut c = valkey();
+        c.index.valkey.urls = vec!["http://x".into()];
+        assert!(validate(&c).unwrap_err().1.contains("redis://"));
+        // The mesh backend ignores the valkey section.
+        let mut c = super::super::Config::default();
+        c.index.valkey.urls.clear();
+        assert_eq!(validate(&c), Ok(()));
+    }
 }
