@@ -72,6 +72,9 @@ pub struct FleetSpec {
     /// bootstrap protocol (the sidecars' `sglang` connector), vLLM ones
     /// through `kv_transfer_params` (`nixl`).
     pub flavor: Flavor,
+    /// The sidecars' index: `None` the mesh, else the Valkey at these URLs
+    /// (`index.backend: valkey`).
+    pub valkey: Option<Vec<String>>,
 }
 
 impl FleetSpec {
@@ -91,6 +94,7 @@ impl FleetSpec {
             kv_events: true,
             prefill_pods: None,
             flavor: Flavor::Vllm,
+            valkey: None,
         }
     }
 
@@ -170,6 +174,9 @@ pub struct DemoFleet {
     peers_file: Option<PathBuf>,
     /// How the sidecars found each other.
     pub discovery: Discovery,
+    /// The Valkey server the sidecars' index lives in, when the caller
+    /// started one for the fleet (stopped with it).
+    pub valkey_server: Option<kvmesh_loadgen::valkey::ValkeyServer>,
 }
 
 /// How the sidecars of a fleet learned about each other.
@@ -181,6 +188,9 @@ pub enum Discovery {
     /// The harness registered peers in each fleet and copies loads itself
     /// (the mesh did not connect in time).
     Direct,
+    /// Valkey: each sidecar registered its pod there and finds the others
+    /// in its lookups (`index.backend: valkey`).
+    Valkey,
 }
 
 /// Starts `spec.engines` engines and sidecars running `policy`, introduces
@@ -221,6 +231,7 @@ pub async fn start_with(
         sync: None,
         peers_file: Some(peers_file_path()),
         discovery: Discovery::Mesh,
+        valkey_server: None,
     };
     // On any failure, stop what already runs before returning the error.
     let started = async {
@@ -257,6 +268,10 @@ pub async fn start_with(
             .map(|a| format!("{a}\n"))
             .collect();
         std::fs::write(&peers_file, addrs).map_err(DemoError::Io)?;
+        if spec.valkey.is_some() {
+            fleet.discovery = Discovery::Valkey;
+            return wait_valkey(&fleet.pods).await;
+        }
         if !wait_mesh(&fleet.pods).await {
             introduce(&fleet.pods)?;
             fleet.discovery = Discovery::Direct;
@@ -268,7 +283,7 @@ pub async fn start_with(
         fleet.shutdown().await;
         return Err(e);
     }
-    if fleet.discovery == Discovery::Mesh {
+    if fleet.discovery != Discovery::Direct {
         return Ok(fleet);
     }
     let fleets: Vec<Arc<Fleet>> = fleet
@@ -389,10 +404,22 @@ async fn start_sidecar(
         c.pd.connector = config::PdConnector::Sglang;
         c.pd.sglang_bootstrap_port = pod.bootstrap_port;
     }
-    c.mesh.listen = Some(SocketAddr::new(pod.ip, 0));
-    c.mesh.file = Some(peers_file.to_path_buf());
-    c.mesh.refresh_interval = config::Duration::from_millis(50);
-    c.mesh.load_interval = config::Duration::from_millis(20);
+    match &spec.valkey {
+        Some(urls) => {
+            c.index.backend = config::index::Backend::Valkey;
+            let v = &mut c.index.valkey;
+            v.urls = urls.clone();
+            // Records (load, in-flight) as fresh as the mesh's load here.
+            v.lease_interval = config::Duration::from_millis(20);
+            v.lease_ttl = config::Duration::from_millis(1000);
+        }
+        None => {
+            c.mesh.listen = Some(SocketAddr::new(pod.ip, 0));
+            c.mesh.file = Some(peers_file.to_path_buf());
+            c.mesh.refresh_interval = config::Duration::from_millis(50);
+            c.mesh.load_interval = config::Duration::from_millis(20);
+        }
+    }
     let client = TcpListener::bind(SocketAddr::new(pod.ip, 0))
         .await
         .map_err(DemoError::Io)?;
@@ -435,6 +462,25 @@ async fn wait_mesh(pods: &[DemoPod]) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     false
+}
+
+/// Waits (bounded) until every sidecar has registered its pod in Valkey.
+async fn wait_valkey(pods: &[DemoPod]) -> Result<(), DemoError> {
+    let deadline = Instant::now() + MESH_DEADLINE;
+    while Instant::now() < deadline {
+        let registered = pods.iter().all(|p| {
+            p.sidecar
+                .index()
+                .is_some_and(|v| v.status().writer.registered)
+        });
+        if registered {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(DemoError::Sidecar(
+        "the sidecars did not register in valkey in time".to_owned(),
+    ))
 }
 
 /// Registers every sidecar as a peer of every other one (what `--peers` and

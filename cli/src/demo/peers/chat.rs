@@ -57,7 +57,10 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
             !opts.quick
                 || matches!(
                     r,
-                    Router::RoundRobin | Router::SmgCacheAware | Router::Kvmesh
+                    Router::RoundRobin
+                        | Router::SmgCacheAware
+                        | Router::Kvmesh
+                        | Router::KvmeshValkey
                 )
         })
         .collect();

@@ -49,6 +49,9 @@ pub enum Router {
     SmgRoundRobin,
     KvmeshApprox,
     Kvmesh,
+    /// kvmesh's default with the index on Valkey (`index.backend: valkey`)
+    /// instead of the full mesh.
+    KvmeshValkey,
     LlmD,
     /// kvmesh's default on aggregated pods (the P/D baseline).
     Aggregated,
@@ -72,13 +75,14 @@ pub enum Router {
 
 impl Router {
     /// The shared-prefix routers, in table order.
-    pub const SHARED_PREFIX: [Router; 6] = [
+    pub const SHARED_PREFIX: [Router; 7] = [
         Router::RoundRobin,
         Router::SmgRoundRobin,
         Router::SmgCacheAware,
         Router::KvmeshApprox,
         Router::LlmD,
         Router::Kvmesh,
+        Router::KvmeshValkey,
     ];
 
     /// Its name in tables and JSON.
@@ -89,6 +93,7 @@ impl Router {
             Router::SmgRoundRobin => "smg-round-robin".into(),
             Router::KvmeshApprox => "kvmesh-approx".into(),
             Router::Kvmesh => "kvmesh".into(),
+            Router::KvmeshValkey => "kvmesh-valkey".into(),
             Router::LlmD => "llm-d".into(),
             Router::Aggregated => "aggregated".into(),
             Router::KvmeshPd(p) => format!("kvmesh-pd-{p}p"),
@@ -113,7 +118,7 @@ impl Router {
     fn kvmesh(self) -> Option<Result<(Policy, FilterConfig), DemoError>> {
         let policy = match self {
             Router::KvmeshApprox => Policy::ApproxPrefix,
-            Router::Kvmesh | Router::Aggregated => Policy::Kvmesh,
+            Router::Kvmesh | Router::KvmeshValkey | Router::Aggregated => Policy::Kvmesh,
             Router::LlmD => Policy::LlmD,
             Router::KvmeshPd(_) | Router::KvmeshPdHetero(_) => Policy::Pd,
             Router::KvmeshPdLong(_) => {
@@ -628,7 +633,9 @@ async fn stand_up(
 ) -> Result<Result<Stand, String>, DemoError> {
     if let Some(kv) = router.kvmesh() {
         let (policy, mut filters) = kv?;
-        if let (Router::Kvmesh | Router::Aggregated, Some(f)) = (router, &opts.kvmesh_filters) {
+        if let (Router::Kvmesh | Router::KvmeshValkey | Router::Aggregated, Some(f)) =
+            (router, &opts.kvmesh_filters)
+        {
             filters = f.clone();
         }
         let mut spec = b.spec.clone();
@@ -643,6 +650,16 @@ async fn stand_up(
                 spec.decode_profile = Some(Box::new(LatencyProfile::load(DECODE_GPU_PROFILE)?));
             }
             _ => {}
+        }
+        if router == Router::KvmeshValkey {
+            let server = match kvmesh_loadgen::valkey::ValkeyServer::start().await {
+                Ok(s) => s,
+                Err(e) => return Ok(Err(format!("no valkey server: {e}"))),
+            };
+            spec.valkey = Some(vec![server.url()]);
+            let mut f = fleet::start_with(&spec, policy, &filters).await?;
+            f.valkey_server = Some(server);
+            return Ok(Ok(Stand::Kvmesh(f)));
         }
         return Ok(Ok(Stand::Kvmesh(
             fleet::start_with(&spec, policy, &filters).await?,
