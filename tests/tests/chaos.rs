@@ -514,6 +514,136 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
     );
 }
 
+/// Chaos with accounting on the Valkey index: four pods (engine and
+/// sidecar processes) whose sidecars share a primary and a replica, under
+/// the same load, while Valkey stalls (SIGSTOP), fails over to its replica,
+/// restarts empty, and is gone altogether. None of these kills anything a
+/// request runs on, so none may fail a request; after each, every sidecar
+/// is connected again with its pod registered and nothing left to write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_fails_while_valkey_stalls_fails_over_restarts_empty_or_is_gone() {
+    use kvmesh_loadgen::valkey::ValkeyReplicaSet;
+    let sim_bin = kvmesh_tests::simproc::engine_sim_bin();
+    let proxy_bin = fleet::proxy_bin();
+    let rate = env_num("KVMESH_CHAOS_RATE", 30.0);
+    let mut set = ValkeyReplicaSet::start()
+        .await
+        .expect("a valkey primary and replica");
+    let urls = set.urls().to_vec();
+    let roles = [Role::Both; 4];
+    let fleet = Fleet::start_on_valkey(&roles, sim_bin, proxy_bin, urls.clone()).await;
+    let fronts: Vec<_> = (0..4).map(|i| fleet.pods[i].client_addr()).collect();
+    let control = Arc::new(Control::default());
+    let workers = load::start(fronts, 12, rate, 23, control.clone());
+    let mut faults: Vec<(String, u128)> = vec![("none (baseline)".into(), 0)];
+    under_load(UNDER_FAULT).await;
+    let next = |faults: &Vec<(String, u128)>| control.phase.store(faults.len(), Ordering::Release);
+
+    next(&faults);
+    set.primary()
+        .pause(UNDER_FAULT)
+        .expect("SIGSTOP the primary");
+    under_load(UNDER_FAULT + Duration::from_millis(300)).await;
+    let t = fleet.registered(Duration::from_secs(20)).await;
+    faults.push(("valkey stalled (SIGSTOP 1.5 s)".into(), t.as_millis()));
+
+    next(&faults);
+    set.promote_replica().await.expect("failover");
+    under_load(UNDER_FAULT).await;
+    let t = fleet.registered(Duration::from_secs(20)).await;
+    faults.push(("valkey failed over to its replica".into(), t.as_millis()));
+
+    // The promoted replica restarts empty; it comes back with its original
+    // `--replicaof` (of the primary that is gone), so it is made primary
+    // again, as Sentinel or an operator would.
+    next(&faults);
+    set.replica_mut()
+        .restart_empty()
+        .await
+        .expect("restart empty");
+    primary_again(&set).await;
+    under_load(UNDER_FAULT).await;
+    let t = fleet.registered(Duration::from_secs(20)).await;
+    faults.push(("valkey restarted empty".into(), t.as_millis()));
+
+    next(&faults);
+    set.replica_mut().kill();
+    under_load(UNDER_FAULT).await;
+    set.replica_mut()
+        .restart_empty()
+        .await
+        .expect("valkey back");
+    primary_again(&set).await;
+    let t = fleet.registered(Duration::from_secs(20)).await;
+    faults.push(("valkey gone 1.5 s, back empty".into(), t.as_millis()));
+
+    next(&faults);
+    under_load(UNDER_FAULT).await;
+    faults.push(("after (the index rebuilt)".into(), 0));
+
+    let records = load::stop(&control, workers).await;
+    let stuck = fleet.in_flight_settled().await;
+    let mut fallback = 0.0;
+    let mut again = 0.0;
+    for p in &fleet.pods {
+        for outcome in ["timeout", "down", "error"] {
+            fallback += p
+                .metric_sum(&format!(
+                    "kvmesh_index_lookups_total{{outcome=\"{outcome}\"}}"
+                ))
+                .await;
+        }
+        again += p
+            .metric_sum("kvmesh_index_registrations_total{reason=\"lease_lost\"}")
+            .await;
+    }
+    let mut violations = Vec::new();
+    for (i, (fault, converge_ms)) in faults.iter().enumerate() {
+        let mine: Vec<_> = records.iter().filter(|r| r.phase == i).collect();
+        let failed: Vec<_> = mine.iter().filter(|r| r.outcome.failed()).collect();
+        let hung = mine.iter().filter(|r| r.outcome == Outcome::Hung).count();
+        println!(
+            "chaos valkey | {fault:<40} | requests {:>5} | lost {:>3} | converged in {converge_ms:>5} ms",
+            mine.len(),
+            failed.len()
+        );
+        if !failed.is_empty() || hung > 0 {
+            let kinds: Vec<String> = failed
+                .iter()
+                .take(5)
+                .map(|r| format!("{:?}", r.outcome))
+                .collect();
+            violations.push(format!(
+                "{fault}: {} lost, {hung} hung: {kinds:?}",
+                failed.len()
+            ));
+        }
+        assert!(!mine.is_empty(), "{fault}: no request ran");
+    }
+    println!("chaos valkey | lookups routed on what the sidecar knew: {fallback}; registrations after Valkey lost a pod: {again}");
+    fleet.shutdown().await;
+    assert!(
+        stuck.is_empty(),
+        "in-flight gauges not back to 0: {stuck:?}"
+    );
+    assert!(fallback > 0.0, "the faults were seen by the lookups");
+    assert!(
+        again >= 4.0,
+        "every sidecar registered again after the restart"
+    );
+    assert!(
+        violations.is_empty(),
+        "accounting failed:\n{}",
+        violations.join("\n")
+    );
+}
+
+/// Makes the replica of `set` a primary (`REPLICAOF NO ONE`).
+async fn primary_again(set: &kvmesh_loadgen::valkey::ValkeyReplicaSet) {
+    let cmd = redis::cmd("REPLICAOF").arg("NO").arg("ONE").clone();
+    let _: String = set.replica().query(&cmd).await.expect("REPLICAOF NO ONE");
+}
+
 /// Outlier ejection: a pod whose engine answers 503 to everything is ejected
 /// by the sidecar calling it after consecutive failures (visible in
 /// `/debug/fleet` and the metrics), and every request is still served, by the

@@ -174,6 +174,8 @@ pub struct Pod {
     /// Batches the relay dropped.
     pub dropped: Arc<AtomicUsize>,
     relay: Option<JoinHandle<()>>,
+    /// The Valkey URLs of `index.backend: valkey`; `None`: the mesh.
+    pub valkey: Option<Vec<String>>,
 }
 
 impl Pod {
@@ -517,7 +519,19 @@ impl Fleet {
     /// every pod healthy.
     pub async fn start(roles: &[Role], sim_bin: PathBuf, proxy_bin: PathBuf) -> Self {
         let placed: Vec<_> = roles.iter().map(|r| (*r, Place::loopback())).collect();
-        Self::start_placed(&placed, sim_bin, proxy_bin).await
+        Self::start_placed(&placed, sim_bin, proxy_bin, None).await
+    }
+
+    /// [`Fleet::start`] with the sidecars' index on the Valkey at `urls`
+    /// (`index.backend: valkey`) instead of the mesh.
+    pub async fn start_on_valkey(
+        roles: &[Role],
+        sim_bin: PathBuf,
+        proxy_bin: PathBuf,
+        urls: Vec<String>,
+    ) -> Self {
+        let placed: Vec<_> = roles.iter().map(|r| (*r, Place::loopback())).collect();
+        Self::start_placed(&placed, sim_bin, proxy_bin, Some(urls)).await
     }
 
     /// [`Fleet::start`] with each pod where its [`Place`] says. A pod on a
@@ -527,6 +541,7 @@ impl Fleet {
         roles: &[(Role, Place)],
         sim_bin: PathBuf,
         proxy_bin: PathBuf,
+        valkey: Option<Vec<String>>,
     ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let peers = dir.path().join("peers");
@@ -552,6 +567,7 @@ impl Fleet {
                 drop_batches: Arc::new(AtomicUsize::new(0)),
                 dropped: Arc::new(AtomicUsize::new(0)),
                 relay: None,
+                valkey: valkey.clone(),
             });
         }
         let text: String = pods
@@ -589,6 +605,9 @@ impl Fleet {
     /// Waits (bounded) until every sidecar answers `/debug/fleet` with the
     /// same pods, all of them, all healthy; returns how long that took.
     pub async fn converged(&self, within: Duration) -> Duration {
+        if self.pods.first().is_some_and(|p| p.valkey.is_some()) {
+            return self.registered(within).await;
+        }
         let start = Instant::now();
         let want: Vec<(String, bool)> = {
             let mut v: Vec<_> = self.pods.iter().map(|p| (p.id(), true)).collect();
@@ -608,6 +627,34 @@ impl Fleet {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         panic!("the mesh did not converge within {within:?}: want {want:?}, views {last:?}");
+    }
+
+    /// On Valkey: waits (bounded) until every sidecar is connected and has
+    /// its pod registered with nothing left to write; returns how long that
+    /// took.
+    pub async fn registered(&self, within: Duration) -> Duration {
+        let start = Instant::now();
+        let mut last = Vec::new();
+        while start.elapsed() < within {
+            let mut views = Vec::new();
+            for p in &self.pods {
+                views.push(p.get_json(p.admin_addr(), "/debug/index").await);
+            }
+            let ready = |v: &Option<Value>| {
+                v.as_ref().is_some_and(|v| {
+                    v["up"] == true
+                        && v["writer"]["registered"] == true
+                        && v["writer"]["pending"] == 0
+                        && v["writer"]["rewriting"] == 0
+                })
+            };
+            if views.iter().all(ready) {
+                return start.elapsed();
+            }
+            last = views;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the sidecars did not register in valkey within {within:?}: {last:?}");
     }
 
     /// Stops every process; with `KVMESH_CHAOS_LOGS=DIR`, keeps the
@@ -632,6 +679,35 @@ impl Fleet {
 fn sidecar_yaml(p: &Pod, kv_events: &str, peers: &Path) -> String {
     let role = p.role.arg();
     let ip = p.place.ip;
+    let index = match &p.valkey {
+        Some(urls) => format!(
+            "index:
+  backend: valkey
+  valkey:
+    urls: [{}]
+    lease_interval: 100ms
+    lease_ttl: 1s
+    resync_jitter: 300ms
+",
+            urls.iter()
+                .map(|u| format!("\"{u}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None => format!(
+            "mesh:
+  listen: {ip}:{mesh}
+  file: {peers}
+  refresh_interval: 100ms
+  stale_after: 1s
+  load_interval: 100ms
+  connect_timeout: 1s
+  reconnect_max: 300ms
+",
+            mesh = p.ports.mesh,
+            peers = peers.display(),
+        ),
+    };
     format!(
         "listeners:
   client: {ip}:{client}
@@ -661,15 +737,7 @@ pod:
 prefix:
   tokenizer: builtin
   block_size: 16
-mesh:
-  listen: {ip}:{mesh}
-  file: {peers}
-  refresh_interval: 100ms
-  stale_after: 1s
-  load_interval: 100ms
-  connect_timeout: 1s
-  reconnect_max: 300ms
-pd:
+{index}pd:
   min_uncached_tokens: 256
   prefill_timeout: 5s
 ",
@@ -677,8 +745,6 @@ pd:
         admin = p.ports.admin,
         engine = p.ports.engine,
         replay = p.ports.replay,
-        mesh = p.ports.mesh,
-        peers = peers.display(),
     )
 }
 

@@ -195,7 +195,7 @@ pub async fn run(
         .chain((0..PER_NODE).map(|_| (Role::Both, node_b.clone())))
         .collect();
     let started = Instant::now();
-    let fleet = Fleet::start_placed(&placed, sim_bin, proxy_bin).await;
+    let fleet = Fleet::start_placed(&placed, sim_bin, proxy_bin, None).await;
     let startup_ms = started.elapsed().as_millis();
 
     // Each side's clients send to their own side's sidecars, on a runtime in
