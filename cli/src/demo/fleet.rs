@@ -176,7 +176,7 @@ pub struct DemoFleet {
     pub discovery: Discovery,
     /// The Valkey server the sidecars' index lives in, when the caller
     /// started one for the fleet (stopped with it).
-    pub valkey_server: Option<kvmesh_loadgen::valkey::ValkeyServer>,
+    pub valkey_server: Option<Box<kvmesh_loadgen::valkey::ValkeyServer>>,
 }
 
 /// How the sidecars of a fleet learned about each other.

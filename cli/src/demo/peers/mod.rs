@@ -658,7 +658,7 @@ async fn stand_up(
             };
             spec.valkey = Some(vec![server.url()]);
             let mut f = fleet::start_with(&spec, policy, &filters).await?;
-            f.valkey_server = Some(server);
+            f.valkey_server = Some(Box::new(server));
             return Ok(Ok(Stand::Kvmesh(f)));
         }
         return Ok(Ok(Stand::Kvmesh(
