@@ -7,7 +7,7 @@ pub mod command;
 pub mod fetch;
 pub mod table;
 
-pub use kvmesh_proxy::stat::{PeerEntry, PodEntry, PodStats, Report, FORMAT, PATH};
+pub use kvmesh_proxy::stat::{IndexEntry, PeerEntry, PodEntry, PodStats, Report, FORMAT, PATH};
 
 #[cfg(test)]
 mod tests;

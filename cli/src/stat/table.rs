@@ -46,6 +46,9 @@ pub struct Table {
     pub local: String,
     pub window_s: Option<f64>,
     pub pods: Vec<Row>,
+    /// The Valkey index, when the sidecar uses one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<super::IndexEntry>,
 }
 
 /// The rows of `cur`, with rates against `prev` (the same admin port, earlier).
@@ -115,6 +118,7 @@ pub fn table(admin: &str, prev: Option<&Sample>, cur: &Sample) -> Table {
         local: cur.report.local.clone(),
         window_s: window.map(|d| d.as_secs_f64()),
         pods,
+        index: cur.report.index.clone(),
     }
 }
 
@@ -192,6 +196,18 @@ pub fn render(t: &Table) -> String {
     line(&HEADERS.map(str::to_owned));
     for row in &cells {
         line(row);
+    }
+    if let Some(i) = &t.index {
+        let state = if i.up {
+            format!("up ({})", i.server)
+        } else {
+            "DOWN: routing on what this sidecar knows".to_owned()
+        };
+        let _ = writeln!(
+            out,
+            "\nindex: {} {state}; {} lookups answered, {} routed without one",
+            i.backend, i.lookups, i.fallbacks
+        );
     }
     out
 }

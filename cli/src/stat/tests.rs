@@ -34,6 +34,7 @@ fn sample(pods: Vec<PodEntry>, peers: Vec<PeerEntry>, at: tokio::time::Instant) 
             stale_after_ms: 3000,
             pods,
             peers,
+            index: None,
         },
         at,
     }
@@ -85,4 +86,24 @@ fn a_restarted_pod_has_no_rate() {
     let t = table("x:1", Some(&first), &second);
     assert_eq!(t.pods[0].requests_per_s, None);
     assert_eq!(t.pods[0].hit_rate, None);
+}
+
+#[test]
+fn the_valkey_index_is_a_line_under_the_table() {
+    let t0 = tokio::time::Instant::now();
+    let mut s = sample(vec![pod("a", true, 10, 100, 50)], vec![], t0);
+    s.report.index = Some(IndexEntry {
+        backend: "valkey".to_owned(),
+        up: false,
+        server: String::new(),
+        lookups: 120,
+        fallbacks: 7,
+    });
+    let text = render(&table("127.0.0.1:9090", None, &s));
+    assert!(
+        text.contains("index: valkey DOWN: routing on what this sidecar knows; 120 lookups answered, 7 routed without one"),
+        "{text}"
+    );
+    let json = serde_json::to_value(table("127.0.0.1:9090", None, &s)).unwrap();
+    assert_eq!(json["index"]["fallbacks"], 7);
 }

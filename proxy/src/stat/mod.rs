@@ -93,6 +93,25 @@ pub struct Report {
     pub pods: Vec<PodEntry>,
     /// Every followed address, including those that are not pods (yet).
     pub peers: Vec<PeerEntry>,
+    /// With `index.backend: valkey`: where the index is and how the lookups
+    /// went (absent on the mesh, and from sidecars that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexEntry>,
+}
+
+/// The Valkey index as the answering sidecar sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexEntry {
+    pub backend: String,
+    /// Whether the sidecar has a connection to Valkey now.
+    pub up: bool,
+    /// The server it is connected to ("" while down).
+    pub server: String,
+    /// Lookups answered by Valkey (from the cache included).
+    pub lookups: u64,
+    /// Lookups that failed (timeout, down, error): those requests were
+    /// routed on what the sidecar knew.
+    pub fallbacks: u64,
 }
 
 /// This pod's counters now: requests and P/D from the sidecar's metrics, the
@@ -131,7 +150,18 @@ pub fn report(app: &App) -> Report {
                 peers
                     .iter()
                     .find(|e| e.id.as_deref() == Some(p.info.id.as_str()))
-                    .map_or_else(|| "unfollowed".to_owned(), |e| e.state.clone())
+                    .map_or_else(
+                        // On Valkey a peer is known from the lookups.
+                        || {
+                            if app.index.is_some() {
+                                "valkey"
+                            } else {
+                                "unfollowed"
+                            }
+                            .to_owned()
+                        },
+                        |e| e.state.clone(),
+                    )
             };
             PodEntry {
                 stats: stats.get(&p.info.id).copied().unwrap_or_default(),
@@ -149,6 +179,16 @@ pub fn report(app: &App) -> Report {
             }
         })
         .collect();
+    let index = app.index.as_ref().map(|v| {
+        let status = v.status();
+        IndexEntry {
+            backend: status.backend.to_owned(),
+            up: status.up,
+            server: status.server,
+            lookups: v.metrics.lookups_answered(),
+            fallbacks: v.metrics.lookups_failed(),
+        }
+    });
     Report {
         kvmesh_stat: FORMAT,
         local,
@@ -156,6 +196,7 @@ pub fn report(app: &App) -> Report {
         stale_after_ms: millis(app.config.mesh.stale_after.get()),
         pods,
         peers,
+        index,
     }
 }
 

@@ -126,6 +126,23 @@ impl IndexMetrics {
         self.candidates.inc_by(candidates as u64);
     }
 
+    /// Lookups answered by Valkey or the cache, so far.
+    pub fn lookups_answered(&self) -> u64 {
+        ["ok", "cached", "partial"]
+            .into_iter()
+            .map(|o| self.lookups.get([o]).get())
+            .sum()
+    }
+
+    /// Lookups that failed so far (the request was routed on what the
+    /// sidecar knew).
+    pub fn lookups_failed(&self) -> u64 {
+        ["timeout", "down", "error", "bad_reply"]
+            .into_iter()
+            .map(|o| self.lookups.get([o]).get())
+            .sum()
+    }
+
     /// Block changes written so far.
     pub fn blocks_written(&self) -> u64 {
         self.blocks_written.get()
