@@ -16,7 +16,7 @@ use kvmesh_proxy::valkey::Lookup;
 use serde::Serialize;
 
 use super::emulate::{prefix_tokens, Blocks, ValkeyFleet, BLOCK, MODEL};
-use super::{valkey_config, ScaleOpts};
+use super::{pin, valkey_config, Cpus, ScaleOpts};
 
 /// Writers in the ingest run.
 const INGEST_PODS: usize = 64;
@@ -43,9 +43,9 @@ pub struct Saturation {
     pub bytes_per_block: f64,
 }
 
-pub async fn saturate(opts: &ScaleOpts) -> Result<Saturation> {
-    let (blocks_per_s, ingest_share) = ingest(opts).await?;
-    let (lookups_per_s, lookup_share, bytes_per_block) = lookups(opts).await?;
+pub async fn saturate(opts: &ScaleOpts, cpus: Cpus) -> Result<Saturation> {
+    let (blocks_per_s, ingest_share) = ingest(opts, cpus).await?;
+    let (lookups_per_s, lookup_share, bytes_per_block) = lookups(opts, cpus).await?;
     let per_core = |rate: f64, share: f64| if share > 0.0 { rate / share } else { f64::NAN };
     Ok(Saturation {
         blocks_per_s,
@@ -63,8 +63,11 @@ pub async fn saturate(opts: &ScaleOpts) -> Result<Saturation> {
 
 /// Block changes a second the writers got written, and the server's share
 /// of a core meanwhile.
-async fn ingest(opts: &ScaleOpts) -> Result<(f64, f64)> {
+async fn ingest(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64)> {
     let server = ValkeyServer::start().await?;
+    if let Some(c) = cpus.measured {
+        pin(server.pid(), c);
+    }
     let cfg = valkey_config(vec![server.url()]);
     let blocks = Blocks {
         groups: 8,
@@ -88,9 +91,13 @@ async fn ingest(opts: &ScaleOpts) -> Result<(f64, f64)> {
 }
 
 /// Lookups a second a few routers got answered against a 1000-pod fleet,
-/// the server's share of a core, and its memory per block entry.
-async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
+/// the server's share of a core (less what the pods' lease renewals took
+/// over an equal window without lookups), and its memory per block entry.
+async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64)> {
     let server = ValkeyServer::start().await?;
+    if let Some(c) = cpus.measured {
+        pin(server.pid(), c);
+    }
     let before = server.info_memory_used().await?;
     let mut cfg = valkey_config(vec![server.url()]);
     cfg.cache_ttl = CfgDuration::from_millis(1);
@@ -108,6 +115,10 @@ async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
     let keys = Arc::new(keys);
     let lookup = Arc::new(Lookup::new(fleet.store.clone()));
     let metrics = Arc::new(IndexMetrics::default());
+    // The renewals alone, first.
+    let (b0, quiet) = (server.cpu_seconds()?, Instant::now());
+    tokio::time::sleep(opts.saturate.min(std::time::Duration::from_secs(3))).await;
+    let renewals = (server.cpu_seconds()? - b0) / quiet.elapsed().as_secs_f64();
     let (c0, started) = (server.cpu_seconds()?, Instant::now());
     let until = started + opts.saturate;
     let mut tasks = tokio::task::JoinSet::new();
@@ -136,5 +147,9 @@ async fn lookups(opts: &ScaleOpts) -> Result<(f64, f64, f64)> {
     let secs = started.elapsed().as_secs_f64();
     let c1 = server.cpu_seconds()?;
     fleet.stop().await;
-    Ok((n as f64 / secs, (c1 - c0) / secs, bytes))
+    Ok((
+        n as f64 / secs,
+        ((c1 - c0) / secs - renewals).max(0.0),
+        bytes,
+    ))
 }

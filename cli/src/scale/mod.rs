@@ -100,9 +100,58 @@ pub struct Sample {
     pub valkey_cpu_us_per_block: Option<f64>,
 }
 
+/// The CPUs the emulated fleet runs on, and those left to what is
+/// measured (the sidecar under test and Valkey): on a machine of two or more
+/// CPUs the emulator, which stands for hundreds of machines, keeps to the
+/// first and leaves the rest alone, as the other machines would.
+#[derive(Debug, Clone, Copy)]
+pub struct Cpus {
+    pub emulator: usize,
+    pub measured: Option<usize>,
+}
+
+impl Cpus {
+    fn split() -> Cpus {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Cpus {
+            emulator: 0,
+            measured: (n >= 2).then_some(1),
+        }
+    }
+}
+
+/// Pins every thread of process `pid` (0: this one) to CPU `cpu`; threads
+/// it starts later inherit it. Best effort: a failure leaves it unpinned.
+pub fn pin(pid: u32, cpu: usize) {
+    let dir = if pid == 0 {
+        "/proc/self/task".to_owned()
+    } else {
+        format!("/proc/{pid}/task")
+    };
+    let Ok(tasks) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes
+        // within it; sched_setaffinity reads size_of::<cpu_set_t>() bytes.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+}
+
 /// Runs every point and the saturation measurements.
 pub async fn run(opts: &ScaleOpts) -> Result<ScaleReport> {
     std::fs::create_dir_all(&opts.work_dir)?;
+    let cpus = Cpus::split();
+    if cpus.measured.is_some() {
+        pin(0, cpus.emulator);
+    }
     let binary = sut::proxy_binary(opts.proxy.as_deref())?;
     let mut report = ScaleReport::new(opts);
     report.load_average.push(load_average());
@@ -124,8 +173,8 @@ pub async fn run(opts: &ScaleOpts) -> Result<ScaleReport> {
                     opts.rounds
                 );
                 let s = match mode {
-                    "mesh" => mesh_point(opts, &binary, n, round).await,
-                    _ => valkey_point(opts, &binary, n, round).await,
+                    "mesh" => mesh_point(opts, &binary, n, round, cpus).await,
+                    _ => valkey_point(opts, &binary, n, round, cpus).await,
                 }
                 .with_context(|| format!("{mode} at {n} pods"))?;
                 eprintln!(
@@ -137,7 +186,7 @@ pub async fn run(opts: &ScaleOpts) -> Result<ScaleReport> {
         }
     }
     eprintln!("scale: valkey saturation");
-    report.saturation = Some(ingest::saturate(opts).await?);
+    report.saturation = Some(ingest::saturate(opts, cpus).await?);
     report.load_average.push(load_average());
     report.finish();
     Ok(report)
@@ -155,8 +204,12 @@ async fn valkey_point(
     binary: &std::path::Path,
     n: usize,
     round: usize,
+    cpus: Cpus,
 ) -> Result<Sample> {
     let server = ValkeyServer::start().await?;
+    if let Some(c) = cpus.measured {
+        pin(server.pid(), c);
+    }
     let before = server.info_memory_used().await?;
     let cfg = valkey_config(vec![server.url()]);
     let mut fleet = ValkeyFleet::start(n, &cfg, &opts.blocks, true).await?;
@@ -171,6 +224,7 @@ async fn valkey_point(
         &Backend::Valkey {
             urls: cfg.urls.clone(),
         },
+        cpus.measured,
     )
     .await?;
     wait_for(
@@ -217,6 +271,7 @@ async fn mesh_point(
     binary: &std::path::Path,
     n: usize,
     round: usize,
+    cpus: Cpus,
 ) -> Result<Sample> {
     let mut fleet = MeshFleet::start(n, &opts.blocks).await?;
     let peers = opts.work_dir.join(format!("peers-{n}.txt"));
@@ -234,6 +289,7 @@ async fn mesh_point(
         &name,
         &engine.url(),
         &Backend::Mesh { peers_file: peers },
+        cpus.measured,
     )
     .await?;
     let want = n as f64;

@@ -57,14 +57,15 @@ pub fn proxy_binary(given: Option<&Path>) -> Result<PathBuf> {
 }
 
 impl Sut {
-    /// Starts `binary` in front of `engine_url` with `backend`; waits until
-    /// its admin port answers.
+    /// Starts `binary` in front of `engine_url` with `backend`, on CPU `cpu`
+    /// (`None`: any); waits until its admin port answers.
     pub async fn start(
         binary: &Path,
         work: &Path,
         name: &str,
         engine_url: &str,
         backend: &Backend,
+        cpu: Option<usize>,
     ) -> Result<Sut> {
         let port = free_port()?;
         let admin_port = free_port()?;
@@ -92,6 +93,9 @@ impl Sut {
         let mut cmd = tokio::process::Command::new(binary);
         cmd.arg("run").arg("--config").arg(&config);
         let mut proc = Proc::spawn("kvmesh-proxy", cmd, &work.join(format!("{name}.log")))?;
+        if let Some(c) = cpu {
+            super::pin(proc.pid(), c);
+        }
         let client = Client::new(ClientConfig::default());
         proc.wait_ready(
             &client,

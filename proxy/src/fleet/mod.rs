@@ -70,6 +70,8 @@ struct PodState {
     stats: crate::stat::PodStats,
     /// When the entry was made.
     added_at: Instant,
+    /// The pod's own in-flight count, as its Valkey record reported it.
+    reported_in_flight: u32,
 }
 
 /// Every pod this sidecar can route to.
@@ -276,57 +278,91 @@ impl Fleet {
         block_size: u32,
         matched_blocks: impl Fn(&str) -> u32,
     ) -> Vec<EndpointView> {
-        self.endpoints_among(now, block_size, matched_blocks, |_| true)
-    }
-
-    /// [`Fleet::endpoints`] of the local pod and the pods `among` admits
-    /// (the candidates of an index lookup).
-    pub fn endpoints_among(
-        &self,
-        now: Instant,
-        block_size: u32,
-        matched_blocks: impl Fn(&str) -> u32,
-        among: impl Fn(&str) -> bool,
-    ) -> Vec<EndpointView> {
         let mesh = self.mesh_in_flight();
         self.pods
             .read()
             .iter()
-            .filter(|(id, _)| **id == self.local_id || among(id))
-            .map(|(id, s)| {
-                let local = s.in_flight.load(Ordering::Relaxed);
-                let load_block_size = if s.load.block_size > 0 {
-                    s.load.block_size
-                } else {
-                    block_size
-                };
-                EndpointView {
-                    id: id.clone(),
-                    address: s
-                        .info
-                        .sidecar_addr
-                        .map_or_else(|| id.clone(), |a| a.to_string()),
-                    role: s.info.role,
-                    models: s.info.models.clone(),
-                    lora_adapters: s.info.lora_adapters.clone(),
-                    labels: s.info.labels.clone(),
-                    load: LoadSnapshot {
-                        waiting: s.load.waiting,
-                        running: s.load.running,
-                        in_flight: local.saturating_add(mesh.get(id).copied().unwrap_or(0)),
-                        kv_usage: s.load.kv_usage,
-                        block_size: load_block_size,
-                    },
-                    prefix: PrefixMatch {
-                        matched_blocks: matched_blocks(id),
-                        block_size: load_block_size,
-                    },
-                    // An ejected pod is skipped like an unhealthy one.
-                    healthy: s.healthy && self.outliers.ejected_for(id, now).is_none(),
-                    staleness_ms: s.load_age_ms(now).unwrap_or(u64::MAX),
-                }
-            })
+            .map(|(id, s)| self.view(id, s, &mesh, now, block_size, &matched_blocks))
             .collect()
+    }
+
+    /// [`Fleet::endpoints`] of the local pod and the pods named in `ids`
+    /// (the candidates of an index lookup), found by id: the cost follows
+    /// the candidates, not the fleet.
+    pub fn endpoints_of<'a>(
+        &self,
+        now: Instant,
+        block_size: u32,
+        matched_blocks: impl Fn(&str) -> u32,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<EndpointView> {
+        let mesh = self.mesh_in_flight();
+        let pods = self.pods.read();
+        let mut picked: Vec<(&String, &PodState)> = ids
+            .into_iter()
+            .filter(|id| *id != self.local_id)
+            .filter_map(|id| pods.get_key_value(id))
+            .collect();
+        picked.extend(pods.get_key_value(&self.local_id));
+        // In id order, as `endpoints` lists them, once each.
+        picked.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        picked.dedup_by(|a, b| a.0 == b.0);
+        picked
+            .into_iter()
+            .map(|(id, s)| self.view(id, s, &mesh, now, block_size, &matched_blocks))
+            .collect()
+    }
+
+    fn view(
+        &self,
+        id: &str,
+        s: &PodState,
+        mesh: &HashMap<String, u32>,
+        now: Instant,
+        block_size: u32,
+        matched_blocks: &impl Fn(&str) -> u32,
+    ) -> EndpointView {
+        let local = s.in_flight.load(Ordering::Relaxed);
+        let others = mesh.get(id).copied().unwrap_or(0).max(s.reported_in_flight);
+        let load_block_size = if s.load.block_size > 0 {
+            s.load.block_size
+        } else {
+            block_size
+        };
+        EndpointView {
+            id: id.to_owned(),
+            address: s
+                .info
+                .sidecar_addr
+                .map_or_else(|| id.to_owned(), |a| a.to_string()),
+            role: s.info.role,
+            models: s.info.models.clone(),
+            lora_adapters: s.info.lora_adapters.clone(),
+            labels: s.info.labels.clone(),
+            load: LoadSnapshot {
+                waiting: s.load.waiting,
+                running: s.load.running,
+                in_flight: local.saturating_add(others),
+                kv_usage: s.load.kv_usage,
+                block_size: load_block_size,
+            },
+            prefix: PrefixMatch {
+                matched_blocks: matched_blocks(id),
+                block_size: load_block_size,
+            },
+            // An ejected pod is skipped like an unhealthy one.
+            healthy: s.healthy && self.outliers.ejected_for(id, now).is_none(),
+            staleness_ms: s.load_age_ms(now).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Records the requests in flight to pod `id` as its own sidecar counts
+    /// them (the Valkey index's pod record): they count beside this
+    /// sidecar's own, as the mesh's published counts do.
+    pub fn set_reported_in_flight(&self, id: &str, n: u32) {
+        if let Some(state) = self.pods.write().get_mut(id) {
+            state.reported_in_flight = n;
+        }
     }
 
     /// The local pod, as [`Fleet::snapshot`] shows it.
@@ -459,6 +495,7 @@ impl PodState {
             in_flight: Arc::new(AtomicU32::new(0)),
             stats: crate::stat::PodStats::default(),
             added_at: Instant::now(),
+            reported_in_flight: 0,
         }
     }
 

@@ -40,11 +40,11 @@ pub fn build(
                 let e = matches.entry(id.clone()).or_insert(0);
                 *e = (*e).max(*depth);
             }
-            h.fleet.endpoints_among(
+            h.fleet.endpoints_of(
                 now,
                 block_size,
                 |id| matches.get(id).copied().unwrap_or(0),
-                |id| matches.contains_key(id),
+                matches.keys().map(String::as_str),
             )
         }
         None => h

@@ -25,7 +25,6 @@ pub mod record;
 pub mod store;
 pub mod writer;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,7 +133,7 @@ impl Valkey {
                     .unwrap_or(now);
                 fleet.set_load(&r.id, r.load(), at);
                 fleet.set_healthy(&r.id, r.healthy);
-                fleet.set_remote_in_flight(&r.id, HashMap::from([(r.id.clone(), r.in_flight)]));
+                fleet.set_reported_in_flight(&r.id, r.in_flight);
             }
             out.push((r.id.clone(), c.depth));
         }
