@@ -41,11 +41,15 @@ pub struct Saturation {
     pub lookup_pods: usize,
     /// Valkey's memory per (block, pod) entry with the lookup run's fleet.
     pub bytes_per_block: f64,
+    /// Pods that registered again during the lookup run (a lease lapsed:
+    /// the emulator fell behind; 0 when the figure is clean).
+    pub lookup_reregistrations: u64,
 }
 
 pub async fn saturate(opts: &ScaleOpts, cpus: Cpus) -> Result<Saturation> {
     let (blocks_per_s, ingest_share) = ingest(opts, cpus).await?;
-    let (lookups_per_s, lookup_share, bytes_per_block) = lookups(opts, cpus).await?;
+    let (lookups_per_s, lookup_share, bytes_per_block, lookup_reregistrations) =
+        lookups(opts, cpus).await?;
     let per_core = |rate: f64, share: f64| if share > 0.0 { rate / share } else { f64::NAN };
     Ok(Saturation {
         blocks_per_s,
@@ -58,6 +62,7 @@ pub async fn saturate(opts: &ScaleOpts, cpus: Cpus) -> Result<Saturation> {
         cpu_us_per_lookup: lookup_share * 1e6 / lookups_per_s.max(1e-9),
         lookup_pods: LOOKUP_PODS,
         bytes_per_block,
+        lookup_reregistrations,
     })
 }
 
@@ -93,7 +98,7 @@ async fn ingest(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64)> {
 /// Lookups a second a few routers got answered against a 1000-pod fleet,
 /// the server's share of a core (less what the pods' lease renewals took
 /// over an equal window without lookups), and its memory per block entry.
-async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64)> {
+async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
     let server = ValkeyServer::start().await?;
     if let Some(c) = cpus.measured {
         pin(server.pid(), c);
@@ -120,6 +125,7 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64)> {
     tokio::time::sleep(opts.saturate.min(std::time::Duration::from_secs(3))).await;
     let renewals = (server.cpu_seconds()? - b0) / quiet.elapsed().as_secs_f64();
     let (c0, started) = (server.cpu_seconds()?, Instant::now());
+    let r0 = fleet.metrics.registrations_total();
     let until = started + opts.saturate;
     let mut tasks = tokio::task::JoinSet::new();
     for t in 0..LOOKUP_TASKS {
@@ -146,10 +152,12 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64)> {
     }
     let secs = started.elapsed().as_secs_f64();
     let c1 = server.cpu_seconds()?;
+    let again = fleet.metrics.registrations_total() - r0;
     fleet.stop().await;
     Ok((
         n as f64 / secs,
         ((c1 - c0) / secs - renewals).max(0.0),
         bytes,
+        again,
     ))
 }

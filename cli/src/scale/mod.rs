@@ -26,6 +26,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvmesh_loadgen::client::{Client, ClientConfig};
 use kvmesh_loadgen::fake::{FastEngine, FastEngineConfig};
+use kvmesh_loadgen::overhead::procs::cpu_of;
 use kvmesh_loadgen::valkey::ValkeyServer;
 use kvmesh_proxy::config::index::Valkey as ValkeyConfig;
 use kvmesh_proxy::valkey::Lookup;
@@ -98,6 +99,12 @@ pub struct Sample {
     pub valkey_bytes_per_block: Option<f64>,
     /// Valkey: CPU microseconds per block change written during the load.
     pub valkey_cpu_us_per_block: Option<f64>,
+    /// Valkey: emulated pods that registered again during the point (a lease
+    /// lapsed because the emulator fell behind; 0 when the point is clean).
+    pub reregistrations: Option<u64>,
+    /// The emulator's own CPU during the load, ms per s (past ~900 on its one
+    /// CPU it is the bottleneck, not what is measured).
+    pub emulator_cpu_ms_per_s: f64,
 }
 
 /// The CPUs the emulated fleet runs on, and those left to what is
@@ -239,6 +246,7 @@ async fn valkey_point(
     let lookup = Lookup::new(fleet.store.clone());
     let valkey_cpu = || server.cpu_seconds().unwrap_or(0.0);
     let written = |f: &ValkeyFleet| f.metrics.blocks_written() as f64;
+    let registered = fleet.metrics.registrations_total();
     let mut s = idle_phase(opts, &sut).await?;
     let (cpu0, w0) = (valkey_cpu(), written(&fleet));
     let load = load_phase(
@@ -259,6 +267,7 @@ async fn valkey_point(
     if w1 > w0 {
         s.valkey_cpu_us_per_block = Some((cpu1 - cpu0) * 1e6 / (w1 - w0));
     }
+    s.reregistrations = Some(fleet.metrics.registrations_total() - registered);
     sut.stop().await;
     engine.shutdown().await;
     fleet.stop().await;
@@ -356,6 +365,7 @@ enum Probe<'a> {
 /// The load phase's own figures.
 struct Load {
     cpu_ms_per_s: f64,
+    emulator_cpu_ms_per_s: f64,
     decision: (Option<f64>, Option<f64>),
     freshness: Vec<f64>,
     requests: usize,
@@ -366,6 +376,7 @@ struct Load {
 impl Sample {
     fn merge_load(&mut self, l: Load) {
         self.load_cpu_ms_per_s = l.cpu_ms_per_s;
+        self.emulator_cpu_ms_per_s = l.emulator_cpu_ms_per_s;
         (self.decision_p50_ms, self.decision_p99_ms) = l.decision;
         self.freshness_p50_ms = report::percentile(&l.freshness, 0.5);
         self.freshness_p99_ms = report::percentile(&l.freshness, 0.99);
@@ -386,6 +397,7 @@ async fn load_phase(opts: &ScaleOpts, sut: &Sut, n: usize, mut probe: Probe<'_>)
     const DECISION: &str = "kvmesh_routing_decision_latency_seconds";
     let m0 = sut.metrics().await?;
     let c0 = sut.cpu_seconds()?;
+    let e0 = cpu_of(std::process::id()).unwrap_or(0.0);
     let sender = tokio::spawn(send_requests(
         sut.addr,
         opts.rate,
@@ -423,13 +435,16 @@ async fn load_phase(opts: &ScaleOpts, sut: &Sut, n: usize, mut probe: Probe<'_>)
     }
     let (requests, failed) = sender.await.context("request sender")?;
     let c1 = sut.cpu_seconds()?;
+    let e1 = cpu_of(std::process::id()).unwrap_or(0.0);
     let m1 = sut.metrics().await?;
     let (b0, b1) = (sut::buckets(&m0, DECISION), sut::buckets(&m1, DECISION));
     let to_ms = |v: Option<f64>| v.map(|s| s * 1e3);
     let fwd =
         |m: &str| sut::series(m, "kvmesh_mesh_requests_total{served=\"forwarded\"}").unwrap_or(0.0);
+    let secs = started.elapsed().as_secs_f64();
     Ok(Load {
-        cpu_ms_per_s: (c1 - c0) * 1e3 / started.elapsed().as_secs_f64(),
+        cpu_ms_per_s: (c1 - c0) * 1e3 / secs,
+        emulator_cpu_ms_per_s: (e1 - e0) * 1e3 / secs,
         decision: (
             to_ms(sut::quantile(&b0, &b1, 0.5)),
             to_ms(sut::quantile(&b0, &b1, 0.99)),

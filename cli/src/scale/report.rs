@@ -74,6 +74,9 @@ pub struct Row {
     pub forwarded_share: f64,
     pub valkey_bytes_per_block: Option<f64>,
     pub valkey_cpu_us_per_block: Option<f64>,
+    /// Emulated pods that registered again, summed over the rounds.
+    pub reregistrations: Option<u64>,
+    pub emulator_cpu_ms_per_s: f64,
     pub rounds: usize,
     pub idle_cpu_ms_per_s_range: [f64; 2],
     pub load_cpu_ms_per_s_range: [f64; 2],
@@ -203,8 +206,8 @@ impl ScaleReport {
         }
         if let Some(s) = &self.saturation {
             out.push_str(&format!(
-                "valkey, one core: {:.0} block changes/s ({:.2} us each), {:.0} lookups/s at {} pods ({:.1} us each)\n",
-                s.blocks_per_core_s, s.cpu_us_per_block, s.lookups_per_core_s, s.lookup_pods, s.cpu_us_per_lookup
+                "valkey, one core: {:.0} block changes/s ({:.2} us each), {:.0} lookups/s at {} pods ({:.1} us each; {} pods registered again meanwhile)\n",
+                s.blocks_per_core_s, s.cpu_us_per_block, s.lookups_per_core_s, s.lookup_pods, s.cpu_us_per_lookup, s.lookup_reregistrations
             ));
         }
         if let Some(z) = &self.sizing {
@@ -293,6 +296,8 @@ fn row(mode: &str, pods: usize, s: &[Sample]) -> Row {
         forwarded_share: med(spread(|x| x.forwarded_share)),
         valkey_bytes_per_block: opt(|x| x.valkey_bytes_per_block).map(|x| x.median),
         valkey_cpu_us_per_block: opt(|x| x.valkey_cpu_us_per_block).map(|x| x.median),
+        reregistrations: s.iter().map(|x| x.reregistrations).sum(),
+        emulator_cpu_ms_per_s: med(spread(|x| x.emulator_cpu_ms_per_s)),
         rounds: s.len(),
         idle_cpu_ms_per_s_range: range(idle),
         load_cpu_ms_per_s_range: range(load),

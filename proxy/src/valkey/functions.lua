@@ -16,7 +16,7 @@
 -- block entries expire later. Leases are checked against the server's own
 -- clock, so the sidecars' clocks never matter.
 
-local VERSION = '2'
+local VERSION = '3'
 
 local function version()
   return VERSION
@@ -117,10 +117,11 @@ local function lookup(keys, args)
 
   -- Members at probes deepest, deepest-1, deepest-3, deepest-7, ... and 1:
   -- each is first seen at the deepest probe it holds, so its depth lies
-  -- between that probe and the previous one. Big hashes (a system prompt
-  -- every pod holds) are sampled. Their records come in one HMGET.
+  -- between that probe and the previous one (those at the deepest probe
+  -- hold exactly that much: nothing deeper exists). Big hashes (a system
+  -- prompt every pod holds) are sampled. Their records come in one HMGET.
   local seen, found, where = {}, {}, {}
-  local probe, step, above = deepest, 1, n + 1
+  local probe, step, above = deepest, 1, deepest + 1
   while probe >= 1 and #found < most do
     local key = block(probe)
     local budget = most - #found

@@ -143,6 +143,14 @@ impl IndexMetrics {
             .sum()
     }
 
+    /// Registrations so far (every reason).
+    pub fn registrations_total(&self) -> u64 {
+        ["start", "lease_lost", "cleared", "lagged", "overflow"]
+            .into_iter()
+            .map(|r| self.registrations.get([r]).get())
+            .sum()
+    }
+
     /// Block changes written so far.
     pub fn blocks_written(&self) -> u64 {
         self.blocks_written.get()

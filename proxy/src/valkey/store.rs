@@ -28,7 +28,7 @@ use crate::shutdown::Shutdown;
 /// The server-side functions every call uses.
 pub const FUNCTIONS: &str = include_str!("functions.lua");
 /// The library version `functions.lua` reports (`kvmesh_version`).
-pub const FUNCTIONS_VERSION: &str = "2";
+pub const FUNCTIONS_VERSION: &str = "3";
 
 /// Deadline of connecting and loading the functions.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
