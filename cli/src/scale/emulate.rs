@@ -372,8 +372,7 @@ async fn drive(
 ) {
     let m = &*m;
     let model: Arc<str> = Arc::from(MODEL);
-    let mut lease = tokio::time::interval(cfg.lease_interval.get());
-    lease.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lease = kvmesh_proxy::valkey::writer::lease_timer(cfg.lease_interval.get());
     let mut flush_at: Option<tokio::time::Instant> = None;
     let mut drains: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
     loop {

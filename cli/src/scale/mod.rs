@@ -17,6 +17,7 @@ pub mod emulate;
 mod ingest;
 pub mod report;
 pub mod sut;
+pub mod tags;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -192,6 +193,7 @@ pub async fn run(opts: &ScaleOpts) -> Result<ScaleReport> {
             }
         }
     }
+    report.hash_tags = tags::measure()?;
     eprintln!("scale: valkey saturation");
     report.saturation = Some(ingest::saturate(opts, cpus).await?);
     report.load_average.push(load_average());

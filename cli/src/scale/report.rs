@@ -109,6 +109,8 @@ pub struct Sizing {
 #[derive(Debug, Clone, Serialize)]
 pub struct ScaleReport {
     pub rows: Vec<Row>,
+    /// How each hash tag would spread the workloads' keys over 3 primaries.
+    pub hash_tags: Vec<super::tags::TagSpread>,
     pub saturation: Option<Saturation>,
     pub sizing: Option<Sizing>,
     pub settings: Settings,
@@ -135,6 +137,7 @@ impl ScaleReport {
     pub fn new(o: &ScaleOpts) -> Self {
         Self {
             rows: Vec::new(),
+            hash_tags: Vec::new(),
             saturation: None,
             sizing: None,
             settings: Settings {
@@ -208,6 +211,17 @@ impl ScaleReport {
             out.push_str(&format!(
                 "valkey, one core: {:.0} block changes/s ({:.2} us each), {:.0} lookups/s at {} pods ({:.1} us each; {} pods registered again meanwhile)\n",
                 s.blocks_per_core_s, s.cpu_us_per_block, s.lookups_per_core_s, s.lookup_pods, s.cpu_us_per_lookup, s.lookup_reregistrations
+            ));
+        }
+        for t in &self.hash_tags {
+            out.push_str(&format!(
+                "hash tags, {}: {} anchors over {} requests, the hottest {:.0}%; busiest of 3 primaries {:.0}% per anchor, {:.0}% per pod stripe\n",
+                t.workload,
+                t.anchors,
+                t.requests,
+                t.hottest_anchor_share * 100.0,
+                t.per_anchor_busiest_primary * 100.0,
+                t.per_pod_stripe_busiest_primary * 100.0
             ));
         }
         if let Some(z) = &self.sizing {

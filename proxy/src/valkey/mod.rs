@@ -190,8 +190,7 @@ async fn write(t: Tasks, shutdown: Shutdown) {
     // Armed only while something waits, so an idle pod's writer sleeps
     // between renewals.
     let mut flush_at: Option<Instant> = None;
-    let mut lease = tokio::time::interval(cfg.lease_interval.get());
-    lease.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lease = writer::lease_timer(cfg.lease_interval.get());
     let mut error: Option<String> = None;
     loop {
         tokio::select! {

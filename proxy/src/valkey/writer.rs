@@ -457,6 +457,16 @@ impl Writer {
     }
 }
 
+/// The renewal timer of a writer: every `every`, from a random point of the
+/// first period, so that writers started together (a fleet rolled out, or
+/// emulated) do not renew in one burst that a lookup would queue behind.
+pub fn lease_timer(every: Duration) -> tokio::time::Interval {
+    let first = Instant::now() + every.mul_f64(rand::random::<f64>());
+    let mut t = tokio::time::interval_at(first, every);
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    t
+}
+
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -20,7 +20,7 @@
 //! Every (router, rate) point runs once per seed on a fresh fleet; figures are
 //! medians over seeds with their min-max range ([`sweep`]), in simulated time.
 
-mod chat;
+pub mod chat;
 pub mod pd_pays;
 pub mod smg;
 pub mod sweep;
