@@ -51,6 +51,7 @@ use std::time::Duration;
 
 use kvmesh_filters::prefix::index::Touched;
 use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, EventBatch, KvMessage};
+use tokio::sync::broadcast;
 use zeromq::SocketRecv;
 
 use crate::app::App;
@@ -81,6 +82,17 @@ pub enum LocalKvUpdate {
     },
     /// The engine restarted: everything it held is gone.
     Cleared,
+}
+
+/// The next local update from `rx`, or never once it is gone (`None`): how a
+/// task that selects on local updates beside other work waits on them.
+pub async fn recv_local(
+    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
+) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 struct Feed {

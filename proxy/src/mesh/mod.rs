@@ -430,7 +430,7 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
                 return;
             }
             _ = tick.tick() => mesh.tick(&app),
-            u = recv(&mut kv) => match u {
+            u = crate::kvevents::recv_local(&mut kv) => match u {
                 Ok(update) => mesh.local_kv(update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Batches were lost: the mirror cannot be trusted, so the
@@ -442,15 +442,6 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
                 Err(broadcast::error::RecvError::Closed) => kv = None,
             },
         }
-    }
-}
-
-async fn recv(
-    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
-) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
     }
 }
 

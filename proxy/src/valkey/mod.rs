@@ -198,7 +198,7 @@ async fn write(t: Tasks, shutdown: Shutdown) {
                 writer.leave().await;
                 return;
             }
-            u = recv(&mut rx) => match u {
+            u = crate::kvevents::recv_local(&mut rx) => match u {
                 Ok(LocalKvUpdate::Batch { model, batch, touched, .. }) => {
                     writer.batch(m, &model, &batch, &touched);
                 }
@@ -235,15 +235,6 @@ async fn write(t: Tasks, shutdown: Shutdown) {
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn recv(
-    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
-) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
-    match rx {
-        Some(rx) => rx.recv().await,
         None => std::future::pending().await,
     }
 }
