@@ -52,6 +52,8 @@ pub struct PodSnapshot {
     pub load_age_ms: Option<u64>,
     pub healthy: bool,
     pub in_flight_local: u32,
+    /// Requests other sidecars have in flight to it: the mesh's published
+    /// counts, or (on Valkey) the pod's own count from its record.
     pub in_flight_mesh: u32,
     /// Milliseconds left of this pod's outlier ejection (`None`: not ejected).
     pub ejected_ms: Option<u64>,
@@ -128,18 +130,44 @@ impl Fleet {
 
     /// Adds a peer or refreshes what it announced; its load and health stay.
     pub fn upsert_peer(&self, info: PodInfo) -> Result<(), FleetError> {
+        self.upsert_with(info, |_| {})
+    }
+
+    /// A peer as its Valkey record describes it: who it is, its load as of
+    /// `at`, its health and its own in-flight count, under one lock (a
+    /// lookup refreshes every candidate on every decision).
+    pub fn upsert_reported(
+        &self,
+        info: PodInfo,
+        load: EngineLoad,
+        at: Instant,
+        healthy: bool,
+        in_flight: u32,
+    ) -> Result<(), FleetError> {
+        self.upsert_with(info, |s| {
+            s.load = load;
+            s.load_at = Some(at);
+            s.healthy = healthy;
+            s.reported_in_flight = in_flight;
+        })
+    }
+
+    fn upsert_with(&self, info: PodInfo, f: impl FnOnce(&mut PodState)) -> Result<(), FleetError> {
         if info.id == self.local_id {
             return Err(FleetError::Local(info.id));
         }
         let mut pods = self.pods.write();
         if let Some(state) = pods.get_mut(&info.id) {
             state.info = info;
+            f(state);
             return Ok(());
         }
         if pods.len() >= MAX_PODS {
             return Err(FleetError::Full);
         }
-        pods.insert(info.id.clone(), PodState::new(info));
+        let mut state = PodState::new(info);
+        f(&mut state);
+        pods.insert(state.info.id.clone(), state);
         Ok(())
     }
 
@@ -323,7 +351,7 @@ impl Fleet {
         matched_blocks: &impl Fn(&str) -> u32,
     ) -> EndpointView {
         let local = s.in_flight.load(Ordering::Relaxed);
-        let others = mesh.get(id).copied().unwrap_or(0).max(s.reported_in_flight);
+        let others = s.others_in_flight(id, mesh);
         let load_block_size = if s.load.block_size > 0 {
             s.load.block_size
         } else {
@@ -353,15 +381,6 @@ impl Fleet {
             // An ejected pod is skipped like an unhealthy one.
             healthy: s.healthy && self.outliers.ejected_for(id, now).is_none(),
             staleness_ms: s.load_age_ms(now).unwrap_or(u64::MAX),
-        }
-    }
-
-    /// Records the requests in flight to pod `id` as its own sidecar counts
-    /// them (the Valkey index's pod record): they count beside this
-    /// sidecar's own, as the mesh's published counts do.
-    pub fn set_reported_in_flight(&self, id: &str, n: u32) {
-        if let Some(state) = self.pods.write().get_mut(id) {
-            state.reported_in_flight = n;
         }
     }
 
@@ -427,7 +446,7 @@ impl Fleet {
             load_age_ms: s.load_age_ms(now),
             healthy: s.healthy,
             in_flight_local: s.in_flight.load(Ordering::Relaxed),
-            in_flight_mesh: mesh.get(id).copied().unwrap_or(0),
+            in_flight_mesh: s.others_in_flight(id, mesh),
             ejected_ms: self
                 .outliers
                 .ejected_for(id, now)
@@ -497,6 +516,16 @@ impl PodState {
             added_at: Instant::now(),
             reported_in_flight: 0,
         }
+    }
+
+    /// Requests in flight to this pod from other sidecars: the mesh's
+    /// published counts, or the pod's own count from its Valkey record,
+    /// whichever is larger (one of them is 0 on either backend).
+    fn others_in_flight(&self, id: &str, mesh: &HashMap<String, u32>) -> u32 {
+        mesh.get(id)
+            .copied()
+            .unwrap_or(0)
+            .max(self.reported_in_flight)
     }
 
     fn load_age_ms(&self, now: Instant) -> Option<u64> {

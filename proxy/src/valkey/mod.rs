@@ -122,18 +122,18 @@ impl Valkey {
             if r.id != fleet.local_id() {
                 let Some(info) = r.info() else { continue };
                 let sidecar = info.sidecar_addr;
-                if fleet.upsert_peer(info).is_err() {
+                let at = now
+                    .checked_sub(Duration::from_millis(c.age_ms.min(3_600_000)))
+                    .unwrap_or(now);
+                if fleet
+                    .upsert_reported(info, r.load(), at, r.healthy, r.in_flight)
+                    .is_err()
+                {
                     continue;
                 }
                 if let (Some(sidecar), Ok(mesh)) = (sidecar, r.mesh.parse()) {
                     routes.set(sidecar, mesh, r.kv_agent.parse().ok());
                 }
-                let at = now
-                    .checked_sub(Duration::from_millis(c.age_ms.min(3_600_000)))
-                    .unwrap_or(now);
-                fleet.set_load(&r.id, r.load(), at);
-                fleet.set_healthy(&r.id, r.healthy);
-                fleet.set_reported_in_flight(&r.id, r.in_flight);
             }
             out.push((r.id.clone(), c.depth));
         }

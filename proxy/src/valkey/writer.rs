@@ -257,11 +257,11 @@ impl Writer {
             }
         }
         let cfg = self.store.config().clone();
+        let ttl = ms(cfg.lease_ttl.get());
         let mut record = (self.record)();
-        record.ttl_ms = ms(cfg.lease_ttl.get());
+        record.ttl_ms = ttl;
         let json = serde_json::to_string(&record)
             .map_err(|e| StoreError::Reply(format!("record: {e}")))?;
-        let ttl = ms(cfg.lease_ttl.get());
         let pos = ring_pos(&self.member);
         let namespaces: Vec<Arc<str>> = self.namespaces.iter().cloned().collect();
         for ns in namespaces {
