@@ -202,7 +202,7 @@ async fn write(t: Tasks, shutdown: Shutdown) {
                 Ok(LocalKvUpdate::Batch { model, batch, touched, .. }) => {
                     writer.batch(m, &model, &batch, &touched);
                 }
-                Ok(LocalKvUpdate::Cleared) => writer.lagged(m),
+                Ok(LocalKvUpdate::Cleared) => writer.cleared(m),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::warn!(lost = n, "valkey: local KV updates lagged; rewriting the pod");
                     writer.lagged(m);

@@ -223,6 +223,12 @@ impl Writer {
         self.start_over(m, "lagged");
     }
 
+    /// The engine restarted (the KV-event feed saw its sequence start over):
+    /// a new member, whose blocks are what the engine stores from now on.
+    pub fn cleared(&mut self, m: &IndexMetrics) {
+        self.start_over(m, "cleared");
+    }
+
     /// Forgets the member; the next renewal registers a new one and the
     /// pod's blocks are rewritten under it.
     fn start_over(&mut self, m: &IndexMetrics, reason: &'static str) {
