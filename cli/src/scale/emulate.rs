@@ -1,8 +1,8 @@
 //! The emulated fleets `kvmesh bench scale` puts a real sidecar in front of.
 //!
 //! * [`ValkeyFleet`]: N pods, each one the Valkey writer a sidecar runs
-//!   ([`kvmesh_proxy::valkey::Writer`]) over its pod's entry of one shared
-//!   prefix index, fed KV events the way a sidecar's KV-event feed feeds it
+//!   ([`kvmesh_proxy::valkey::Writer`]) on a connection of its own, as each
+//!   sidecar has, over its pod's entry of one shared prefix index, fed KV events the way a sidecar's KV-event feed feeds it
 //!   (`PrefixIndex::apply_touching`, then the writer), renewing its lease on
 //!   the sidecar's schedule; and a fast fake engine on the pod's own loopback
 //!   address, which serves what the sidecar under test forwards there.
@@ -173,6 +173,10 @@ enum ToPod {
 
 /// See the module docs.
 pub struct ValkeyFleet {
+    /// A router's connection, for lookups; every pod writes on its own.
+    /// (One connection shared by all pods would reach Valkey as one client's
+    /// long pipelines, which it runs back to back while a lookup waits: a
+    /// queue no fleet of separate sidecars makes.)
     pub store: Arc<Store>,
     pub index: Arc<PrefixIndex>,
     pub metrics: Arc<IndexMetrics>,
@@ -193,17 +197,24 @@ impl ValkeyFleet {
         engines: bool,
     ) -> Result<Self> {
         let shutdown = Shutdown::new();
-        let store = Arc::new(Store::new(cfg.clone()));
         let mut tasks = JoinSet::new();
-        tasks.spawn(store.clone().run(shutdown.clone()));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !store.is_up() {
-            anyhow::ensure!(
-                tokio::time::Instant::now() < deadline,
-                "no connection to valkey at {:?}",
-                cfg.urls
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let connect = |tasks: &mut JoinSet<()>| {
+            let store = Arc::new(Store::new(cfg.clone()));
+            tasks.spawn(store.clone().run(shutdown.clone()));
+            store
+        };
+        let store = connect(&mut tasks);
+        let stores: Vec<Arc<Store>> = (0..n).map(|_| connect(&mut tasks)).collect();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        for s in std::iter::once(&store).chain(&stores) {
+            while !s.is_up() {
+                anyhow::ensure!(
+                    tokio::time::Instant::now() < deadline,
+                    "no connection to valkey at {:?}",
+                    cfg.urls
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         let index = Arc::new(PrefixIndex::default());
         let metrics = Arc::new(IndexMetrics::default());
@@ -227,7 +238,7 @@ impl ValkeyFleet {
             let pod = index.pod(&id).context("index full")?;
             let rec = record(&id, k);
             let writer = Writer::new(
-                store.clone(),
+                stores[k].clone(),
                 index.clone(),
                 pod,
                 &id,

@@ -103,7 +103,7 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
     if let Some(c) = cpus.measured {
         pin(server.pid(), c);
     }
-    let before = server.info_memory_used().await?;
+    let before = server.info_memory_without_clients().await?;
     let mut cfg = valkey_config(vec![server.url()]);
     cfg.cache_ttl = CfgDuration::from_millis(1);
     let blocks = Blocks {
@@ -112,7 +112,10 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
         churn_per_pod: 0.0,
     };
     let fleet = ValkeyFleet::start(LOOKUP_PODS, &cfg, &blocks, false).await?;
-    let bytes = server.info_memory_used().await?.saturating_sub(before) as f64
+    let bytes = server
+        .info_memory_without_clients()
+        .await?
+        .saturating_sub(before) as f64
         / (LOOKUP_PODS * blocks.per_pod) as f64;
     let keys: Vec<Vec<u64>> = (0..blocks.groups)
         .map(|g| prefix_tokens(g).map(|t| fleet.index.request_keys(MODEL, None, &t, BLOCK)))
