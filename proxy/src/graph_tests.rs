@@ -21,12 +21,11 @@ use std::path::{Path, PathBuf};
 const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
     ("body", "server", "the client's request body as the HTTP/1.1 server reads it"),
     ("body", "upstream", "the engine's reply body as its pool reads it"),
-    ("fleet", "app", "the engine scrape and the ranks' /debug/route view take the whole App"),
+    ("fleet", "app", "the engine scrape takes the whole App"),
     ("kvevents", "app", "the KV-event subscriber takes the whole App"),
     ("kvevents", "fleet", "one feed per data-parallel rank, named by the fleet's rank pods"),
     ("mesh", "app", "the mesh's tasks take the whole App"),
-    ("request", "fleet", "the rank choice inside the call; peers' addresses"),
-    ("request", "prefix", "the rank choice reads the prefix predictions"),
+    ("request", "fleet", "peers' addresses and pod ids"),
     ("routing", "app", "/debug/route and the filter reload take the whole App"),
     ("stat", "app", "/debug/stat takes the whole App"),
 ];

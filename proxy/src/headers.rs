@@ -25,6 +25,10 @@ pub const UNSERVED: HeaderName = HeaderName::from_static("x-kvmesh-unserved");
 /// (`crate::pd::llmd`): never sent upstream.
 pub const PREFILLER: HeaderName = HeaderName::from_static("x-prefiller-host-port");
 
+/// The local engine's data-parallel rank a request runs on (vLLM 0.32 reads
+/// it; `crate::routing::rank` chooses it).
+pub const RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
 /// Longest client request id we keep; longer ones are replaced.
 const MAX_REQUEST_ID: usize = 128;
 

@@ -101,6 +101,7 @@ impl Sidecar {
         let mut registry = crate::metrics::registry();
         let routing = Arc::new(Routing::from_config(&config, &mut registry)?);
         let fleet = Arc::new(Fleet::new(crate::routing::local_pod(&config, addr)));
+        fleet.ranks().set_size(config.engine.data_parallel_size);
         // Fresh as of start with its load unknown: the scraper takes over at
         // once, and until then the local pod is not filtered out as stale.
         fleet.set_load(

@@ -8,7 +8,7 @@
 //! peers send a request to the pod that holds its prefix on some rank. The
 //! pod's own sidecar, which alone sees each rank's state fresh, then picks
 //! the rank of every request it runs on its engine ([`pick`]) and names it
-//! in `X-data-parallel-rank` (vLLM 0.32 honours the header). Each rank's
+//! in `X-data-parallel-rank` (`crate::headers::RANK`; vLLM 0.32 honours it). Each rank's
 //! blocks are also indexed under the name `<pod>#dp<rank>` (never a fleet
 //! pod, so the scheduler never sees it), and its load is read from the
 //! `engine="<rank>"` series of the engine's metrics.
@@ -17,86 +17,13 @@
 //! request; among equals, the least loaded by vLLM's own DP balancing score
 //! (`waiting * 4 + running`, plus the requests this sidecar sent there since
 //! the last scrape, so a burst between two scrapes spreads); then the lowest
-//! rank.
+//! rank. The schedule stage makes it (`crate::routing::rank`), the
+//! accounting stage counts it ([`Ranks::picked`]).
 
 use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::EngineLoad;
-
-/// The header vLLM reads the rank from.
-pub const RANK_HEADER: &str = "x-data-parallel-rank";
-
-/// Chooses the local engine's rank for a request about to be sent to it,
-/// names it in `X-data-parallel-rank` (replacing a client's), and predicts
-/// the request's blocks on that rank; `None` without data parallelism.
-pub(crate) fn stamp(
-    config: &crate::config::Config,
-    fleet: &super::Fleet,
-    prefix: &crate::prefix::PrefixState,
-    ctx: &crate::request::RequestCtx,
-    headers: &mut http::HeaderMap,
-) -> Option<u32> {
-    let n = config.engine.data_parallel_size;
-    if n <= 1 {
-        return None;
-    }
-    let ranks = fleet.ranks();
-    ranks.set_size(n);
-    let names = rank_pods(prefix, n);
-    let matches = prefix.matches(ctx);
-    let rank = ranks.choose(|r| held(&matches, &names, r))?;
-    if let Some(name) = names.get(rank as usize) {
-        prefix.predict(name, ctx);
-        prefix.record(name, ctx);
-    }
-    headers.insert(RANK_HEADER, http::HeaderValue::from(rank));
-    Some(rank)
-}
-
-/// `/debug/route`'s view of the ranks: the one a request run here now would
-/// get, and each rank's matched blocks and score; `None` without data
-/// parallelism.
-pub(crate) fn explain(
-    app: &crate::app::App,
-    ctx: &crate::request::RequestCtx,
-) -> Option<serde_json::Value> {
-    let n = app.config.engine.data_parallel_size;
-    if n <= 1 {
-        return None;
-    }
-    let ranks = app.fleet.ranks();
-    ranks.set_size(n);
-    let names = rank_pods(&app.prefix, n);
-    let matches = app.prefix.matches(ctx);
-    let (rank, views) = ranks.explain(|r| held(&matches, &names, r));
-    let loads = ranks.snapshot();
-    let rows: Vec<serde_json::Value> = views
-        .iter()
-        .zip(loads)
-        .map(|(v, l)| {
-            serde_json::json!({
-                "rank": v.rank, "matched_blocks": v.matched_blocks, "score": v.score,
-                "waiting": l.load.waiting, "running": l.load.running,
-                "kv_usage": l.load.kv_usage, "picked_since_scrape": l.picked,
-            })
-        })
-        .collect();
-    Some(serde_json::json!({"size": n, "rank": rank, "ranks": rows}))
-}
-
-fn rank_pods(prefix: &crate::prefix::PrefixState, n: u32) -> Vec<String> {
-    let (_, local) = prefix.local_pod();
-    (0..n).map(|r| rank_pod(local, r)).collect()
-}
-
-fn held(matches: &std::collections::HashMap<String, u32>, names: &[String], rank: u32) -> u32 {
-    names
-        .get(rank as usize)
-        .and_then(|n| matches.get(n))
-        .copied()
-        .unwrap_or(0)
-}
 
 /// One rank as the sidecar sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -156,22 +83,23 @@ impl Ranks {
         self.0.lock().clone()
     }
 
-    /// Picks the rank for a request given the blocks each rank holds of it
-    /// (`matched(rank)`), and counts the pick; `None` without ranks.
-    pub fn choose(&self, matched: impl Fn(u32) -> u32) -> Option<u32> {
-        let mut r = self.0.lock();
-        let rank = pick(&views(&r, &matched))?;
-        if let Some(slot) = r.get_mut(rank as usize) {
-            slot.picked = slot.picked.saturating_add(1);
-        }
-        Some(rank)
+    /// How many ranks are kept (0: no data parallelism).
+    pub fn size(&self) -> u32 {
+        u32::try_from(self.0.lock().len()).unwrap_or(u32::MAX)
     }
 
-    /// What [`Self::choose`] would pick now, and every rank's view, without
-    /// counting a pick (`/debug/route`).
-    pub fn explain(&self, matched: impl Fn(u32) -> u32) -> (Option<u32>, Vec<RankView>) {
-        let v = views(&self.0.lock(), &matched);
-        (pick(&v), v)
+    /// What each rank offers a request, given the blocks of it each holds
+    /// (`matched(rank)`): for [`pick`].
+    pub fn views(&self, matched: impl Fn(u32) -> u32) -> Vec<RankView> {
+        views(&self.0.lock(), &matched)
+    }
+
+    /// A request was sent to `rank`: it weighs on the rank's score until
+    /// the next scrape sees it in the engine's own counts.
+    pub fn picked(&self, rank: u32) {
+        if let Some(slot) = self.0.lock().get_mut(rank as usize) {
+            slot.picked = slot.picked.saturating_add(1);
+        }
     }
 }
 
@@ -227,7 +155,14 @@ mod tests {
     fn picks_since_the_scrape_spread_a_burst() {
         let r = Ranks::default();
         r.set_size(2);
-        let picks: Vec<u32> = (0..4).filter_map(|_| r.choose(|_| 0)).collect();
+        let choose = |held: &dyn Fn(u32) -> u32| {
+            let rank = pick(&r.views(held));
+            if let Some(rank) = rank {
+                r.picked(rank);
+            }
+            rank
+        };
+        let picks: Vec<u32> = (0..4).filter_map(|_| choose(&|_| 0)).collect();
         assert_eq!(picks, [0, 1, 0, 1]);
         let busy = EngineLoad {
             waiting: 3,
@@ -235,15 +170,16 @@ mod tests {
         };
         r.set_loads(&[(0, busy), (1, EngineLoad::default())]);
         assert_eq!(r.snapshot().iter().map(|s| s.picked).sum::<u32>(), 0);
-        assert_eq!(r.choose(|_| 0), Some(1));
+        assert_eq!(choose(&|_| 0), Some(1));
         // A prefix held on rank 0 outweighs its queue.
-        assert_eq!(r.choose(|rank| u32::from(rank == 0) * 4), Some(0));
+        assert_eq!(choose(&|rank| u32::from(rank == 0) * 4), Some(0));
     }
 
     #[test]
     fn one_rank_is_no_data_parallelism() {
         let r = Ranks::default();
         r.set_size(1);
-        assert_eq!(r.choose(|_| 0), None);
+        assert_eq!(r.size(), 0);
+        assert_eq!(pick(&r.views(|_| 0)), None);
     }
 }

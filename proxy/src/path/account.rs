@@ -4,6 +4,7 @@
 //! | when | what |
 //! |---|---|
 //! | [`predict`]: a target is taken up (a split too) | blocks predicted on its pods (precise mode) |
+//! | [`rank_taken`]: the same, when it runs on the local engine with data parallelism | the pick counted on the schedule stage's rank, the blocks predicted (or recorded, approximate mode) on it |
 //! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count), and as forwarded to that pod when it goes to a peer sidecar |
 //! | [`served`]: a response head came back | the pod's call counted as served (outlier ejection), where it ran (mesh counters), the approximate index and the mesh publish of the decision |
 //! | [`failed`]: a target failed before any byte | the call counted as failed (outlier ejection) |
@@ -100,6 +101,31 @@ pub(crate) fn predict(a: Accounting<'_>, ctx: &RequestCtx, target: &Target) {
     if let Some(id) = pod_of(a.fleet, target) {
         a.prefix.predict(&id, ctx);
     }
+}
+
+/// Data parallelism: `target` runs (a leg of) the request on the local
+/// engine, so on the rank the schedule stage chose. The pick weighs on the
+/// rank until the next scrape, and the rank will hold the request's blocks.
+/// Unlike [`predict`], a request a peer routed here counts too: only this
+/// sidecar knows its engine's ranks.
+pub(crate) fn rank_taken(a: Accounting<'_>, ctx: &RequestCtx, target: &Target) {
+    let Some(rank) = ctx.dp_rank else {
+        return;
+    };
+    let local = match target {
+        Target::LocalEngine => true,
+        Target::Peer { .. } => false,
+        Target::Disaggregated { prefill, decode } => {
+            *prefill == Leg::LocalEngine || *decode == Leg::LocalEngine
+        }
+    };
+    if !local {
+        return;
+    }
+    a.fleet.ranks().picked(rank);
+    let name = crate::fleet::ranks::rank_pod(a.prefix.local_pod().1, rank);
+    a.prefix.predict(&name, ctx);
+    a.prefix.record(&name, ctx);
 }
 
 fn pod_of(fleet: &Fleet, target: &Target) -> Option<String> {

@@ -82,6 +82,7 @@ pub async fn execute(
             continue;
         }
         super::account::predict(h.books, ctx, &target);
+        super::account::rank_taken(h.books, ctx, &target);
         if matches!(target, Target::Disaggregated { .. }) {
             // A split counts at its decode pod from the start, while its
             // prefill leg runs (which counts at the prefill pod).

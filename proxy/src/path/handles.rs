@@ -73,6 +73,5 @@ pub fn upstreams(app: &App) -> Upstreams<'_> {
         mesh_tls: app.mesh.tls_client(),
         mesh_routes: app.mesh.routes(),
         fleet: &app.fleet,
-        prefix: &app.prefix,
     }
 }

@@ -77,7 +77,8 @@ pub fn observe(
                 .map(|s| super::account::served_pod(h.fleet, s));
             let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
             log.head(status, model, ctx.route_reason, pod, ctx.attempts);
-            log.rank(ctx.dp_rank.get().copied());
+            let on_engine = ctx.served_by == Some(crate::request::Served::LocalEngine);
+            log.rank(ctx.dp_rank.filter(|_| on_engine));
             resp.map(|b| b.with_access(log))
         }
         None => resp,

@@ -67,5 +67,8 @@ pub async fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, Pro
     }
     let plan = plan?;
     ctx.route_reason = plan.reason;
+    // Every plan may end on the local engine (its last resort); a run there
+    // goes to this rank.
+    ctx.dp_rank = crate::routing::rank::choose(h.inputs, ctx);
     Ok(plan)
 }

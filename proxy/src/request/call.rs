@@ -22,7 +22,6 @@ use crate::fleet::Fleet;
 use crate::headers::{copy_end_to_end, strip_hop_by_hop, REQUEST_ID, ROUTED};
 use crate::metrics::Metrics;
 use crate::otel::Hop;
-use crate::prefix::PrefixState;
 use crate::upstream::mesh::{MeshClient, MeshRoutes, MeshSendError};
 use crate::upstream::{EngineError, EnginePool, ReplyBody, UpstreamClient};
 
@@ -40,10 +39,8 @@ pub struct Upstreams<'a> {
     /// The mesh's mutual TLS to peers' mesh ports (`mesh.tls`), and where they are.
     pub mesh_tls: Option<&'a MeshClient>,
     pub mesh_routes: &'a MeshRoutes,
-    /// Which addresses are discovered peers; the local engine's ranks.
+    /// Which addresses are discovered peers.
     pub fleet: &'a Fleet,
-    /// The prefix index, for the local engine's data-parallel rank choice.
-    pub prefix: &'a PrefixState,
 }
 
 /// Where a disaggregated request's leg goes.
@@ -154,13 +151,11 @@ async fn send_as(
     hop: &Hop,
 ) -> Result<Response<ReplyBody>, ProxyError> {
     let mut out = build_request(up, ctx, upstream, authority, head, body)?;
-    if matches!(upstream, Upstream::Engine) {
-        if let Some(rank) =
-            crate::fleet::ranks::stamp(up.config, up.fleet, up.prefix, ctx, out.headers_mut())
-        {
-            hop.rank(rank);
-            let _ = ctx.dp_rank.set(rank);
-        }
+    if let (Upstream::Engine, Some(rank)) = (upstream, ctx.dp_rank) {
+        // The schedule stage's choice, replacing a client's.
+        out.headers_mut()
+            .insert(crate::headers::RANK, HeaderValue::from(rank));
+        hop.rank(rank);
     }
     hop.inject(out.headers_mut());
     let timeouts = &up.config.timeouts;

@@ -52,10 +52,10 @@ pub struct RequestCtx {
     /// Where the response finally came from.
     pub served_by: Option<Served>,
     pub attempts: u8,
-    /// The local engine's data-parallel rank the request was sent to, as
-    /// `crate::fleet::ranks::stamp` named it (the first call's; set through
-    /// `&self`, since the call path holds the context shared).
-    pub dp_rank: std::sync::OnceLock<u32>,
+    /// The local engine's data-parallel rank, for whichever of the plan's
+    /// targets runs on the local engine (`crate::routing::rank`); `None`
+    /// without data parallelism.
+    pub dp_rank: Option<u32>,
     // ---- observe ----
     /// The access record, when `logging.access_log` is on.
     pub access: Option<Box<crate::access::AccessLog>>,
@@ -89,7 +89,7 @@ impl RequestCtx {
             route_reason: "",
             served_by: None,
             attempts: 0,
-            dp_rank: std::sync::OnceLock::new(),
+            dp_rank: None,
             access: None,
             trace: None,
         }

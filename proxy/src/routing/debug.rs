@@ -181,7 +181,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             "target": describe(&Target::LocalEngine),
             "fallbacks": [],
         });
-        if let Some(dp) = crate::fleet::ranks::explain(app, ctx) {
+        if let Some(dp) = super::rank::explain(app.routing_inputs(), ctx) {
             out["data_parallel"] = dp;
         }
         return out;
@@ -214,7 +214,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             if let Some(plan) = plan {
                 // The rank the local engine's run gets (a peer picks its own).
                 if plan.target == Target::LocalEngine {
-                    if let Some(dp) = crate::fleet::ranks::explain(app, ctx) {
+                    if let Some(dp) = super::rank::explain(app.routing_inputs(), ctx) {
                         out["data_parallel"] = dp;
                     }
                 }

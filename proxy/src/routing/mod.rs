@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod pd_threshold;
 pub mod plan;
 pub mod producers;
+pub mod rank;
 pub mod reload;
 pub mod request;
 
