@@ -10,7 +10,9 @@
 //! drops the upstream body, which cancels the upstream request.
 //!
 //! [`IncomingBody`] is the client's request body as the request path gets
-//! it, whichever codec read it. [`UpstreamBody`] is what the upstream
+//! it, whichever codec read it. The codecs' own bodies (the HTTP/1.1
+//! server's reader, the engine pool's reply) live with their codecs and come
+//! here as a [`Streamed`] body, so this module names neither. [`UpstreamBody`] is what the upstream
 //! receives: the client's bytes, whole (inference calls, already read for
 //! classification) or streamed (passthrough).
 
@@ -22,7 +24,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Limited;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
@@ -30,7 +33,6 @@ use crate::access::{AccessLog, End};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{InFlight, Metrics, Route};
 use crate::respond::sse_error_tail;
-use crate::upstream::ReplyBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -78,9 +80,21 @@ pub struct RelayParams {
     pub request_id: String,
 }
 
+/// A body still arriving, from whichever codec reads it.
+pub type Streamed = BoxBody<Bytes, BoxError>;
+
+/// `body` as a [`Streamed`] one.
+pub fn streamed<B>(body: B) -> Streamed
+where
+    B: Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed()
+}
+
 /// An upstream body being forwarded to the client.
 pub struct Relay {
-    inner: ReplyBody,
+    inner: Streamed,
     p: RelayParams,
     /// When the relay gives up if no frame arrives: the idle deadline after
     /// the last frame, capped by the overall one.
@@ -103,7 +117,7 @@ pub enum IncomingBody {
     /// Whole already: it came in with its head (or there is none).
     Full(Option<Bytes>),
     /// Still arriving on a connection of kvmesh's own HTTP/1.1 server.
-    H1(crate::server::BodyReader),
+    H1(Streamed),
     /// From hyper: HTTP/2 and TLS connections, the mesh port.
     Hyper(Incoming),
 }
@@ -145,7 +159,13 @@ impl ResponseBody {
         }
     }
 
-    pub fn relay(inner: ReplyBody, p: RelayParams) -> Self {
+    /// Forwards `inner`, an upstream's body, under `p`'s deadlines.
+    pub fn relay<B>(inner: B, p: RelayParams) -> Self
+    where
+        B: Body<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let inner = streamed(inner);
         let now = Instant::now();
         let overall_at = p.started + p.overall;
         let deadline_at = (now + p.stream_idle).min(overall_at);
@@ -416,7 +436,7 @@ impl Body for IncomingBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             Self::Full(b) => take_full(b),
-            Self::H1(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            Self::H1(b) => Pin::new(b).poll_frame(cx),
             Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
     }

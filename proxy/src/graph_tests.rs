@@ -19,8 +19,6 @@ use std::path::{Path, PathBuf};
 /// Arrows allowed to run back up, `(from, to, why)`. Only ever remove one.
 #[rustfmt::skip]
 const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
-    ("body", "server", "the client's request body as the HTTP/1.1 server reads it"),
-    ("body", "upstream", "the engine's reply body as its pool reads it"),
     ("fleet", "app", "the engine scrape takes the whole App"),
     ("kvevents", "app", "the KV-event subscriber takes the whole App"),
     ("kvevents", "fleet", "one feed per data-parallel rank, named by the fleet's rank pods"),

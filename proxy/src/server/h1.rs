@@ -269,7 +269,10 @@ impl Conn {
                 let reader = BodyReader {
                     inbound: inbound.clone(),
                 };
-                (IncomingBody::H1(reader), Some(inbound))
+                (
+                    IncomingBody::H1(crate::body::streamed(reader)),
+                    Some(inbound),
+                )
             }
         }
     }

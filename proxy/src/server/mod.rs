@@ -15,8 +15,6 @@
 
 mod h1;
 
-pub use h1::BodyReader;
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
