@@ -9,14 +9,11 @@
 //! `KVMESH_FUZZ_CASES=100000 cargo test --release -p kvmesh-filters --test
 //! fuzz_inputs` is the long run (`scripts/fuzz`).
 
-#[path = "support/fuzz.rs"]
-mod support;
-
 use kvmesh_filters::prefix::kvevents::{decode_batch, decode_message, decode_replay_reply};
 use kvmesh_filters::sched::{FilterConfig, PluginRegistry};
+use kvmesh_fuzz::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use support::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

@@ -14,15 +14,12 @@
 //! The count of cases per target is `KVMESH_FUZZ_CASES` (`scripts/fuzz`
 //! runs 100k).
 
-#[path = "../../filters/tests/support/fuzz.rs"]
-mod support;
-
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use kvmesh_fuzz::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 use kvmesh_proxy::h1::head::{parse_request, parse_response};
 use kvmesh_proxy::h1::{encode, Decoded, Decoder, Framing};
 use proptest::prelude::*;
-use support::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

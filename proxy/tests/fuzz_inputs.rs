@@ -7,12 +7,10 @@
 //! valid mesh frames round-trip. The count of cases per target is
 //! `KVMESH_FUZZ_CASES` (`scripts/fuzz` runs 100k).
 
-#[path = "../../filters/tests/support/fuzz.rs"]
-mod support;
-
 use bytes::Bytes;
 use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvmesh_filters::sched::view::Role;
+use kvmesh_fuzz::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 use kvmesh_proxy::fleet::EngineLoad;
 use kvmesh_proxy::mesh::wire::{self, Announce, LoadMsg, Msg, HEADER_LEN};
 use kvmesh_proxy::path::view::{RequestView, Shape};
@@ -20,7 +18,6 @@ use kvmesh_proxy::stat::PodStats;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use serde_json::{json, Value};
-use support::{allocated_during, edits, fuzz, mutate, CountingAlloc};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

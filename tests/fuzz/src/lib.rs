@@ -1,4 +1,5 @@
-//! What every fuzz target shares (filters' and, by `#[path]`, the proxy's):
+//! What every fuzz target shares (filters' and the proxy's, as a
+//! dev-dependency of each):
 //! the case count (`KVMESH_FUZZ_CASES`, a few thousand by default so the
 //! normal `cargo test` stays quick; `scripts/fuzz` runs 100k), a runner that
 //! reports cases per second, byte-level mutation of valid seeds, and an
@@ -8,7 +9,6 @@
 //! cargo-fuzz needs a nightly toolchain; this is the stable equivalent:
 //! proptest strategies (structure-aware generators) plus mutation of valid
 //! encodings, deterministic unless `KVMESH_FUZZ_SEED` is set.
-#![allow(dead_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -30,6 +30,9 @@ pub fn cases() -> u32 {
 
 /// Runs `test` on `cases()` values of `strategy` and prints the rate
 /// (`fuzz NAME: N cases in S s (R cases/s)`, which `scripts/fuzz` collects).
+/// A failing case panics with proptest's minimal input: this runs inside a
+/// `#[test]`, and a panic is how a test fails.
+#[allow(clippy::panic)]
 pub fn fuzz<S: Strategy>(
     name: &str,
     strategy: S,
