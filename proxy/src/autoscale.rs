@@ -294,7 +294,7 @@ mod tests {
 
     #[test]
     fn the_keda_example_reads_values_the_hook_answers() {
-        let yaml = include_str!("../../deploy/autoscaling/keda-scaledobjects.yaml");
+        let yaml = include_str!("../assets/deploy/autoscaling/keda-scaledobjects.yaml");
         let locations: Vec<&str> = yaml
             .lines()
             .filter_map(|l| l.trim().strip_prefix("valueLocation:"))

@@ -72,15 +72,19 @@ impl Policy {
     /// The filter config the sidecars run with.
     pub fn filter_config(self) -> Result<FilterConfig, ConfigError> {
         let text = match self {
-            Policy::RoundRobin => include_str!("../../../deploy/examples/filters-round-robin.yaml"),
-            Policy::LeastQueue => include_str!("../../../deploy/examples/filters-least-queue.yaml"),
+            Policy::RoundRobin => {
+                include_str!("../../assets/deploy/examples/filters-round-robin.yaml")
+            }
+            Policy::LeastQueue => {
+                include_str!("../../assets/deploy/examples/filters-least-queue.yaml")
+            }
             Policy::ApproxPrefix => {
-                include_str!("../../../deploy/examples/filters-approx-prefix.yaml")
+                include_str!("../../assets/deploy/examples/filters-approx-prefix.yaml")
             }
             Policy::Kvmesh => return Ok(FilterConfig::builtin_default()),
-            Policy::LlmD => include_str!("../../../deploy/examples/filters-llm-d.yaml"),
+            Policy::LlmD => include_str!("../../assets/deploy/examples/filters-llm-d.yaml"),
             Policy::Pd => {
-                include_str!("../../../deploy/examples/filters-pd-disaggregated.yaml")
+                include_str!("../../assets/deploy/examples/filters-pd-disaggregated.yaml")
             }
         };
         FilterConfig::from_yaml(text, self.source())

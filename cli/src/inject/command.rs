@@ -20,7 +20,7 @@ use kvmesh_proxy::config::PdConnector;
 const MAX_INPUT: u64 = 64 * 1024 * 1024;
 
 /// The proxy.yaml used without `--config`: the kustomize Component's.
-const DEFAULT_PROXY_YAML: &str = include_str!("../../../deploy/sidecar/proxy.yaml");
+const DEFAULT_PROXY_YAML: &str = include_str!("../../assets/deploy/sidecar/proxy.yaml");
 
 /// Arguments of `kvmesh inject`.
 #[derive(Debug, Clone, Args)]

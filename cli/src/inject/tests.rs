@@ -2,11 +2,11 @@ use serde_yaml_ng::Value;
 
 use super::*;
 
-const DEPLOYMENT: &str = include_str!("../../../deploy/inject/examples/deployment.yaml");
-const STATEFULSET: &str = include_str!("../../../deploy/inject/examples/statefulset.yaml");
-const LWS: &str = include_str!("../../../deploy/inject/examples/leaderworkerset.yaml");
+const DEPLOYMENT: &str = include_str!("../../assets/deploy/inject/examples/deployment.yaml");
+const STATEFULSET: &str = include_str!("../../assets/deploy/inject/examples/statefulset.yaml");
+const LWS: &str = include_str!("../../assets/deploy/inject/examples/leaderworkerset.yaml");
 const LWS_LEADER: &str =
-    include_str!("../../../deploy/inject/examples/leaderworkerset-leader.yaml");
+    include_str!("../../assets/deploy/inject/examples/leaderworkerset-leader.yaml");
 
 fn opts() -> InjectOptions {
     InjectOptions {

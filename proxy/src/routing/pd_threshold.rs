@@ -12,7 +12,7 @@ use serde_yaml_ng::Value;
 use super::FiltersError;
 
 const DECIDER: &str = "prefix-based-pd-decider";
-const BUILTIN_PD: &str = include_str!("../../../deploy/examples/filters-pd-disaggregated.yaml");
+const BUILTIN_PD: &str = include_str!("../../assets/deploy/examples/filters-pd-disaggregated.yaml");
 
 /// `cfg` with every P/D decider's threshold set to `threshold` (unchanged when `None`).
 pub fn apply(cfg: FilterConfig, threshold: Option<u32>) -> Result<FilterConfig, FiltersError> {

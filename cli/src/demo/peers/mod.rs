@@ -147,7 +147,7 @@ const ALWAYS: &str = "always-disagg-pd-decider";
 /// `decider` (a YAML plugin entry of type `kind`).
 fn pd_filters_with(decider: &str, kind: &str) -> Result<FilterConfig, DemoError> {
     let pd = Policy::Pd;
-    let text = include_str!("../../../../deploy/examples/filters-pd-disaggregated.yaml");
+    let text = include_str!("../../../assets/deploy/examples/filters-pd-disaggregated.yaml");
     let builtin = "  - type: prefix-based-pd-decider\n    parameters:\n      nonCachedTokens: 2048\n      promptTokens: 1024\n      batchStallTokens: 14300\n";
     if !text.contains(builtin) {
         return Err(DemoError::Config(format!(

@@ -377,7 +377,7 @@ mod tests {
 
     #[test]
     fn the_decider_line_states_the_built_in_config() {
-        let yaml = include_str!("../../../../deploy/examples/filters-pd-disaggregated.yaml");
+        let yaml = include_str!("../../../assets/deploy/examples/filters-pd-disaggregated.yaml");
         for (key, value) in [
             ("nonCachedTokens", "2048"),
             ("promptTokens", "1024"),
