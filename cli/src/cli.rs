@@ -40,6 +40,7 @@ pub enum Command {
     Prefix(crate::prefix::PrefixArgs),
     /// A local fleet of simulated engines with sidecars: shared prefix under
     /// cache pressure and long prompts with P/D, against round-robin and peers.
+    #[cfg(feature = "lab")]
     Demo {
         /// A shorter workload.
         #[arg(long)]
@@ -49,8 +50,27 @@ pub enum Command {
         json: bool,
     },
     /// Load generation and benchmarks: run, overhead, fake-engine, peers.
+    #[cfg(feature = "lab")]
     #[command(subcommand)]
     Bench(crate::bench::BenchCmd),
+    /// Not in this build: the demo needs the `lab` feature (a default build of kvmesh).
+    #[cfg(not(feature = "lab"))]
+    #[command(disable_help_flag = true)]
+    Demo(WithoutLab),
+    /// Not in this build: the benchmarks need the `lab` feature (a default build of kvmesh).
+    #[cfg(not(feature = "lab"))]
+    #[command(disable_help_flag = true)]
+    Bench(WithoutLab),
+}
+
+/// Whatever follows `demo` or `bench` in a build without the lab: taken as is
+/// (`--help` included), so that every such command line gets the one error
+/// that says how to get the lab, not a usage error about its arguments.
+#[cfg(not(feature = "lab"))]
+#[derive(Debug, clap::Args)]
+pub struct WithoutLab {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    args: Vec<String>,
 }
 
 /// Runs the command line; the binary's whole `main`.
@@ -63,7 +83,9 @@ pub fn main() -> ExitCode {
             kvmesh_proxy::cli::check_config(file.as_deref(), filters.as_deref())
         }
         Command::Prefix(args) => crate::prefix::main(&args),
+        #[cfg(feature = "lab")]
         Command::Demo { quick, json } => demo(quick, json),
+        #[cfg(feature = "lab")]
         Command::Bench(cmd) => match crate::bench::main(cmd) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -71,9 +93,27 @@ pub fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        #[cfg(not(feature = "lab"))]
+        Command::Demo(_) => without_lab("demo"),
+        #[cfg(not(feature = "lab"))]
+        Command::Bench(_) => without_lab("bench"),
     }
 }
 
+/// `kvmesh demo` and `kvmesh bench` in a build without the lab.
+#[cfg(not(feature = "lab"))]
+fn without_lab(command: &str) -> ExitCode {
+    eprintln!(
+        "kvmesh {command}: this kvmesh was built without the lab (cargo feature `lab`: the \
+         engine simulator, the load generator and its plots), so it has only the ops commands \
+         (inject, uninject, stat, check-config, prefix). `kvmesh {command}` needs a build with \
+         default features: `cargo install --path cli` or, from a checkout, \
+         `cargo run -p kvmesh -- {command}`."
+    );
+    ExitCode::FAILURE
+}
+
+#[cfg(feature = "lab")]
 fn demo(quick: bool, json: bool) -> ExitCode {
     // Status lines and the progress line go to stderr, the table or JSON to
     // stdout, so `demo --json | jq` works.

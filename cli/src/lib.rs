@@ -11,11 +11,21 @@
 //! [`demo::peers`]), [`bench`] (load generation and the overhead and peers
 //! benchmarks), [`scale`] (one sidecar in front of an emulated fleet of up to
 //! 1000 pods, on the mesh and on Valkey).
+//!
+//! The demo and the benchmarks (`demo`, `bench`, `scale`) are the lab: they
+//! link the engine simulator (and through it kvagent), the load generator and
+//! its plotting. They sit behind the `lab` cargo feature, on by default so
+//! that `cargo run -p kvmesh -- demo` works from a checkout; the ops commands
+//! (`inject`, `uninject`, `stat`, `check-config`, `prefix`) need none of it,
+//! and `--no-default-features` builds them alone.
 
+#[cfg(feature = "lab")]
 pub mod bench;
 pub mod cli;
+#[cfg(feature = "lab")]
 pub mod demo;
 pub mod inject;
 pub mod prefix;
+#[cfg(feature = "lab")]
 pub mod scale;
 pub mod stat;
