@@ -6,7 +6,8 @@ use std::sync::OnceLock;
 
 use kvmesh_filters::prefix::hash::VllmCborHasher;
 use kvmesh_filters::prefix::tokenize::{
-    CachedTokenizer, ChatMessage, HfTokenizer, TokenCacheConfig, Tokenizer,
+    CachedTokenizer, ChatInput, ChatMessage, HfTokenizer, Inexact, Json, TokenCacheConfig,
+    Tokenizer,
 };
 use proptest::prelude::*;
 
@@ -167,4 +168,133 @@ proptest! {
         let longer = format!("{text}<|eot_id|> tail");
         prop_assert_eq!(c.encode(&longer, special).unwrap(), hf().encode(&longer, special).unwrap());
     }
+}
+
+/// The tiny-llama tokenizer with one of the fixture templates under
+/// `tests/fixtures/chat-templates/` (modelled on Llama 3.1's and Qwen3's).
+fn with_template(name: &str) -> HfTokenizer {
+    let dir = fixtures().join("tiny-llama");
+    let json = std::fs::read(dir.join("tokenizer.json")).unwrap();
+    let cfg = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    let tpl =
+        std::fs::read_to_string(fixtures().join(format!("chat-templates/{name}.jinja"))).unwrap();
+    HfTokenizer::from_parts(&json, Some(&cfg), Some(&tpl)).unwrap()
+}
+
+/// Every request shape of `chat-templates/shapes.json` (tools, a tool-call
+/// history, `enable_thinking`, `reasoning_effort`, documents,
+/// `continue_final_message`, `/v1/responses` input as a string and as items
+/// with instructions) gives the ids vLLM 0.32 gave for it
+/// (`vllm-tokenize.json`, captured by `capture.py` from a real server).
+#[test]
+fn every_request_shape_keys_as_vllm_renders_it() {
+    let dir = fixtures().join("chat-templates");
+    let shapes: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("shapes.json")).unwrap()).unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("vllm-tokenize.json")).unwrap())
+            .unwrap();
+    let qwen = with_template("qwen3-tools");
+    let llama = with_template("llama31-tools");
+    // Read with `Json`, which keeps the key order `tojson` prints (serde_json sorts).
+    let ordered = Json::parse(&std::fs::read_to_string(dir.join("shapes.json")).unwrap()).unwrap();
+    let mut checked = 0;
+    for (s, o) in shapes
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(ordered.as_array().unwrap())
+    {
+        let template = s["template"].as_str().unwrap();
+        let key = format!("{template}/{}", s["name"].as_str().unwrap());
+        let t = if template == "qwen3-tools" {
+            &qwen
+        } else {
+            &llama
+        };
+        let body = o.get("body").unwrap();
+        let input = if s["kind"] == "responses" {
+            ChatInput::from_responses_body(body)
+        } else {
+            ChatInput::from_chat_body(body)
+        };
+        if s["refused"] == true {
+            // vLLM answers 400: kvmesh must not claim exact keys either.
+            assert!(want[&key]["refused"].is_string(), "{key}: vLLM accepted it");
+            assert_eq!(input.unwrap_err(), Inexact::Unsupported, "{key}");
+            checked += 1;
+            continue;
+        }
+        let input = input.unwrap_or_else(|e| panic!("{key}: not keyed exactly: {e:?}"));
+        let ours = t
+            .encode_chat_input(&input)
+            .unwrap_or_else(|e| panic!("{key}: {e}"));
+        let reference = match s["same_as"].as_str() {
+            Some(other) => format!("{template}/{other}"),
+            None => key.clone(),
+        };
+        let theirs: Vec<u32> = want[&reference]
+            .as_array()
+            .unwrap_or_else(|| panic!("{reference}: not captured"))
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            ours,
+            theirs,
+            "{key}: ids differ from vLLM's\n ours as text: {:?}",
+            t.render_chat_input(&input).unwrap()
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, shapes.as_array().unwrap().len());
+    assert!(checked >= 20, "{checked}");
+}
+
+/// The plain shape through the rich path equals the messages-only path, so a
+/// request that gains no field keeps its keys.
+#[test]
+fn plain_chat_through_either_path_is_the_same() {
+    let t = with_template("qwen3-tools");
+    let body = Json::parse(
+        r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u"}]}"#,
+    )
+    .unwrap();
+    let input = ChatInput::from_chat_body(&body).unwrap();
+    let msgs = input.flat();
+    assert_eq!(
+        t.encode_chat_input(&input).unwrap(),
+        t.encode_chat(&msgs, true).unwrap()
+    );
+}
+
+/// Shapes that cannot be keyed exactly say why.
+#[test]
+fn unkeyable_shapes_name_their_reason() {
+    let reason = |body: &str, responses: bool| {
+        let b = Json::parse(body).unwrap();
+        if responses {
+            ChatInput::from_responses_body(&b).unwrap_err()
+        } else {
+            ChatInput::from_chat_body(&b).unwrap_err()
+        }
+    };
+    let image = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+    assert_eq!(reason(image, false), Inexact::Multimodal);
+    let both = r#"{"messages":[{"role":"user","content":"a"}],"add_generation_prompt":true,"continue_final_message":true}"#;
+    assert_eq!(reason(both, false), Inexact::Unsupported);
+    let own = r#"{"messages":[{"role":"user","content":"a"}],"chat_template":"{{ 1 }}"}"#;
+    assert_eq!(reason(own, false), Inexact::Unsupported);
+    let prev = r#"{"input":"a","previous_response_id":"resp_1"}"#;
+    assert_eq!(reason(prev, true), Inexact::PreviousResponse);
+    let search = r#"{"input":[{"type":"web_search_call","id":"w"}]}"#;
+    assert_eq!(reason(search, true), Inexact::ResponsesItem);
+    let audio =
+        r#"{"input":[{"role":"user","content":[{"type":"input_audio","input_audio":{}}]}]}"#;
+    assert_eq!(reason(audio, true), Inexact::Multimodal);
+    // A template that rejects the request fails to render; the caller keys it approximately.
+    let t = with_template("llama31-tools");
+    let two_calls = Json::parse(r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}},{"id":"2","function":{"name":"g","arguments":"{}"}}]}],"tools":[{"type":"function","function":{"name":"f"}}]}"#).unwrap();
+    let input = ChatInput::from_chat_body(&two_calls).unwrap();
+    assert!(t.render_chat_input(&input).is_err());
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::Xxh3;
 
-use super::{ChatMessage, TokenizeError, Tokenizer};
+use super::{ChatInput, ChatMessage, TokenizeError, Tokenizer};
 use crate::prefix::lru::Lru;
 
 /// Limits of the token prefix cache.
@@ -299,8 +299,16 @@ impl<T: Tokenizer> Tokenizer for CachedTokenizer<T> {
         self.inner.render_chat(messages, add_generation_prompt)
     }
 
+    fn render_chat_input(&self, input: &ChatInput) -> Result<String, TokenizeError> {
+        self.inner.render_chat_input(input)
+    }
+
     fn chat_template_adds_bos(&self) -> bool {
         self.inner.chat_template_adds_bos()
+    }
+
+    fn chat_add_special_tokens(&self, input: Option<&ChatInput>) -> bool {
+        self.inner.chat_add_special_tokens(input)
     }
 
     fn decode_token(&self, id: u32) -> String {

@@ -6,24 +6,38 @@
 //! Python-compatible `tojson` and the common Python string/dict methods), then
 //! encoded without adding special tokens when the template already emits BOS.
 //!
+//! A request's tools, documents, tool-call history, `chat_template_kwargs` and
+//! `continue_final_message` reach the template as they do in vLLM 0.32 (see
+//! [`super::chat`] for the sources); objects keep their keys in the client's
+//! order, so `tojson` prints what Python's `json.dumps` prints.
+//!
 //! Constructed from bytes (the crate does no I/O): the caller reads
 //! `tokenizer.json`, `tokenizer_config.json` and, if present,
 //! `chat_template.jinja` from the model directory.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use minijinja::value::{Kwargs, ValueKind};
-use minijinja::{context, Environment, Error, ErrorKind, State, Value};
+use minijinja::value::{Enumerator, Kwargs, Object, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, State, Value};
 
+use super::chat::{ChatInput, ChatTurn};
+use super::json::Json;
 use super::{ChatMessage, TokenizeError, Tokenizer};
 
 const TEMPLATE: &str = "chat";
+
+/// What Hugging Face appends to the final message's content to find where
+/// it ends in the rendered text (`render_jinja_template`, transformers 5).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 /// A Hugging Face `tokenizer.json` with the model's chat template.
 pub struct HfTokenizer {
     tok: tokenizers::Tokenizer,
     env: Option<Environment<'static>>,
+    /// The template's source (`continue_final_message` checks it names `content`).
+    source: String,
     bos_token: String,
     eos_token: String,
     template_adds_bos: bool,
@@ -96,9 +110,9 @@ impl HfTokenizer {
             .map(str::to_owned)
             .or_else(|| config_template(&cfg));
         let now_unix = Arc::new(AtomicI64::new(0));
-        let env = match source {
-            Some(src) => Some(build_env(src, now_unix.clone())?),
-            None => None,
+        let (env, source) = match source {
+            Some(src) => (Some(build_env(src.clone(), now_unix.clone())?), src),
+            None => (None, String::new()),
         };
         let mut added: Vec<(u32, tokenizers::AddedToken)> =
             tok.get_added_tokens_decoder().into_iter().collect();
@@ -113,6 +127,7 @@ impl HfTokenizer {
         let mut me = Self {
             tok,
             env,
+            source,
             bos_token,
             eos_token,
             template_adds_bos: false,
@@ -175,26 +190,95 @@ impl Tokenizer for HfTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
+        let input = ChatInput {
+            messages: messages
+                .iter()
+                .map(|m| ChatTurn {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                    ..ChatTurn::default()
+                })
+                .collect(),
+            tools: None,
+            documents: None,
+            kwargs: Vec::new(),
+            add_generation_prompt,
+            continue_final_message: false,
+            add_special_tokens: false,
+        };
+        self.render_chat_input(&input)
+    }
+
+    /// `apply_chat_template(conversation, tools=, documents=,
+    /// add_generation_prompt=, continue_final_message=, **kwargs)` as
+    /// transformers 5 runs it: the special tokens, then the kwargs over them,
+    /// then `messages`, `tools`, `documents` (`none` when absent) and
+    /// `add_generation_prompt`.
+    fn render_chat_input(&self, input: &ChatInput) -> Result<String, TokenizeError> {
         let env = self
             .env
             .as_ref()
             .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
-        let msgs: Vec<Value> = messages
-            .iter()
-            .map(|m| context! { role => m.role.as_str(), content => m.content.as_str() })
-            .collect();
+        let mut turns = input.messages_json();
+        let mut open_final = None;
+        if input.continue_final_message {
+            if !self.source.contains("content") {
+                return Err(TokenizeError::Template(
+                    "continue_final_message: the template reads no content".into(),
+                ));
+            }
+            if let Json::Array(list) = &mut turns {
+                if let Some(Json::Object(last)) = list.last_mut() {
+                    if let Some((_, Json::String(c))) =
+                        last.iter_mut().find(|(k, _)| k == "content")
+                    {
+                        open_final = Some(c.trim().to_owned());
+                        c.push_str(CONTINUE_TAG);
+                    }
+                }
+            }
+            if open_final.is_none() {
+                return Err(TokenizeError::Template(
+                    "continue_final_message: no final message to continue".into(),
+                ));
+            }
+        }
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        ctx.insert("bos_token".into(), Value::from(self.bos_token.as_str()));
+        ctx.insert("eos_token".into(), Value::from(self.eos_token.as_str()));
+        for (k, v) in &input.kwargs {
+            ctx.insert(k.clone(), json_value(v));
+        }
+        ctx.insert("messages".into(), json_value(&turns));
+        let none = || Value::from(());
+        ctx.insert(
+            "tools".into(),
+            input.tools.as_ref().map_or_else(none, json_value),
+        );
+        ctx.insert(
+            "documents".into(),
+            input.documents.as_ref().map_or_else(none, json_value),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(input.add_generation_prompt),
+        );
         let tpl = env.get_template(TEMPLATE).map_err(tpl_err)?;
-        tpl.render(context! {
-            messages => msgs,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        })
-        .map_err(tpl_err)
+        let rendered = tpl.render(Value::from(ctx)).map_err(tpl_err)?;
+        match open_final {
+            None => Ok(rendered),
+            Some(final_text) => cut_open_final(rendered, &final_text),
+        }
     }
 
     fn chat_template_adds_bos(&self) -> bool {
         self.template_adds_bos
+    }
+
+    /// vLLM 0.32 encodes a rendered chat with the request's
+    /// `add_special_tokens` (`TokenizeParams`), not by what the template emits.
+    fn chat_add_special_tokens(&self, input: Option<&ChatInput>) -> bool {
+        input.is_some_and(|i| i.add_special_tokens)
     }
 
     fn decode_token(&self, id: u32) -> String {
@@ -203,6 +287,70 @@ impl Tokenizer for HfTokenizer {
 
     fn split_points(&self) -> &[String] {
         &self.boundaries
+    }
+}
+
+/// The rendered text up to the end of the final message's content, as
+/// `render_jinja_template` cuts it for `continue_final_message`.
+fn cut_open_final(mut rendered: String, final_text: &str) -> Result<String, TokenizeError> {
+    let tag = CONTINUE_TAG.trim_end();
+    let Some(at) = rendered.rfind(tag) else {
+        return Err(TokenizeError::Template(
+            "continue_final_message: the final message is not in the rendered chat".into(),
+        ));
+    };
+    if !rendered.contains(final_text) {
+        return Err(TokenizeError::Template(
+            "continue_final_message: the template changed the final message".into(),
+        ));
+    }
+    let spaced = rendered[at..].starts_with(CONTINUE_TAG);
+    rendered.truncate(at);
+    if !spaced {
+        // The template trimmed the content's trailing space: trim as Python's rstrip.
+        let end = rendered.trim_end().len();
+        rendered.truncate(end);
+    }
+    Ok(rendered)
+}
+
+/// A JSON object as a template map whose keys iterate in the client's order.
+#[derive(Debug)]
+struct OrderedMap(Vec<(String, Value)>);
+
+impl Object for OrderedMap {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| Value::from(k.as_str()))
+                .collect(),
+        )
+    }
+}
+
+fn json_value(j: &Json) -> Value {
+    match j {
+        Json::Null => Value::from(()),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (None, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or_default()),
+        },
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(v) => Value::from(v.iter().map(json_value).collect::<Vec<_>>()),
+        Json::Object(o) => Value::from_object(OrderedMap(
+            o.iter().map(|(k, v)| (k.clone(), json_value(v))).collect(),
+        )),
     }
 }
 

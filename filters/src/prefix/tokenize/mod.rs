@@ -7,11 +7,15 @@
 
 mod builtin;
 mod cache;
+mod chat;
 mod hf;
+mod json;
 
 pub use builtin::{Builtin, BOS_ID, EOS_ID, FIRST_ORDINARY_ID, MAX_PIECE_CHARS, VOCAB_SIZE};
 pub use cache::{CacheStats, CachedTokenizer, CappedIds, TokenCacheConfig};
+pub use chat::{ChatFields, ChatInput, ChatTurn, Inexact, ResponsesFields};
 pub use hf::HfTokenizer;
+pub use json::Json;
 
 /// One chat message, with multi-part content already flattened to text.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,9 +47,25 @@ pub trait Tokenizer: Send + Sync {
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError>;
 
+    /// Renders everything a chat request gives the template (tools,
+    /// documents, tool-call history, kwargs, an open final message). A
+    /// tokenizer without a template language renders the messages alone, as
+    /// the engine it stands for does (the simulator's builtin).
+    fn render_chat_input(&self, input: &ChatInput) -> Result<String, TokenizeError> {
+        self.render_chat(&input.flat(), input.add_generation_prompt)
+    }
+
     /// Whether the rendered chat text already carries BOS (then chat prompts are
     /// encoded without adding special tokens, as vLLM does).
     fn chat_template_adds_bos(&self) -> bool;
+
+    /// Whether a rendered chat is encoded with special tokens: `input` is the
+    /// request's template input (`None`: plain messages). By default when the
+    /// template does not emit BOS itself (the simulator's rule).
+    fn chat_add_special_tokens(&self, input: Option<&ChatInput>) -> bool {
+        let _ = input;
+        !self.chat_template_adds_bos()
+    }
 
     /// The text of one token, for engines that synthesise output.
     fn decode_token(&self, id: u32) -> String;
@@ -65,7 +85,13 @@ pub trait Tokenizer: Send + Sync {
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages, add_generation_prompt)?;
-        self.encode(&text, !self.chat_template_adds_bos())
+        self.encode(&text, self.chat_add_special_tokens(None))
+    }
+
+    /// Token ids of everything a chat request gives the template.
+    fn encode_chat_input(&self, input: &ChatInput) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat_input(input)?;
+        self.encode(&text, self.chat_add_special_tokens(Some(input)))
     }
 }
 
@@ -80,8 +106,14 @@ macro_rules! forward_tokenizer {
             fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizeError> {
                 (**self).render_chat(messages, add_generation_prompt)
             }
+            fn render_chat_input(&self, input: &ChatInput) -> Result<String, TokenizeError> {
+                (**self).render_chat_input(input)
+            }
             fn chat_template_adds_bos(&self) -> bool {
                 (**self).chat_template_adds_bos()
+            }
+            fn chat_add_special_tokens(&self, input: Option<&ChatInput>) -> bool {
+                (**self).chat_add_special_tokens(input)
             }
             fn decode_token(&self, id: u32) -> String {
                 (**self).decode_token(id)
