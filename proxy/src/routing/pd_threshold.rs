@@ -2,9 +2,10 @@
 //! a user sets on the command line. Whether to disaggregate is the filter
 //! config's decision (its `prefix-based-pd-decider`), so the knob becomes that
 //! decider's `nonCachedTokens`. A filter config without a decider gets the
-//! built-in P/D config (`deploy/examples/filters-pd-disaggregated.yaml`) with
-//! that threshold: `--role decode --pd-min-uncached-tokens 2048` alone turns
-//! P/D on. Applied on every load, reloads included.
+//! built-in P/D config (`deploy/examples/filters-pd-disaggregated.yaml`,
+//! compiled in from its copy under `proxy/assets/`) with that threshold:
+//! `--role decode --pd-min-uncached-tokens 2048` alone turns P/D on. Applied
+//! on every load, reloads included.
 
 use kvmesh_filters::sched::FilterConfig;
 use serde_yaml_ng::Value;
