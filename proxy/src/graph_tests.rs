@@ -19,13 +19,6 @@ use std::path::{Path, PathBuf};
 /// Arrows allowed to run back up, `(from, to, why)`. Only ever remove one.
 #[rustfmt::skip]
 const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
-    ("fleet", "app", "the engine scrape takes the whole App"),
-    ("kvevents", "app", "the KV-event subscriber takes the whole App"),
-    ("kvevents", "fleet", "one feed per data-parallel rank, named by the fleet's rank pods"),
-    ("mesh", "app", "the mesh's tasks take the whole App"),
-    ("request", "fleet", "peers' addresses and pod ids"),
-    ("routing", "app", "/debug/route and the filter reload take the whole App"),
-    ("stat", "app", "/debug/stat takes the whole App"),
 ];
 
 /// An arrow between two top-level modules and where the sources draw it.

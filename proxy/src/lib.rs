@@ -40,6 +40,7 @@ mod ready;
 pub mod request;
 pub mod respond;
 pub mod routing;
+mod scrape;
 mod server;
 mod shutdown;
 mod sidecar;

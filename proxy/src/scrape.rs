@@ -1,7 +1,7 @@
 //! The local engine's load: scrapes its Prometheus metrics every
 //! `engine.metrics_interval`, each scrape bounded by `engine.metrics_timeout`
 //! (vLLM's `/metrics` can stall for seconds under load), and records what it
-//! read in the fleet ([`super::Fleet::set_load`]). Also learns the engine's
+//! read in the fleet ([`crate::fleet::Fleet::set_load`]). Also learns the engine's
 //! KV block size, which the prefix stage and the scheduler need.
 //!
 //! What each outcome means for the local pod:
@@ -23,10 +23,23 @@ use http::{Request, Uri};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 
-use super::{parse_engine_metrics, EngineLoad};
-use crate::app::App;
 use crate::body::UpstreamBody;
+use crate::config::Config;
+use crate::fleet::{parse_engine_metrics, parse_rank_loads, EngineLoad, Fleet};
+use crate::routing::Routing;
 use crate::shutdown::Shutdown;
+use crate::upstream::UpstreamClient;
+
+/// What the scrape reads and writes: the engine's settings, a client to
+/// ask it with, the fleet its load goes to, the engine's block size it
+/// learns, and routing's counter of failed scrapes.
+pub struct Scrape {
+    pub config: Arc<Config>,
+    pub client: UpstreamClient,
+    pub fleet: Arc<Fleet>,
+    pub engine_block_size: Arc<std::sync::atomic::AtomicU32>,
+    pub routing: Arc<Routing>,
+}
 
 /// Refused connections for this long mark the local pod unhealthy.
 pub const UNHEALTHY_AFTER: Duration = Duration::from_secs(2);
@@ -44,7 +57,7 @@ enum Outcome {
 }
 
 /// The scrape loop; spawned once per sidecar and owned by its task set.
-pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
+pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
     let engine = &app.config.engine;
     let interval = engine.metrics_interval.get();
     let deadline = engine.metrics_timeout.get();
@@ -109,7 +122,7 @@ pub async fn scrape_engine(app: Arc<App>, shutdown: Shutdown) {
     }
 }
 
-async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
+async fn scrape_once(app: &Scrape, uri: &Uri, deadline: Duration) -> Outcome {
     let mut req = Request::new(UpstreamBody::empty());
     *req.uri_mut() = uri.clone();
     let fetch = async {
@@ -138,7 +151,7 @@ async fn scrape_once(app: &App, uri: &Uri, deadline: Duration) -> Outcome {
             });
         }
         if app.config.engine.data_parallel_size > 1 {
-            let ranks = super::parse_rank_loads(app.config.engine.kind, &text);
+            let ranks = parse_rank_loads(app.config.engine.kind, &text);
             app.fleet.ranks().set_loads(&ranks);
         }
         match parse_engine_metrics(app.config.engine.kind, &text) {

@@ -231,12 +231,25 @@ impl Sidecar {
             },
             shutdown.clone(),
         ));
-        tasks.spawn(crate::fleet::scrape::scrape_engine(
-            app.clone(),
+        let scrape = crate::scrape::Scrape {
+            config: config.clone(),
+            client: app.client.clone(),
+            fleet: fleet.clone(),
+            engine_block_size: app.engine_block_size.clone(),
+            routing: routing.clone(),
+        };
+        tasks.spawn(crate::scrape::scrape_engine(scrape, shutdown.clone()));
+        tasks.spawn(crate::routing::reload::watch(
+            routing.clone(),
+            config.clone(),
             shutdown.clone(),
         ));
-        tasks.spawn(crate::routing::reload::watch(app.clone(), shutdown.clone()));
-        tasks.spawn(crate::kvevents::run(app.clone(), shutdown.clone()));
+        let ingest = crate::kvevents::Ingest {
+            config: config.clone(),
+            prefix: prefix.clone(),
+            engine_block_size: app.engine_block_size.clone(),
+        };
+        tasks.spawn(crate::kvevents::run(ingest, shutdown.clone()));
         if let (Some(valkey), Some(local_kv)) = (index, index_kv) {
             let t = crate::valkey::Tasks {
                 valkey,
@@ -249,12 +262,15 @@ impl Sidecar {
             tasks.spawn(crate::valkey::run(t, shutdown.clone()));
         }
         if let Some(l) = mesh_listener {
-            tasks.spawn(crate::mesh::run(
-                app.clone(),
-                l,
-                Proxy(app.clone()),
-                shutdown.clone(),
-            ));
+            let t = crate::mesh::Tasks {
+                config: config.clone(),
+                mesh: mesh.clone(),
+                fleet: fleet.clone(),
+                prefix: prefix.clone(),
+                metrics: app.metrics.clone(),
+                pd: app.pd_metrics.clone(),
+            };
+            tasks.spawn(crate::mesh::run(t, l, Proxy(app.clone()), shutdown.clone()));
         }
         tasks.spawn(crate::ready::probe_engine(app, shutdown.clone()));
         tracing::info!(%addr, %admin_addr, engine = %config.engine.url, tls = config.listeners.tls.is_some(), "sidecar started");

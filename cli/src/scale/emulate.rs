@@ -223,7 +223,7 @@ impl ValkeyFleet {
             .collect::<Result<_>>()?;
         let mut pods = Vec::with_capacity(n);
         let mut fake = Vec::new();
-        for k in 0..n {
+        for (k, store) in stores.iter().enumerate() {
             let id = if engines {
                 let engine =
                     FastEngine::bind(&format!("{}:0", pod_ip(k)), FastEngineConfig::default())
@@ -238,7 +238,7 @@ impl ValkeyFleet {
             let pod = index.pod(&id).context("index full")?;
             let rec = record(&id, k);
             let writer = Writer::new(
-                stores[k].clone(),
+                store.clone(),
                 index.clone(),
                 pod,
                 &id,

@@ -2,7 +2,14 @@
 //! answers its health check), `/metrics` (Prometheus text), `/config` (the
 //! effective config as JSON: paths of TLS files, never key material) and
 //! `/autoscale` (how many pods each pool should run, [`crate::autoscale`]);
-//! `/debug/stat` (the fleet for `kvmesh stat`, [`crate::stat`]).
+//! `/debug/stat` (the fleet for `kvmesh stat`, [`crate::stat`]; [`stat`]),
+//! `/debug/route` and `/debug/fleet` (routing explained, [`route`]).
+//!
+//! The admin views read the whole sidecar, so they live here, beside the
+//! wiring, and not in the subsystems they explain.
+
+mod route;
+mod stat;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -105,10 +112,10 @@ impl Admin {
 impl Handler for Admin {
     async fn handle(self, req: Request<crate::body::IncomingBody>) -> Response<ResponseBody> {
         if req.uri().path() == crate::stat::PATH {
-            return crate::stat::serve(&self.app, req.method());
+            return stat::serve(&self.app, req.method());
         }
-        if crate::routing::debug::handles(req.uri().path()) {
-            return crate::routing::debug::serve(self.app.clone(), req).await;
+        if route::handles(req.uri().path()) {
+            return route::serve(self.app.clone(), req).await;
         }
         self.answer(req.uri().path())
     }

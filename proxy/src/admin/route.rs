@@ -21,13 +21,13 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use super::plan::from_route;
 use crate::app::App;
 use crate::body::{IncomingBody, ResponseBody};
 use crate::error::ProxyError;
 use crate::request::view::Shape;
 use crate::request::{Plan, RequestCtx, RequestView, Target};
 use crate::respond::openai_error;
+use crate::routing::plan::from_route;
 
 /// Longest wait for a debug request's body.
 const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -181,7 +181,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             "target": describe(&Target::LocalEngine),
             "fallbacks": [],
         });
-        if let Some(dp) = super::rank::explain(app.routing_inputs(), ctx) {
+        if let Some(dp) = crate::routing::rank::explain(app.routing_inputs(), ctx) {
             out["data_parallel"] = dp;
         }
         return out;
@@ -190,7 +190,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
         return json!({"decision": "local", "reason": "passthrough"});
     };
     let now = Instant::now();
-    let (req, endpoints) = super::request::build(app.routing_inputs(), ctx, view, now);
+    let (req, endpoints) = crate::routing::request::build(app.routing_inputs(), ctx, view, now);
     let (route, trace) = active.scheduler.explain(&req, &endpoints, rand::random());
     let mut out = json!({
         "filters": active.origin,
@@ -214,7 +214,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             if let Some(plan) = plan {
                 // The rank the local engine's run gets (a peer picks its own).
                 if plan.target == Target::LocalEngine {
-                    if let Some(dp) = super::rank::explain(app.routing_inputs(), ctx) {
+                    if let Some(dp) = crate::routing::rank::explain(app.routing_inputs(), ctx) {
                         out["data_parallel"] = dp;
                     }
                 }
@@ -223,7 +223,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             }
         }
         Err(e) => {
-            let err = super::no_endpoint_error(&req.model, &endpoints, e);
+            let err = crate::routing::no_endpoint_error(&req.model, &endpoints, e);
             let reply = openai_error(&err);
             out["decision"] = json!("error");
             out["error"] = json!({

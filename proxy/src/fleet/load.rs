@@ -169,8 +169,8 @@ fn to_u32(v: f64) -> u32 {
 mod tests {
     use super::*;
 
-    const VLLM: &str = include_str!("../../../tests/fixtures/metrics/vllm-0.32.txt");
-    const SGLANG: &str = include_str!("../../../tests/fixtures/metrics/sglang-0.5.23.txt");
+    const VLLM: &str = include_str!("../../assets/tests/fixtures/metrics/vllm-0.32.txt");
+    const SGLANG: &str = include_str!("../../assets/tests/fixtures/metrics/sglang-0.5.23.txt");
 
     #[test]
     fn reads_a_real_vllm_scrape() {

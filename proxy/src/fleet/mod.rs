@@ -13,7 +13,6 @@
 mod load;
 pub mod outlier;
 pub mod ranks;
-pub mod scrape;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;

@@ -126,11 +126,6 @@ pub fn pick(ranks: &[RankView]) -> Option<u32> {
         .map(|r| r.rank)
 }
 
-/// The prefix-index name of a rank of pod `pod`.
-pub fn rank_pod(pod: &str, rank: u32) -> String {
-    format!("{pod}#dp{rank}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

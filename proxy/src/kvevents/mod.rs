@@ -34,7 +34,7 @@
 //! batches are applied to the pod (the union the fleet and the mesh see) and
 //! to the rank's own entry, `<pod>#dp<rank>` (the batch's `dp_rank`, else the
 //! feed's rank), which the sidecar's rank choice reads
-//! ([`crate::fleet::ranks`]).
+//! ([`crate::prefix::rank_pod`]).
 //!
 //! Every applied local batch is also sent, in order, on the bounded broadcast
 //! channel of [`crate::prefix::PrefixState::subscribe_local`] (the mesh
@@ -49,15 +49,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmesh_filters::prefix::index::Touched;
-use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, EventBatch, KvMessage};
-use tokio::sync::broadcast;
+use kvmesh_filters::prefix::kvevents::{decode_message, parse_topic, KvMessage};
 use zeromq::SocketRecv;
 
-use crate::app::App;
+use crate::config::Config;
+
 use crate::backoff::Backoff;
 use crate::config::prefix::{consumer_endpoint, dial};
 use crate::config::KvEvents;
+use crate::prefix::{LocalKvUpdate, PrefixState};
 use crate::shutdown::Shutdown;
 use tracker::{Step, Tracker};
 
@@ -66,37 +66,19 @@ const BACKOFF_START: Duration = Duration::from_millis(100);
 /// Index size metrics are refreshed at most this often.
 const STATS_EVERY: Duration = Duration::from_millis(250);
 
-/// One change to the local pod's cached blocks, as the mesh forwards it.
-#[derive(Debug, Clone)]
-pub enum LocalKvUpdate {
-    /// A batch applied to the local pod, keyed by `model` (see
-    /// [`crate::prefix`] on key models).
-    Batch {
-        seq: u64,
-        model: Arc<str>,
-        batch: Arc<EventBatch>,
-        /// The block keys the batch touched, when a subscriber asked for
-        /// them ([`crate::prefix::PrefixState::tracks_touched`]: the Valkey
-        /// writer); empty otherwise.
-        touched: Arc<[Touched]>,
-    },
-    /// The engine restarted: everything it held is gone.
-    Cleared,
-}
-
-/// The next local update from `rx`, or never once it is gone (`None`): how a
-/// task that selects on local updates beside other work waits on them.
-pub async fn recv_local(
-    rx: &mut Option<broadcast::Receiver<LocalKvUpdate>>,
-) -> Result<LocalKvUpdate, broadcast::error::RecvError> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
+/// What the KV-event feed reads and writes: the engine's settings, the
+/// prefix index it keeps whole, and the engine's block size it learns from
+/// the events.
+#[derive(Clone)]
+pub struct Ingest {
+    pub config: Arc<Config>,
+    pub prefix: Arc<PrefixState>,
+    /// The local engine's KV block size in tokens (0: not yet known).
+    pub engine_block_size: Arc<std::sync::atomic::AtomicU32>,
 }
 
 struct Feed {
-    app: Arc<App>,
+    app: Ingest,
     cfg: KvEvents,
     replay: Option<String>,
     tracker: Tracker,
@@ -108,7 +90,7 @@ struct Feed {
 
 /// The ingestion task (see the module docs): one feed, or one per
 /// data-parallel rank, all in this task. Returns on shutdown.
-pub async fn run(app: Arc<App>, shutdown: Shutdown) {
+pub async fn run(app: Ingest, shutdown: Shutdown) {
     let n = app.config.engine.data_parallel_size;
     if n <= 1 {
         return feed(app, shutdown, None).await;
@@ -129,7 +111,7 @@ fn rank_endpoint(endpoint: &str, rank: u32) -> String {
     }
 }
 
-async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
+async fn feed(app: Ingest, shutdown: Shutdown, rank: Option<u32>) {
     let Some(mut cfg) = app.config.engine.kv_events.clone() else {
         return;
     };
@@ -143,7 +125,7 @@ async fn feed(app: Arc<App>, shutdown: Shutdown, rank: Option<u32>) {
         Some(_) => (0..app.config.engine.data_parallel_size)
             .map(|r| {
                 let (_, local) = app.prefix.local_pod();
-                app.prefix.pod_id(&crate::fleet::ranks::rank_pod(local, r))
+                app.prefix.pod_id(&crate::prefix::rank_pod(local, r))
             })
             .collect(),
     };

@@ -11,7 +11,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -20,7 +19,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::subscriber::{self, PeerStatus};
-use crate::app::App;
+use super::Tasks;
 use crate::config::Mesh as MeshConfig;
 use crate::fleet::MAX_PODS;
 use crate::shutdown::Shutdown;
@@ -47,9 +46,9 @@ struct Sources {
 
 /// The discovery loop (see the module docs). Returns on shutdown, after
 /// every subscriber task stopped.
-pub async fn run(app: Arc<App>, shutdown: Shutdown) {
-    let cfg = app.config.mesh.clone();
-    let own: Option<SocketAddr> = app.mesh.mesh_addr();
+pub async fn run(t: Tasks, shutdown: Shutdown) {
+    let cfg = t.config.mesh.clone();
+    let own: Option<SocketAddr> = t.mesh.mesh_addr();
     let mut follows: HashMap<SocketAddr, Follow> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut sources = Sources::default();
@@ -82,11 +81,11 @@ pub async fn run(app: Arc<App>, shutdown: Shutdown) {
                 }
                 let stop = CancellationToken::new();
                 let (tx, rx) = watch::channel(PeerStatus::default());
-                tasks.spawn(subscriber::run(app.clone(), addr, stop.clone(), tx));
+                tasks.spawn(subscriber::run(t.clone(), addr, stop.clone(), tx));
                 follows.insert(addr, Follow { stop, status: rx });
             }
         }
-        gauges(&app, &follows, cfg.stale_after.get());
+        gauges(&t, &follows, cfg.stale_after.get());
         tokio::select! {
             _ = shutdown.triggered() => break,
             _ = tokio::time::sleep(GAUGE_EVERY) => {}
@@ -98,7 +97,7 @@ pub async fn run(app: Arc<App>, shutdown: Shutdown) {
     while tasks.join_next().await.is_some() {}
 }
 
-fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
+fn gauges(t: &Tasks, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     let now = Instant::now();
     let (mut known, mut fresh, mut other_models, mut lag) = (0, 0, 0, 0u64);
     let mut entries = Vec::with_capacity(follows.len());
@@ -121,10 +120,10 @@ fn gauges(app: &App, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
             }
         }
     }
-    app.mesh.metrics.peers(known, fresh, other_models);
-    app.mesh.metrics.lag_ms(lag);
+    t.mesh.metrics.peers(known, fresh, other_models);
+    t.mesh.metrics.lag_ms(lag);
     entries.sort_by(|a, b| a.mesh_addr.cmp(&b.mesh_addr));
-    app.mesh.set_peers(entries);
+    t.mesh.set_peers(entries);
 }
 
 async fn refresh(cfg: &MeshConfig, s: &mut Sources) {

@@ -34,8 +34,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
-use crate::app::App;
-use crate::kvevents::LocalKvUpdate;
+use crate::prefix::LocalKvUpdate;
 use crate::shutdown::Shutdown;
 use metrics::MeshMetrics;
 use mirror::Mirror;
@@ -315,9 +314,9 @@ impl Mesh {
     }
 
     /// Publishes the local load and in-flight counts (also the heartbeat).
-    fn tick(&self, app: &App) {
+    fn tick(&self, t: &Tasks) {
         let now = Instant::now();
-        let fleet = &app.fleet;
+        let fleet = &t.fleet;
         let local = fleet
             .snapshot(now)
             .into_iter()
@@ -336,7 +335,9 @@ impl Mesh {
         }
         hub.last_in_flight = in_flight.clone();
         hub.publish(&self.metrics, &Msg::InFlight(in_flight));
-        hub.publish_stats(&self.metrics, crate::stat::local_stats(app));
+        let scraped = fleet.stats().remove(fleet.local_id()).unwrap_or_default();
+        let stats = crate::stat::local_stats(scraped, self.metrics.served_total(), t.pd.totals());
+        hub.publish_stats(&self.metrics, stats);
     }
 }
 
@@ -393,31 +394,44 @@ impl Hub {
     }
 }
 
+/// What the mesh's tasks read and write: the mesh itself, the fleet and
+/// prefix index its subscribers fill, the config, the request counters its
+/// port's connections count in, and P/D's totals for the stats it publishes.
+#[derive(Clone)]
+pub struct Tasks {
+    pub config: Arc<crate::config::Config>,
+    pub mesh: Arc<Mesh>,
+    pub fleet: Arc<crate::fleet::Fleet>,
+    pub prefix: Arc<crate::prefix::PrefixState>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub pd: Arc<crate::pd::metrics::PdMetrics>,
+}
+
 /// The mesh task: binds nothing itself (the listener is passed in), serves
 /// the stream, publishes local state and runs discovery. Returns on shutdown.
 pub async fn run<H: crate::server::Handler>(
-    app: Arc<App>,
+    t: Tasks,
     listener: TcpListener,
     forwarded: H,
     shutdown: Shutdown,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(server::serve(
-        app.clone(),
+        t.clone(),
         listener,
         forwarded,
         shutdown.clone(),
     ));
-    tasks.spawn(discovery::run(app.clone(), shutdown.clone()));
-    tasks.spawn(publish(app, shutdown.clone()));
+    tasks.spawn(discovery::run(t.clone(), shutdown.clone()));
+    tasks.spawn(publish(t, shutdown.clone()));
     while tasks.join_next().await.is_some() {}
 }
 
 /// Forwards local KV updates to subscribers and publishes the load on a tick.
-async fn publish(app: Arc<App>, shutdown: Shutdown) {
-    let mesh = app.mesh.clone();
+async fn publish(t: Tasks, shutdown: Shutdown) {
+    let mesh = t.mesh.clone();
     let mut kv = mesh.local_kv.lock().take();
-    let mut tick = tokio::time::interval(app.config.mesh.load_interval.get());
+    let mut tick = tokio::time::interval(t.config.mesh.load_interval.get());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -429,8 +443,8 @@ async fn publish(app: Arc<App>, shutdown: Shutdown) {
                 hub.subs.clear();
                 return;
             }
-            _ = tick.tick() => mesh.tick(&app),
-            u = crate::kvevents::recv_local(&mut kv) => match u {
+            _ = tick.tick() => mesh.tick(&t),
+            u = crate::prefix::recv_local(&mut kv) => match u {
                 Ok(update) => mesh.local_kv(update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Batches were lost: the mirror cannot be trusted, so the

@@ -30,7 +30,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::app::App;
+use super::Tasks;
 use crate::metrics::{Listener, RejectReason};
 use crate::server::Handler;
 use crate::shutdown::Shutdown;
@@ -89,12 +89,7 @@ impl Body for StreamBody {
 /// Serves the mesh port until shutdown; with `mesh.tls`, a request a peer
 /// forwarded goes to `forwarded` (the request path, which the sidecar passes
 /// in: the mesh does not know the stages).
-pub async fn serve<H: Handler>(
-    app: Arc<App>,
-    listener: TcpListener,
-    forwarded: H,
-    shutdown: Shutdown,
-) {
+pub async fn serve<H: Handler>(t: Tasks, listener: TcpListener, forwarded: H, shutdown: Shutdown) {
     let mut conns = JoinSet::new();
     loop {
         while conns.try_join_next().is_some() {}
@@ -115,22 +110,22 @@ pub async fn serve<H: Handler>(
             continue; // dropped: the peer retries with backoff
         }
         let _ = tcp.set_nodelay(true);
-        let app = app.clone();
+        let t = t.clone();
         let shutdown = shutdown.clone();
         let forwarded = forwarded.clone();
         conns.spawn(async move {
-            let Some(tls) = app.mesh.tls() else {
-                return serve_conn(app.clone(), tcp, forwarded, &shutdown).await;
+            let Some(tls) = t.mesh.tls() else {
+                return serve_conn(t.clone(), tcp, forwarded, &shutdown).await;
             };
-            let handshake = app.config.timeouts.tls_handshake.get();
+            let handshake = t.config.timeouts.tls_handshake.get();
             match tokio::time::timeout(handshake, tls.acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => serve_conn(app.clone(), stream, forwarded, &shutdown).await,
+                Ok(Ok(stream)) => serve_conn(t.clone(), stream, forwarded, &shutdown).await,
                 Ok(Err(e)) => {
-                    app.mesh.metrics.tls_failure("accept");
+                    t.mesh.metrics.tls_failure("accept");
                     tracing::info!(error = %e, "mesh: TLS handshake with a subscriber failed");
                 }
                 Err(_) => {
-                    app.mesh.metrics.tls_failure("accept");
+                    t.mesh.metrics.tls_failure("accept");
                     tracing::info!("mesh: TLS handshake with a subscriber timed out");
                 }
             }
@@ -145,18 +140,18 @@ pub async fn serve<H: Handler>(
 /// Serves one connection (TCP or TLS) until it ends or shutdown. On
 /// shutdown, streams end (the hub drops its subscribers) and forwarded
 /// requests get `timeouts.shutdown_drain` to finish.
-async fn serve_conn<I, H>(app: Arc<App>, io: I, forwarded: H, shutdown: &Shutdown)
+async fn serve_conn<I, H>(t: Tasks, io: I, forwarded: H, shutdown: &Shutdown)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Handler,
 {
-    let drain = if app.mesh.tls().is_some() {
-        app.config.timeouts.shutdown_drain.get()
+    let drain = if t.mesh.tls().is_some() {
+        t.config.timeouts.shutdown_drain.get()
     } else {
         Duration::from_secs(1)
     };
-    let app_limit = app.config.limits.max_connections;
-    let (metrics, head) = (app.metrics.clone(), app.config.timeouts.request_head.get());
+    let app_limit = t.config.limits.max_connections;
+    let (metrics, head) = (t.metrics.clone(), t.config.timeouts.request_head.get());
     // Set at the first request: until then only the head deadline bounds a
     // connection (a preface trickled or never sent), and h2 keep-alive
     // pings do not start before the handshake.
@@ -166,8 +161,8 @@ where
         seen.store(true, Ordering::Relaxed);
         // The state stream is answered at once; with `mesh.tls`, anything
         // else is a request a peer forwarded, for the request path.
-        let next = if req.uri().path() == STREAM_PATH || app.mesh.tls().is_none() {
-            Ok(handle(&app, &req))
+        let next = if req.uri().path() == STREAM_PATH || t.mesh.tls().is_none() {
+            Ok(handle(&t, &req))
         } else {
             Err(forwarded.clone())
         };
@@ -213,7 +208,7 @@ where
     let _ = tokio::time::timeout(drain, conn).await;
 }
 
-fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
+fn handle(t: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
     if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {
         return status(StatusCode::NOT_FOUND);
     }
@@ -222,14 +217,14 @@ fn handle(app: &App, req: &Request<Incoming>) -> Response<StreamBody> {
         .get(FOLLOW_MODELS)
         .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
     if let Some(theirs) = theirs {
-        let ours = &app.config.pod.models;
+        let ours = &t.config.pod.models;
         if !crate::config::mesh::Follow::SameModels.follows(&theirs, ours) {
-            app.mesh.metrics.dropped("other_models");
+            t.mesh.metrics.dropped("other_models");
             return status(StatusCode::CONFLICT);
         }
     }
     let stats = req.headers().contains_key(TAKES_STATS);
-    match app.mesh.subscribe(stats) {
+    match t.mesh.subscribe(stats) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

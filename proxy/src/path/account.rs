@@ -123,7 +123,7 @@ pub(crate) fn rank_taken(a: Accounting<'_>, ctx: &RequestCtx, target: &Target) {
         return;
     }
     a.fleet.ranks().picked(rank);
-    let name = crate::fleet::ranks::rank_pod(a.prefix.local_pod().1, rank);
+    let name = crate::prefix::rank_pod(a.prefix.local_pod().1, rank);
     a.prefix.predict(&name, ctx);
     a.prefix.record(&name, ctx);
 }

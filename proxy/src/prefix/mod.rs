@@ -20,6 +20,7 @@
 //! adapter or `pod.models` is set, else the same default. An event's
 //! `lora_name` overrides its model.
 
+mod local;
 pub mod metrics;
 pub mod tokenize;
 
@@ -35,9 +36,9 @@ use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
 
 use crate::config::{Config, TokenizerChoice};
-use crate::kvevents::LocalKvUpdate;
 use crate::request::{RequestCtx, RequestView};
 use crate::upstream::UpstreamClient;
+pub use local::{recv_local, LocalKvUpdate};
 use metrics::PrefixMetrics;
 pub use tokenize::{LocalTokenizer, PrefixError, Tokenized};
 
@@ -408,6 +409,13 @@ impl PrefixState {
             self.approx.record(pod_id, &ctx.block_keys);
         }
     }
+}
+
+/// The prefix-index name of data-parallel rank `rank` of pod `pod`: each
+/// rank's blocks are indexed under it (as well as under the pod), a name
+/// the fleet never holds, so the scheduler never sees it.
+pub fn rank_pod(pod: &str, rank: u32) -> String {
+    format!("{pod}#dp{rank}")
 }
 
 /// `text` cut to at most `max` bytes, on a character boundary.

@@ -4,13 +4,12 @@
 //! ([`reload`]), and turns one request into a [`Plan`]: the fleet's pods as
 //! endpoint views, the request as the scheduler's request view
 //! ([`request`]), one scheduling cycle, and the decision mapped to targets
-//! ([`plan`]). `POST /debug/route` and `GET /debug/fleet` ([`debug`]) explain
-//! it on the admin port.
+//! ([`plan`]). `POST /debug/route` and `GET /debug/fleet` (`crate::admin`)
+//! explain it on the admin port.
 //!
 //! A request another sidecar already routed here (`x-kvmesh-routed`) always
 //! runs locally, so routing never loops; so do non-inference calls.
 
-pub mod debug;
 pub mod metrics;
 pub mod pd_threshold;
 pub mod plan;

@@ -11,8 +11,8 @@
 
 use std::collections::HashMap;
 
-use crate::fleet::ranks::{pick, rank_pod, RankView, Ranks};
-use crate::prefix::PrefixState;
+use crate::fleet::ranks::{pick, RankView, Ranks};
+use crate::prefix::{rank_pod, PrefixState};
 use crate::request::RequestCtx;
 
 use super::Inputs;

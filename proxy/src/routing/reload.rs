@@ -11,19 +11,20 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::FiltersError;
-use crate::app::App;
+use super::{FiltersError, Routing};
+use crate::config::Config;
 use crate::shutdown::Shutdown;
 
 /// What identifies a version of the file: modification time and length.
 type Stamp = Option<(SystemTime, u64)>;
 
-/// The watch loop; spawned once per sidecar that has a filter file.
-pub async fn watch(app: Arc<App>, shutdown: Shutdown) {
-    let Some(path) = app.routing.file().map(Path::to_path_buf) else {
+/// The watch loop over `routing`'s filter file; spawned once per sidecar
+/// that has one.
+pub async fn watch(routing: Arc<Routing>, config: Arc<Config>, shutdown: Shutdown) {
+    let Some(path) = routing.file().map(Path::to_path_buf) else {
         return;
     };
-    let interval = app.config.scheduling.reload_interval.get();
+    let interval = config.scheduling.reload_interval.get();
     let mut seen = stamp(&path).await;
     loop {
         tokio::select! {
@@ -35,14 +36,14 @@ pub async fn watch(app: Arc<App>, shutdown: Shutdown) {
             continue;
         }
         seen = now;
-        match load(&path, app.config.pd.min_uncached_tokens).await {
+        match load(&path, config.pd.min_uncached_tokens).await {
             Ok(active) => {
-                app.routing.swap(active);
-                app.routing.metrics.reloaded();
+                routing.swap(active);
+                routing.metrics.reloaded();
                 tracing::info!(file = %path.display(), "filter config reloaded");
             }
             Err(e) => {
-                app.routing.metrics.reload_failed();
+                routing.metrics.reload_failed();
                 tracing::error!(error = %e, "filter config rejected; the previous one stays active");
             }
         }

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::fleet::Fleet;
-use crate::kvevents::LocalKvUpdate;
+use crate::prefix::LocalKvUpdate;
 use prometheus_client::registry::Registry;
 
 use crate::prefix::PrefixState;
@@ -198,7 +198,7 @@ async fn write(t: Tasks, shutdown: Shutdown) {
                 writer.leave().await;
                 return;
             }
-            u = crate::kvevents::recv_local(&mut rx) => match u {
+            u = crate::prefix::recv_local(&mut rx) => match u {
                 Ok(LocalKvUpdate::Batch { model, batch, touched, .. }) => {
                     writer.batch(m, &model, &batch, &touched);
                 }
