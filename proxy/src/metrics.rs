@@ -22,6 +22,8 @@ use prometheus_client::registry::{Registry, Unit};
 pub enum Route {
     Completions,
     ChatCompletions,
+    /// `/v1/responses`, routed as chat is.
+    Responses,
     Embeddings,
     Models,
     /// Any other path: passed through untouched.
@@ -34,6 +36,7 @@ impl EncodeLabelValue for Route {
         enc.write_str(match self {
             Self::Completions => "completions",
             Self::ChatCompletions => "chat_completions",
+            Self::Responses => "responses",
             Self::Embeddings => "embeddings",
             Self::Models => "models",
             Self::Other => "other",
@@ -116,7 +119,7 @@ struct RouteLabels {
 }
 
 impl Route {
-    const COUNT: usize = 5;
+    const COUNT: usize = 6;
 
     fn index(self) -> usize {
         match self {
@@ -125,6 +128,7 @@ impl Route {
             Self::Embeddings => 2,
             Self::Models => 3,
             Self::Other => 4,
+            Self::Responses => 5,
         }
     }
 }

@@ -69,6 +69,7 @@ async fn read(
     let shape = match ctx.route {
         Route::Completions => Shape::Completion,
         Route::ChatCompletions => Shape::Chat,
+        Route::Responses => Shape::Responses,
         Route::Embeddings => Shape::Embedding,
         Route::Models | Route::Other => {
             return Ok(ClientRequest {
@@ -95,7 +96,7 @@ async fn read(
 
 fn check_method(ctx: &RequestCtx) -> Result<(), ProxyError> {
     let (ok, allow) = match ctx.route {
-        Route::Completions | Route::ChatCompletions | Route::Embeddings => {
+        Route::Completions | Route::ChatCompletions | Route::Responses | Route::Embeddings => {
             (ctx.method == Method::POST, "POST")
         }
         Route::Models => (

@@ -22,11 +22,17 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 /// Handles to the prefix and KV-event metrics.
 pub struct PrefixMetrics {
     tokenize: StaticSeries<1, OutcomeLabels, Counter>,
     tokenize_latency: Histogram,
     capped: Counter,
+    inexact: Family<ReasonLabels, Counter>,
     cache_reused: Gauge,
     cache_tokenized: Gauge,
     events: Family<KindLabels, Counter>,
@@ -51,6 +57,7 @@ impl PrefixMetrics {
             // 1 µs .. ~0.5 s, doubling.
             tokenize_latency: Histogram::new(exponential_buckets(0.000_001, 2.0, 20)),
             capped: Counter::default(),
+            inexact: Family::default(),
             cache_reused: Gauge::default(),
             cache_tokenized: Gauge::default(),
             events: Family::default(),
@@ -81,6 +88,17 @@ impl PrefixMetrics {
             "prefix_tokenize_capped",
             "Prompts longer than prefix.max_tokenize_bytes, tokenized only up to it",
             m.capped.clone(),
+        );
+        // Every reason is listed from the start, at 0.
+        for reason in kvmesh_filters::prefix::tokenize::Inexact::ALL {
+            drop(m.inexact.get_or_create(&ReasonLabels {
+                reason: reason.as_str(),
+            }));
+        }
+        r.register(
+            "prefix_inexact_keys",
+            "Inference requests a precise tokenizer keyed on their text alone, since the engine keys their shape differently, by reason (multimodal, responses_item, previous_response, unsupported_field, template_error)",
+            m.inexact.clone(),
         );
         r.register(
             "prefix_token_cache_reused_bytes",
@@ -162,6 +180,12 @@ impl PrefixMetrics {
         if outcome == "capped" {
             self.capped.inc();
         }
+    }
+
+    /// A request keyed on its text alone, for `reason` (an
+    /// `Inexact::as_str`, a closed set).
+    pub fn inexact(&self, reason: &'static str) {
+        self.inexact.get_or_create(&ReasonLabels { reason }).inc();
     }
 
     pub fn token_cache(&self, reused: u64, tokenized: u64) {

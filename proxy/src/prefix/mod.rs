@@ -32,6 +32,7 @@ use kvmesh_filters::prefix::approx::{ApproxConfig, ApproxIndex};
 use kvmesh_filters::prefix::index::{ApplyStats, IndexConfig, PodId, PrefixIndex};
 use kvmesh_filters::prefix::kvevents::EventBatch;
 use kvmesh_filters::prefix::predicted::PredictedIndex;
+use kvmesh_filters::prefix::tokenize::Inexact;
 use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
 
@@ -315,27 +316,56 @@ impl PrefixState {
                 return (keys, None, outcome);
             }
             Source::Local(t) => {
-                let r = t.tokenize(&view.prompt, add_gen, max);
+                let r = match view.chat.as_deref() {
+                    Some(input) => match t.tokenize_chat_input(input, max) {
+                        Ok(ids) => Ok(Some(ids)),
+                        Err(e) => {
+                            // The template refused what the request holds (the
+                            // engine will answer it): keyed on its text instead.
+                            tracing::debug!(request_id, error = %e, "template input not rendered; keys approximate");
+                            self.metrics.inexact(Inexact::Template.as_str());
+                            t.tokenize(&view.prompt, input.add_generation_prompt, max)
+                        }
+                    },
+                    None => t.tokenize(&view.prompt, add_gen, max),
+                };
                 let s = t.cache().stats();
                 self.metrics.token_cache(s.reused_bytes, s.tokenized_bytes);
                 r
             }
             Source::Engine => {
-                if tokenize::engine_skips_chat(&view.prompt, max) {
-                    return (Vec::new(), None, "capped");
+                let engine = c.config.engine.url.to_string();
+                let deadline = self.config.engine_tokenize_timeout.get();
+                let model = view.model.as_deref();
+                match view.chat.as_deref() {
+                    Some(input) => {
+                        tokenize::engine_tokenize_chat_input(
+                            c.client, &engine, model, input, max, deadline,
+                        )
+                        .await
+                    }
+                    None => {
+                        if tokenize::engine_skips_chat(&view.prompt, max) {
+                            return (Vec::new(), None, "capped");
+                        }
+                        tokenize::engine_tokenize(
+                            c.client,
+                            &engine,
+                            model,
+                            &view.prompt,
+                            add_gen,
+                            max,
+                            deadline,
+                        )
+                        .await
+                    }
                 }
-                tokenize::engine_tokenize(
-                    c.client,
-                    &c.config.engine.url.to_string(),
-                    view.model.as_deref(),
-                    &view.prompt,
-                    add_gen,
-                    max,
-                    self.config.engine_tokenize_timeout.get(),
-                )
-                .await
             }
         };
+        if let Some(reason) = view.inexact {
+            // Keyed on the text alone: its leading blocks may still match.
+            self.metrics.inexact(reason.as_str());
+        }
         match tokenized {
             Ok(Some(t)) => {
                 let bs = self.block_size(c.engine_block_size) as usize;

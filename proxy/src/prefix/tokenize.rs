@@ -8,6 +8,12 @@
 //! request and response shapes, chat through `messages`), one call per
 //! request under a deadline. Long prompts are tokenized only up to
 //! `prefix.max_tokenize_bytes` (their leading blocks are what matches anyway).
+//!
+//! A chat or `/v1/responses` request whose template input is more than plain
+//! messages (a [`ChatInput`]: tools, documents, tool-call history, kwargs, an
+//! open final message) is rendered whole, as vLLM renders it, or sent whole to
+//! the engine's `/tokenize` (keys in the client's order, tool-call arguments
+//! as the JSON strings `/tokenize` accepts).
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -17,7 +23,8 @@ use std::time::Duration;
 use http::{header, Method, Request, Uri};
 use http_body_util::{BodyExt, Limited};
 use kvmesh_filters::prefix::tokenize::{
-    Builtin, CachedTokenizer, ChatMessage, HfTokenizer, TokenCacheConfig, TokenizeError, Tokenizer,
+    Builtin, CachedTokenizer, ChatInput, ChatMessage, HfTokenizer, Json, TokenCacheConfig,
+    TokenizeError, Tokenizer,
 };
 use serde::Deserialize;
 
@@ -153,7 +160,7 @@ impl LocalTokenizer {
                     hf.set_now_unix(unix_now());
                 }
                 let text = self.cached.render_chat(ms, add_generation_prompt)?;
-                (Cow::Owned(text), !self.cached.chat_template_adds_bos())
+                (Cow::Owned(text), self.cached.chat_add_special_tokens(None))
             }
         };
         let c = self.cached.encode_capped(&text, special, max_bytes)?;
@@ -162,6 +169,28 @@ impl LocalTokenizer {
             capped: c.capped,
             prompt_tokens: c.estimated_tokens,
         }))
+    }
+}
+
+impl LocalTokenizer {
+    /// Token ids of everything a chat or Responses request gives the
+    /// template, rendered and encoded as vLLM does.
+    pub fn tokenize_chat_input(
+        &self,
+        input: &ChatInput,
+        max_bytes: usize,
+    ) -> Result<Tokenized, PrefixError> {
+        if let Some(hf) = &self.hf {
+            hf.set_now_unix(unix_now());
+        }
+        let text = self.cached.render_chat_input(input)?;
+        let special = self.cached.chat_add_special_tokens(Some(input));
+        let c = self.cached.encode_capped(&text, special, max_bytes)?;
+        Ok(Tokenized {
+            ids: c.ids,
+            capped: c.capped,
+            prompt_tokens: c.estimated_tokens,
+        })
     }
 }
 
@@ -253,10 +282,118 @@ pub async fn engine_tokenize(
     let Some((body, capped)) = engine_body(model, prompt, add_generation_prompt, max_bytes) else {
         return Ok(None);
     };
+    let bytes = serde_json::to_vec(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
+    let mut ids = post_tokenize(client, engine_url, bytes, deadline).await?;
+    if capped {
+        // The last token before the cut may differ from the full prompt's.
+        ids.pop();
+    }
+    let n = ids.len();
+    Ok(Some(Tokenized {
+        ids,
+        capped,
+        prompt_tokens: n,
+    }))
+}
+
+/// Asks the local engine's `/tokenize` for the ids of a chat or Responses
+/// request's whole template input (`None`: its text is over `max_bytes`, so
+/// it is not asked, as an over-long plain chat is not).
+pub async fn engine_tokenize_chat_input(
+    client: &UpstreamClient,
+    engine_url: &str,
+    model: Option<&str>,
+    input: &ChatInput,
+    max_bytes: usize,
+    deadline: Duration,
+) -> Result<Option<Tokenized>, PrefixError> {
+    if input
+        .messages
+        .iter()
+        .map(|m| m.content.len())
+        .sum::<usize>()
+        > max_bytes
+    {
+        return Ok(None);
+    }
+    let body = engine_chat_body(model, input);
+    let bytes = serde_json::to_vec(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
+    let ids = post_tokenize(client, engine_url, bytes, deadline).await?;
+    Ok(Some(exact(ids)))
+}
+
+/// The `/tokenize` body of a template input: vLLM's `TokenizeChatRequest`
+/// has no `documents` or `reasoning_effort`, so they travel as
+/// `chat_template_kwargs`, as its chat path passes them; a tool call's
+/// arguments go back to the JSON string the request field must be.
+fn engine_chat_body(model: Option<&str>, input: &ChatInput) -> Json {
+    let mut messages = input.messages_json();
+    if let Json::Array(list) = &mut messages {
+        for m in list {
+            let Json::Object(fields) = m else { continue };
+            let Some((_, Json::Array(calls))) = fields.iter_mut().find(|(k, _)| k == "tool_calls")
+            else {
+                continue;
+            };
+            for call in calls {
+                let Some(Json::Object(f)) = object_field(call, "function") else {
+                    continue;
+                };
+                if let Some((_, args)) = f.iter_mut().find(|(k, _)| k == "arguments") {
+                    *args = Json::String(serde_json::to_string(&*args).unwrap_or_default());
+                }
+            }
+        }
+    }
+    let mut kwargs = input.kwargs.clone();
+    if let Some(d) = &input.documents {
+        kwargs.push(("documents".to_owned(), d.clone()));
+    }
+    let mut body = Vec::new();
+    if let Some(m) = model {
+        body.push(("model".to_owned(), Json::from(m)));
+    }
+    body.push(("messages".to_owned(), messages));
+    if let Some(t) = &input.tools {
+        body.push(("tools".to_owned(), t.clone()));
+    }
+    if !kwargs.is_empty() {
+        body.push(("chat_template_kwargs".to_owned(), Json::Object(kwargs)));
+    }
+    body.extend([
+        (
+            "add_generation_prompt".to_owned(),
+            Json::from(input.add_generation_prompt),
+        ),
+        (
+            "continue_final_message".to_owned(),
+            Json::from(input.continue_final_message),
+        ),
+        (
+            "add_special_tokens".to_owned(),
+            Json::from(input.add_special_tokens),
+        ),
+    ]);
+    Json::Object(body)
+}
+
+fn object_field<'a>(j: &'a mut Json, key: &str) -> Option<&'a mut Json> {
+    match j {
+        Json::Object(o) => o.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+/// One `POST /tokenize` to the local engine under `deadline`: its ids.
+async fn post_tokenize(
+    client: &UpstreamClient,
+    engine_url: &str,
+    bytes: Vec<u8>,
+    deadline: Duration,
+) -> Result<Vec<u32>, PrefixError> {
     let uri: Uri = format!("{engine_url}/tokenize")
         .parse()
         .map_err(|e| PrefixError::Engine(format!("bad URL: {e}")))?;
-    let bytes = serde_json::to_vec(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
     let req = Request::builder()
         .method(Method::POST)
         .uri(uri)
@@ -284,19 +421,9 @@ pub async fn engine_tokenize(
             serde_json::from_slice(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
         Ok(reply.tokens)
     };
-    let mut ids = tokio::time::timeout(deadline, call)
+    tokio::time::timeout(deadline, call)
         .await
-        .map_err(|_| PrefixError::EngineTimeout(deadline))??;
-    if capped {
-        // The last token before the cut may differ from the full prompt's.
-        ids.pop();
-    }
-    let n = ids.len();
-    Ok(Some(Tokenized {
-        ids,
-        capped,
-        prompt_tokens: n,
-    }))
+        .map_err(|_| PrefixError::EngineTimeout(deadline))?
 }
 
 /// The text the approximate index hashes: the prompt, or the chat messages
@@ -376,5 +503,40 @@ mod tests {
             b,
             serde_json::json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false})
         );
+    }
+
+    #[test]
+    fn engine_chat_body_is_what_tokenize_accepts_in_the_clients_order() {
+        let body = Json::parse(
+            r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{\"z\": 1, \"a\": 2}"}}]}],
+                "tools":[{"type":"function","function":{"name":"f","parameters":{"z":{},"a":{}}}}],
+                "documents":[{"text":"d"}],"reasoning_effort":"none","add_generation_prompt":true}"#,
+        )
+        .unwrap();
+        let input = ChatInput::from_chat_body(&body).unwrap();
+        let got = serde_json::to_string(&engine_chat_body(Some("m"), &input)).unwrap();
+        assert_eq!(
+            got,
+            concat!(
+                r#"{"model":"m","messages":[{"role":"user","content":"q"},{"role":"assistant","content":"","#,
+                r#""tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{\"z\":1,\"a\":2}"}}]}],"#,
+                r#""tools":[{"type":"function","function":{"name":"f","description":null,"parameters":{"z":{},"a":{}}}}],"#,
+                r#""chat_template_kwargs":{"reasoning_effort":"none","enable_thinking":false,"documents":[{"text":"d"}]},"#,
+                r#""add_generation_prompt":true,"continue_final_message":false,"add_special_tokens":false}"#
+            )
+        );
+    }
+
+    #[test]
+    fn a_chat_input_renders_whole_and_a_plain_one_as_before() {
+        let t = LocalTokenizer::builtin(1 << 20);
+        let body = Json::parse(
+            r#"{"messages":[{"role":"user","content":"hi there"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        )
+        .unwrap();
+        let input = ChatInput::from_chat_body(&body).unwrap();
+        // The simulator renders messages alone, as its engine does.
+        let got = t.tokenize_chat_input(&input, 1 << 20).unwrap();
+        assert_eq!(got.ids, Builtin.encode_chat(&input.flat(), true).unwrap());
     }
 }

@@ -107,6 +107,7 @@ impl Route {
         match path {
             "/v1/completions" => Self::Completions,
             "/v1/chat/completions" => Self::ChatCompletions,
+            "/v1/responses" => Self::Responses,
             "/v1/embeddings" => Self::Embeddings,
             "/v1/models" => Self::Models,
             _ => Self::Other,
@@ -117,6 +118,7 @@ impl Route {
         match self {
             Self::Completions => "/v1/completions",
             Self::ChatCompletions => "/v1/chat/completions",
+            Self::Responses => "/v1/responses",
             Self::Embeddings => "/v1/embeddings",
             Self::Models => "/v1/models",
             Self::Other => "other",

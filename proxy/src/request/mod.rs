@@ -8,6 +8,7 @@
 //! |---|---|
 //! | `context.rs` | [`RequestCtx`], the per-request state, its fields in stage order |
 //! | `view.rs` | [`RequestView`], the inference body parsed once |
+//! | `shapes.rs` | chat and `/v1/responses` bodies whose template input is more than plain messages (tools, documents, tool-call history, kwargs), read as vLLM renders them |
 //! | `client.rs` | [`ClientRequest`], the client's head and body after classify |
 //! | `plan.rs` | [`Plan`], [`Target`], [`Leg`]: what the scheduler decided |
 //! | `call.rs` | [`Upstream`], [`send`] (one call upstream under the first-byte deadline) and [`relay`] (the response back under the stream deadlines), through the narrow [`Upstreams`] handle |
@@ -20,6 +21,7 @@ pub mod client;
 pub mod context;
 pub mod hops;
 pub mod plan;
+mod shapes;
 pub mod view;
 
 pub use call::Upstreams;

@@ -4,7 +4,7 @@
 //! it reads must have the types the OpenAI API gives them, so a request the
 //! engine would reject is rejected here with the same 400, before any routing.
 
-use kvmesh_filters::prefix::tokenize::ChatMessage;
+use kvmesh_filters::prefix::tokenize::{ChatInput, ChatMessage, Inexact};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -24,6 +24,15 @@ pub struct RequestView {
     pub max_tokens: Option<u64>,
     /// vLLM's per-tenant prefix-cache isolation salt.
     pub cache_salt: Option<String>,
+    /// What a chat or `/v1/responses` request gives the chat template beyond
+    /// plain messages (tools, documents, a tool-call history, kwargs, an open
+    /// final message), as vLLM renders it (`super::shapes`); `None` when
+    /// `prompt`'s messages are all of it. `prompt` holds the messages' text
+    /// either way.
+    pub chat: Option<Box<ChatInput>>,
+    /// Why this request cannot be keyed exactly as the engine keys it (its
+    /// keys are then approximate, on `prompt`'s text); `None`: exact.
+    pub inexact: Option<Inexact>,
 }
 
 /// The prompt in the shape the client sent it.
@@ -117,6 +126,8 @@ pub enum Shape {
     Completion,
     Chat,
     Embedding,
+    /// `/v1/responses`: `input` and `instructions` (`super::shapes`).
+    Responses,
 }
 
 /// The fields kvmesh reads. `QUICK`: the body holds no byte below 0x20, so
@@ -132,7 +143,37 @@ struct Wire<'a, const QUICK: bool> {
     stream: Option<bool>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
+    /// `/v1/responses`' limit.
+    max_output_tokens: Option<u64>,
     cache_salt: Option<String>,
+    // Chat fields that reach the template: only whether they are there
+    // (`super::shapes` reads the body again, keeping key order, when one is).
+    tools: Option<de::IgnoredAny>,
+    documents: Option<de::IgnoredAny>,
+    chat_template_kwargs: Option<de::IgnoredAny>,
+    add_generation_prompt: Option<de::IgnoredAny>,
+    continue_final_message: Option<de::IgnoredAny>,
+    reasoning_effort: Option<de::IgnoredAny>,
+    add_special_tokens: Option<de::IgnoredAny>,
+    chat_template: Option<de::IgnoredAny>,
+}
+
+impl<const QUICK: bool> Wire<'_, QUICK> {
+    /// Whether the template gets more than role and text content.
+    fn beyond_messages(&self) -> bool {
+        let fields = [
+            &self.tools,
+            &self.documents,
+            &self.chat_template_kwargs,
+            &self.add_generation_prompt,
+            &self.continue_final_message,
+            &self.reasoning_effort,
+            &self.add_special_tokens,
+            &self.chat_template,
+        ];
+        fields.iter().any(|f| f.is_some())
+            || self.messages.iter().flatten().any(WireMessage::beyond_text)
+    }
 }
 
 /// `prompt`: a string, strings, token ids or batches of token ids. Decoded by
@@ -299,6 +340,36 @@ struct WireMessage<const QUICK: bool> {
     role: String,
     #[serde(default)]
     content: Option<Quick<WireContent, QUICK>>,
+    // Fields beyond role and content the template may read: only whether
+    // they are there.
+    tool_calls: Option<de::IgnoredAny>,
+    tool_call_id: Option<de::IgnoredAny>,
+    name: Option<de::IgnoredAny>,
+    reasoning: Option<de::IgnoredAny>,
+}
+
+impl<const QUICK: bool> WireMessage<QUICK> {
+    /// Whether the template reads more of this message than its role and
+    /// text (or the message holds a part that is not text).
+    fn beyond_text(&self) -> bool {
+        let fields = [
+            &self.tool_calls,
+            &self.tool_call_id,
+            &self.name,
+            &self.reasoning,
+        ];
+        fields.iter().any(|f| f.is_some())
+            || matches!(&self.content, Some(Quick(WireContent::Parts(parts))) if parts.iter().any(|p| !is_text_part(p.kind.as_deref())))
+    }
+}
+
+/// Content parts vLLM reads as text (`TEXT_PART_TYPES` in
+/// `vllm/renderers/chat_utils.py`); a part without a type is text.
+fn is_text_part(kind: Option<&str>) -> bool {
+    matches!(
+        kind,
+        None | Some("text" | "input_text" | "output_text" | "refusal" | "thinking")
+    )
 }
 
 /// A message's `content`: a string or an array of parts (decoded by hand for
@@ -350,6 +421,8 @@ impl<'de> Visitor<'de> for ContentVisitor {
 
 #[derive(Deserialize)]
 struct WirePart {
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
     #[serde(default)]
     text: Option<String>,
 }
@@ -373,14 +446,25 @@ impl RequestView {
         shape: Shape,
     ) -> Result<Self, serde_json::Error> {
         Ok(if holds_control_bytes(body) {
-            Self::from_wire(serde_json::from_slice::<Wire<false>>(body)?, shared, shape)
+            Self::from_wire(
+                serde_json::from_slice::<Wire<false>>(body)?,
+                body,
+                shared,
+                shape,
+            )
         } else {
-            Self::from_wire(serde_json::from_slice::<Wire<true>>(body)?, shared, shape)
+            Self::from_wire(
+                serde_json::from_slice::<Wire<true>>(body)?,
+                body,
+                shared,
+                shape,
+            )
         })
     }
 
     fn from_wire<const QUICK: bool>(
         w: Wire<'_, QUICK>,
+        body: &[u8],
         shared: Option<&Bytes>,
         shape: Shape,
     ) -> Self {
@@ -388,6 +472,9 @@ impl RequestView {
             (Cow::Borrowed(s), Some(b)) => Text::from_body(b, s),
             (s, _) => Text::from(s.into_owned()),
         };
+        let mut chat = None;
+        let mut inexact = None;
+        let beyond = w.beyond_messages();
         let prompt = match shape {
             Shape::Embedding => Prompt::None,
             Shape::Completion => match w.prompt.map(|p| p.0) {
@@ -399,15 +486,40 @@ impl RequestView {
             },
             Shape::Chat => match w.messages {
                 None => Prompt::None,
-                Some(ms) => Prompt::Chat(ms.into_iter().map(flatten).collect()),
+                Some(ms) => {
+                    if beyond {
+                        match super::shapes::chat(body) {
+                            Ok(input) => chat = Some(Box::new(input)),
+                            Err(reason) => inexact = Some(reason),
+                        }
+                    }
+                    Prompt::Chat(ms.into_iter().map(flatten).collect())
+                }
             },
+            Shape::Responses => {
+                let (messages, input) = super::shapes::responses(body);
+                match input {
+                    Ok(input) => chat = Some(Box::new(input)),
+                    Err(reason) => inexact = Some(reason),
+                }
+                if messages.is_empty() {
+                    Prompt::None
+                } else {
+                    Prompt::Chat(messages)
+                }
+            }
         };
         Self {
             model: w.model,
             prompt,
             stream: w.stream.unwrap_or(false),
-            max_tokens: w.max_completion_tokens.or(w.max_tokens),
+            max_tokens: w
+                .max_completion_tokens
+                .or(w.max_tokens)
+                .or(w.max_output_tokens),
             cache_salt: w.cache_salt,
+            chat,
+            inexact,
         }
     }
 

@@ -8,7 +8,8 @@
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde::Deserialize;
+use serde::ser::{SerializeMap, SerializeSeq, Serializer};
+use serde::{Deserialize, Serialize};
 
 /// Most nesting read; deeper values are refused (a template cannot need them
 /// and a crafted body must not overflow the stack).
@@ -101,6 +102,33 @@ impl From<&str> for Json {
 impl From<bool> for Json {
     fn from(b: bool) -> Self {
         Self::Bool(b)
+    }
+}
+
+/// Written back with the keys in their order (a body for the engine's
+/// `/tokenize` must print as the client's would).
+impl Serialize for Json {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Null => s.serialize_unit(),
+            Self::Bool(b) => s.serialize_bool(*b),
+            Self::Number(n) => n.serialize(s),
+            Self::String(v) => s.serialize_str(v),
+            Self::Array(v) => {
+                let mut seq = s.serialize_seq(Some(v.len()))?;
+                for item in v {
+                    seq.serialize_element(item)?;
+                }
+                seq.end()
+            }
+            Self::Object(o) => {
+                let mut map = s.serialize_map(Some(o.len()))?;
+                for (k, v) in o {
+                    map.serialize_entry(k, v)?;
+                }
+                map.end()
+            }
+        }
     }
 }
 
@@ -207,6 +235,13 @@ mod tests {
         assert_eq!(j.get("z"), Some(&Json::Number(2.into())));
         assert!(!Json::parse("{}").unwrap().truthy());
         assert!(Json::parse(r#""x""#).unwrap().truthy());
+    }
+
+    #[test]
+    fn writes_back_in_order() {
+        let text = r#"{"z":1,"a":{"y":[true,null,"s",1.5],"b":-2}}"#;
+        let j = Json::parse(text).unwrap();
+        assert_eq!(serde_json::to_string(&j).unwrap(), text);
     }
 
     #[test]
