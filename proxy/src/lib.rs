@@ -14,39 +14,39 @@
 //! [`metrics`], [`headers`], [`upstream`] (the pooled client), [`access`]
 //! (access logs).
 
-pub mod access;
+mod access;
 mod admin;
 mod app;
 pub mod autoscale;
-pub mod backoff;
-pub mod body;
+mod backoff;
+mod body;
 pub mod cli;
 pub mod config;
-pub mod error;
+mod error;
 pub mod fleet;
 #[cfg(test)]
 mod graph_tests;
 pub mod h1;
-pub mod headers;
-pub mod kvevents;
+mod headers;
+mod kvevents;
 pub mod logging;
 pub mod mesh;
-pub mod metrics;
-pub mod otel;
+mod metrics;
+mod otel;
 pub mod path;
-pub mod pd;
+mod pd;
 pub mod prefix;
 mod ready;
-pub mod request;
-pub mod respond;
+mod request;
+mod respond;
 pub mod routing;
 mod scrape;
 mod server;
 mod shutdown;
 mod sidecar;
 pub mod stat;
-pub mod tls;
-pub mod upstream;
+mod tls;
+mod upstream;
 pub mod valkey;
 
 pub use config::Config;
