@@ -23,3 +23,4 @@ pub mod python;
 pub mod route;
 pub mod sidecar;
 pub mod simproc;
+pub mod tls_front;

@@ -227,6 +227,126 @@ async fn writers_and_lookups_agree_on_who_holds_what() {
     shutdown.trigger();
 }
 
+/// Connects `cfg` and waits for the store to come up, or, with `up` false,
+/// for it to have tried and failed (its last error set) while staying down.
+async fn tries(cfg: ValkeyConfig, shutdown: &Shutdown, up: bool) -> Arc<Store> {
+    let store = Arc::new(Store::new(cfg));
+    tokio::spawn(store.clone().run(shutdown.clone()));
+    eventually("a connection attempt", || async {
+        (store.is_up() || !store.last_error().is_empty()).then_some(())
+    })
+    .await;
+    assert_eq!(store.is_up(), up, "last error: {}", store.last_error());
+    store
+}
+
+#[tokio::test]
+async fn rediss_urls_speak_tls_with_a_private_ca_and_a_client_certificate() {
+    use kvmesh_proxy::config::index::ValkeyTls;
+    use kvmesh_tests::certs::MeshPki;
+    use kvmesh_tests::tls_front::TlsFront;
+
+    let server = ValkeyServer::start().await.unwrap();
+    let upstream: SocketAddr = format!("127.0.0.1:{}", server.port()).parse().unwrap();
+    let pki = MeshPki::new();
+    let valkey = pki.files("valkey", "localhost");
+    let client = pki.files("sidecar", "kvmesh-sidecar");
+    // As `tls-auth-clients yes`: the handshake needs a certificate of the CA.
+    let front = TlsFront::start(upstream, &valkey.cert, &valkey.key, Some(&valkey.ca)).await;
+    let url = format!("rediss://localhost:{}", front.addr.port());
+    let tls = |ca: bool, cert: bool| ValkeyTls {
+        ca: ca.then(|| valkey.ca.clone()),
+        cert: cert.then(|| client.cert.clone()),
+        key: cert.then(|| client.key.clone()),
+    };
+    let with = |t: Option<ValkeyTls>| ValkeyConfig {
+        tls: t,
+        ..fast(vec![url.clone()])
+    };
+    let shutdown = Shutdown::new();
+
+    // The private CA and a client certificate: the index works through TLS.
+    let store = tries(with(Some(tls(true, true))), &shutdown, true).await;
+    let m = &IndexMetrics::default();
+    let index = Arc::new(PrefixIndex::default());
+    let mut a = Pod::new(&store, &index, "127.0.0.1:10001");
+    let toks = tokens(4, 3);
+    let keys = index.request_keys("m", None, &toks, BS);
+    a.apply(m, &index, store_chain(&toks, 4, 100)).await;
+    let lookup = Lookup::new(store.clone());
+    assert_eq!(
+        depths(&lookup, m, &keys).await,
+        vec![("127.0.0.1:10001".into(), 4)]
+    );
+    // The bytes did go through the front: the server has the pod's blocks.
+    assert!(server
+        .info_field("keyspace", "db0")
+        .await
+        .unwrap()
+        .contains("keys="));
+
+    // The system's roots do not know the private CA: never up, and it says why.
+    let untrusted = tries(with(None), &shutdown, false).await;
+    assert!(
+        untrusted
+            .last_error()
+            .to_lowercase()
+            .contains("certificate"),
+        "{}",
+        untrusted.last_error()
+    );
+    // The CA but no client certificate: the server refuses the handshake.
+    let anonymous = tries(with(Some(tls(true, false))), &shutdown, false).await;
+    assert!(!anonymous.is_up());
+    shutdown.trigger();
+}
+
+#[test]
+fn tls_settings_that_cannot_work_are_refused_with_the_field() {
+    use kvmesh_proxy::config::index::ValkeyTls;
+    let check = |urls: &[&str], tls: Option<ValkeyTls>| {
+        let mut c = Config::default();
+        c.index.backend = Backend::Valkey;
+        c.index.valkey.urls = urls.iter().map(|u| (*u).to_owned()).collect();
+        c.index.valkey.tls = tls;
+        kvmesh_proxy::config::index::validate(&c)
+            .err()
+            .map(|(field, _)| field)
+    };
+    let files = |ca: &str, cert: Option<&str>, key: Option<&str>| ValkeyTls {
+        ca: Some(ca.into()),
+        cert: cert.map(Into::into),
+        key: key.map(Into::into),
+    };
+    assert_eq!(check(&["rediss://v:6380"], None), None);
+    assert_eq!(
+        check(&["rediss://a:6380", "redis://b:6379"], None).as_deref(),
+        Some("index.valkey.urls")
+    );
+    assert_eq!(
+        check(&["redis://v:6379"], Some(ValkeyTls::default())).as_deref(),
+        Some("index.valkey.tls")
+    );
+    let ca = std::env::current_exe().unwrap();
+    let ca = ca.to_str().unwrap();
+    assert_eq!(
+        check(&["rediss://v:6380"], Some(files(ca, Some(ca), None))).as_deref(),
+        Some("index.valkey.tls")
+    );
+    assert_eq!(
+        check(
+            &["rediss://v:6380"],
+            Some(files("/nonexistent/ca.pem", None, None))
+        )
+        .as_deref(),
+        Some("index.valkey.tls.ca")
+    );
+    assert_eq!(
+        check(&["valkeys://v:6380"], Some(files(ca, None, None))),
+        None
+    );
+}
+
 #[tokio::test]
 async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_times_out() {
     let mut server = ValkeyServer::start().await.unwrap();

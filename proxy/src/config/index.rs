@@ -53,7 +53,8 @@ impl Backend {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Valkey {
-    /// `redis://[user:password@]host:port[/db]`. One URL: a single server.
+    /// `redis://[user:password@]host:port[/db]` (`rediss://` over TLS; `valkey://`
+    /// and `valkeys://` are the same). One URL: a single server.
     /// Several without `cluster`: a primary and its replicas, in any order;
     /// the sidecar uses the one that answers `ROLE` as primary and moves to
     /// another when it fails (after Sentinel, an operator or an operator
@@ -61,6 +62,9 @@ pub struct Valkey {
     pub urls: Vec<String>,
     /// The URLs are seeds of a Valkey cluster (slots, `MOVED` redirects).
     pub cluster: bool,
+    /// TLS files for `rediss://` URLs. Without them a `rediss://` server is
+    /// verified against the system's roots and no client certificate is sent.
+    pub tls: Option<ValkeyTls>,
     /// First part of every key, so several fleets can share one Valkey.
     pub key_prefix: String,
     /// Stripes per model: a pod writes to the stripe its id hashes to, and a
@@ -103,11 +107,32 @@ pub struct Valkey {
     pub forget_after: Duration,
 }
 
+/// `index.valkey.tls`: PEM files for TLS to Valkey (every URL `rediss://`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValkeyTls {
+    /// CA certificates the server's certificate must chain to, instead of the
+    /// system's roots (a private CA, as managed Valkey services and
+    /// cert-manager issue).
+    pub ca: Option<std::path::PathBuf>,
+    /// A client certificate chain (leaf first), for servers that require one
+    /// (`tls-auth-clients yes`); with `key`.
+    pub cert: Option<std::path::PathBuf>,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<std::path::PathBuf>,
+}
+
+/// Whether `url` asks for TLS.
+pub fn is_tls_url(url: &str) -> bool {
+    url.starts_with("rediss://") || url.starts_with("valkeys://")
+}
+
 impl Default for Valkey {
     fn default() -> Self {
         Self {
             urls: Vec::new(),
             cluster: false,
+            tls: None,
             key_prefix: "kvmesh".to_owned(),
             stripes: 1,
             lookup_deadline: Duration::from_millis(5),
@@ -141,11 +166,43 @@ pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
         );
     }
     for u in &v.urls {
-        if !(u.starts_with("redis://") || u.starts_with("valkey://")) {
+        if !(u.starts_with("redis://") || u.starts_with("valkey://") || is_tls_url(u)) {
             return err(
                 "valkey.urls",
-                format!("{u:?} must start with redis:// or valkey://"),
+                format!("{u:?} must start with redis://, rediss:// (TLS), valkey:// or valkeys://"),
             );
+        }
+    }
+    let tls_urls = v.urls.iter().filter(|u| is_tls_url(u)).count();
+    if tls_urls != 0 && tls_urls != v.urls.len() {
+        return err(
+            "valkey.urls",
+            "mixes TLS (rediss://) and plain URLs: use one or the other for every server"
+                .to_owned(),
+        );
+    }
+    if let Some(t) = &v.tls {
+        if tls_urls == 0 {
+            return err(
+                "valkey.tls",
+                "is set but no URL asks for TLS: write them rediss://host:port".to_owned(),
+            );
+        }
+        if t.cert.is_some() != t.key.is_some() {
+            return err(
+                "valkey.tls",
+                "a client certificate needs both cert and key".to_owned(),
+            );
+        }
+        for (field, path) in [("ca", &t.ca), ("cert", &t.cert), ("key", &t.key)] {
+            if let Some(path) = path {
+                if let Err(e) = std::fs::metadata(path) {
+                    return err(
+                        &format!("valkey.tls.{field}"),
+                        format!("{}: {e}", path.display()),
+                    );
+                }
+            }
         }
     }
     if v.key_prefix.is_empty() || v.key_prefix.contains(['{', '}']) {

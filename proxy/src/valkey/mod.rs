@@ -73,6 +73,8 @@ pub struct IndexStatus {
     pub backend: &'static str,
     pub up: bool,
     pub server: String,
+    /// Why the last attempt to connect failed ("" while connected).
+    pub error: String,
     pub writer: WriterStatus,
 }
 
@@ -97,6 +99,7 @@ impl Valkey {
             backend: "valkey",
             up: self.store.is_up(),
             server: self.store.server(),
+            error: self.store.last_error(),
             writer: self.status.lock().clone(),
         }
     }

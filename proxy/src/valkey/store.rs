@@ -10,6 +10,9 @@
 //!   taking the one whose `ROLE` is primary, loads `functions.lua`, and
 //!   backs off with jitter while none answers.
 //! * Every call has a deadline; redis-rs's own timeouts are only a backstop.
+//! * `rediss://` URLs speak TLS (rustls): the server is verified against
+//!   `index.valkey.tls.ca` or the system's roots, and `tls.cert`/`tls.key`
+//!   are presented when the server asks for a client certificate.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,6 +47,8 @@ pub enum StoreError {
     Redis(#[from] RedisError),
     #[error("unexpected reply from Valkey: {0}")]
     Reply(String),
+    #[error("TLS to Valkey: {0}")]
+    Tls(String),
 }
 
 impl StoreError {
@@ -54,6 +59,7 @@ impl StoreError {
             Self::Timeout(_) => "timeout",
             Self::Redis(_) => "error",
             Self::Reply(_) => "bad_reply",
+            Self::Tls(_) => "tls",
         }
     }
 }
@@ -83,6 +89,8 @@ pub struct Store {
     lost: Notify,
     /// Which URL the connection goes to (for `/debug/index` and logs).
     server: RwLock<String>,
+    /// Why the last attempt to connect failed ("" once connected).
+    last_error: RwLock<String>,
 }
 
 impl std::fmt::Debug for Store {
@@ -102,6 +110,7 @@ impl Store {
             generation: AtomicU64::new(0),
             lost: Notify::new(),
             server: RwLock::new(String::new()),
+            last_error: RwLock::new(String::new()),
         }
     }
 
@@ -117,6 +126,12 @@ impl Store {
     /// The server the connection goes to ("" while down).
     pub fn server(&self) -> String {
         self.server.read().clone()
+    }
+
+    /// Why the last attempt to connect failed ("" while connected or before
+    /// the first attempt): a refused connection, an untrusted certificate.
+    pub fn last_error(&self) -> String {
+        self.last_error.read().clone()
     }
 
     /// Times a connection was made (a change means a reconnect).
@@ -175,6 +190,9 @@ impl Store {
     /// Keeps a connection up until shutdown (see the module docs).
     pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+        // Failed attempts since the last connection: the first is a warning,
+        // the retries after it are not.
+        let mut failures = 0u32;
         loop {
             if !self.is_up() {
                 let connected = tokio::select! {
@@ -186,11 +204,19 @@ impl Store {
                         backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
                         let g = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
                         tracing::info!(%server, "valkey: connected");
+                        failures = 0;
+                        self.last_error.write().clear();
                         *self.server.write() = server;
                         *self.link.write() = Some((g, link));
                     }
                     Err(e) => {
-                        tracing::debug!(error = %e, "valkey: no server answered");
+                        if failures == 0 {
+                            tracing::warn!(urls = ?self.cfg.urls, error = %e, "valkey: cannot connect; routing on what this sidecar knows until it can");
+                        } else {
+                            tracing::debug!(error = %e, "valkey: no server answered");
+                        }
+                        failures = failures.saturating_add(1);
+                        *self.last_error.write() = e.to_string();
                         tokio::select! {
                             _ = shutdown.triggered() => return,
                             _ = tokio::time::sleep(backoff.next_delay()) => continue,
@@ -206,12 +232,16 @@ impl Store {
     }
 
     async fn connect(&self) -> Result<(Link, String), StoreError> {
+        let certs = tls_files(&self.cfg)?;
         if self.cfg.cluster {
-            let client = redis::cluster::ClusterClient::builder(self.cfg.urls.clone())
+            let mut builder = redis::cluster::ClusterClient::builder(self.cfg.urls.clone())
                 .connection_timeout(CONNECT_TIMEOUT)
                 .response_timeout(CONNECT_TIMEOUT)
-                .retries(1)
-                .build()?;
+                .retries(1);
+            if let Some(certs) = certs {
+                builder = builder.certs(certs);
+            }
+            let client = builder.build()?;
             let conn = timed(client.get_async_connection()).await?;
             let mut link = Link::Cluster(conn);
             // FUNCTION LOAD goes to every primary; a version check would ask one.
@@ -220,7 +250,7 @@ impl Store {
         }
         let mut last = StoreError::Down;
         for url in &self.cfg.urls {
-            match connect_primary(url).await {
+            match connect_primary(url, certs.clone()).await {
                 Ok(link) => return Ok((link, url.clone())),
                 Err(e) => last = e,
             }
@@ -229,9 +259,39 @@ impl Store {
     }
 }
 
+/// The files of `index.valkey.tls`, read at each connect (so a rotated
+/// certificate is picked up by the next one); `None` without them, when a
+/// `rediss://` server is verified against the system's roots.
+fn tls_files(cfg: &Config) -> Result<Option<redis::TlsCertificates>, StoreError> {
+    let Some(t) = &cfg.tls else {
+        return Ok(None);
+    };
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| StoreError::Tls(format!("{}: {e}", p.display())))
+    };
+    let client_tls = match (&t.cert, &t.key) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read(cert)?,
+            client_key: read(key)?,
+        }),
+        _ => None,
+    };
+    let root_cert = t.ca.as_deref().map(read).transpose()?;
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
 /// Connects to `url` and keeps the connection if the server is a primary.
-async fn connect_primary(url: &str) -> Result<Link, StoreError> {
-    let client = redis::Client::open(url)?;
+async fn connect_primary(
+    url: &str,
+    certs: Option<redis::TlsCertificates>,
+) -> Result<Link, StoreError> {
+    let client = match certs {
+        Some(certs) => redis::Client::build_with_tls(url, certs)?,
+        None => redis::Client::open(url)?,
+    };
     let cfg = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(CONNECT_TIMEOUT)
         .set_response_timeout(CONNECT_TIMEOUT);
