@@ -24,7 +24,8 @@ use vllm::recorder::{self, Recorder};
 use vllm::report::Timings;
 use vllm::sidecar::SidecarUnderTest;
 use vllm::{
-    case_dp, case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, engines_lock,
+    case_dp, case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, case_shapes,
+    engines_lock,
 };
 
 /// KV-cache size of the single engine, in 32-token blocks (tiny-llama: 64 KiB per block).
@@ -140,6 +141,65 @@ fn vllm_single_group() -> Result<()> {
                 case_fidelity::check(&engine.base_url, KV_BLOCKS, MAX_NUM_SEQS).await
             })
         },
+    )?;
+    rt.block_on(sidecar.shutdown());
+    Ok(())
+}
+
+/// Group "shapes" (issue 40, item 4): one engine serving the Qwen3-style fixture template (and
+/// taking the Llama-3.1-style one per request), `sha256_cbor` hashes, KV events to one sidecar.
+///
+/// * case 8a: for every request shape of `tests/fixtures/chat-templates/shapes.json` (tools,
+///   tool-call history, `enable_thinking: false`, `reasoning_effort`, documents,
+///   `continue_final_message`, `/v1/responses` with input as a string and as items, with
+///   instructions), kvmesh's token ids equal the prompt vLLM ran and its `/tokenize`, and vLLM
+///   reported their blocks under the hashes kvmesh computes.
+/// * case 8b: `/v1/responses` through the sidecar is tokenized, scheduled and its blocks indexed
+///   under kvmesh's keys; an image and a `previous_response_id` are counted as keyed inexactly.
+#[test]
+fn vllm_shapes_group() -> Result<()> {
+    let _one_group_at_a_time = engines_lock();
+    let mut t = Timings::new("shapes");
+    let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
+    let work = work_dir();
+    let events = format!("tcp://127.0.0.1:{}", vllm::free_port()?);
+    let spec = EngineSpec {
+        sha256_cbor: true,
+        python_hash_seed: Some(HASH_SEED.to_string()),
+        kv_events_to: Some(events.clone()),
+        // Every shape's blocks stay held (no eviction between a request and its check).
+        kv_cache_bytes: 600 * 65_536,
+        extra_args: case_shapes::engine_args(),
+        ..EngineSpec::new("shapes", 0)
+    };
+    let engines = t.step(
+        "start vLLM (fixture chat template, sha256_cbor, KV events)",
+        || Engine::start_all(&venv, work.path(), std::slice::from_ref(&spec)),
+    )?;
+    let engine = &engines[0];
+    let rt = runtime();
+    let http = Http::default();
+    let sidecar = t.step("start the sidecar (KV events, the served template)", || {
+        rt.block_on(async {
+            let dir = case_shapes::sidecar_model_dir(work.path())?;
+            let yaml = case_shapes::sidecar_yaml(engine, &events, &dir)?;
+            let s = SidecarUnderTest::from_yaml(yaml).await?;
+            wait_ready(&http, &s.admin_url).await?;
+            case_mesh::wait_events_flow(&http, engine, &s).await?;
+            anyhow::Ok(s)
+        })
+    })?;
+    t.step("case 8a: every request shape keyed as vLLM keys it", || {
+        rt.block_on(async {
+            let hasher = VllmCborHasher::new(Some(HASH_SEED));
+            let n = case_shapes::every_shape(&http, engine, &hasher).await?;
+            anyhow::ensure!(n >= 20, "only {n} shapes");
+            anyhow::Ok(())
+        })
+    })?;
+    t.step(
+        "case 8b: /v1/responses routed KV-aware through the sidecar; inexact shapes counted",
+        || rt.block_on(case_shapes::through_sidecar(&http, &sidecar)),
     )?;
     rt.block_on(sidecar.shutdown());
     Ok(())

@@ -100,6 +100,8 @@ pub struct EngineSpec {
     /// Any other `--kv-transfer-config` (a JSON object, e.g. an external connector loaded with
     /// `kv_connector_module_path`) plus the environment it needs. Exclusive with `nixl`.
     pub kv_transfer: Option<(serde_json::Value, Vec<(String, String)>)>,
+    /// More `vllm serve` arguments (e.g. `--chat-template PATH`).
+    pub extra_args: Vec<String>,
 }
 
 impl EngineSpec {
@@ -116,6 +118,7 @@ impl EngineSpec {
             kv_events_to: None,
             nixl: None,
             kv_transfer: None,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -244,6 +247,7 @@ impl Engine {
             cmd.arg("--kv-transfer-config").arg(config.to_string());
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
+        cmd.args(&spec.extra_args);
         if spec.data_parallel > 1 {
             cmd.args(["--data-parallel-size", &spec.data_parallel.to_string()]);
         }

@@ -66,6 +66,13 @@ impl Http {
             .await
     }
 
+    /// A POST of JSON bytes as they are (a `serde_json::Value` would sort the object keys, and a
+    /// chat template prints tool schemas in the order the client sent them).
+    pub async fn post_bytes(&self, url: &str, body: Vec<u8>) -> Result<Reply> {
+        self.send(Method::POST, url, Some(Bytes::from(body)), REQUEST_DEADLINE)
+            .await
+    }
+
     /// A JSON POST with extra request headers.
     pub async fn post_json_with(
         &self,

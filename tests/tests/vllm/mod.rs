@@ -22,6 +22,7 @@ pub mod case_hashes;
 pub mod case_mesh;
 pub mod case_openai;
 pub mod case_pd;
+pub mod case_shapes;
 pub mod engine;
 pub mod events;
 pub mod http;
