@@ -326,7 +326,7 @@ pub async fn engine_tokenize_chat_input(
 /// has no `documents` or `reasoning_effort`, so they travel as
 /// `chat_template_kwargs`, as its chat path passes them; a tool call's
 /// arguments go back to the JSON string the request field must be.
-fn engine_chat_body(model: Option<&str>, input: &ChatInput) -> Json {
+pub fn engine_chat_body(model: Option<&str>, input: &ChatInput) -> Json {
     let mut messages = input.messages_json();
     if let Json::Array(list) = &mut messages {
         for m in list {

@@ -10,7 +10,8 @@
 //! * the token ids kvmesh computes (the body read into a `ChatInput`, rendered and encoded as the
 //!   sidecar does) equal the prompt ids vLLM itself used for the real request (`return_token_ids`
 //!   on chat completions, `enable_response_messages` on `/v1/responses`);
-//! * for chat shapes they also equal vLLM's `/tokenize` given the same fields;
+//! * for chat shapes they also equal vLLM's `/tokenize` given the same fields, and for every
+//!   shape, `/tokenize` given the body a sidecar with `tokenizer: engine` sends;
 //! * the blocks vLLM reported for the request (read back from its replay socket) carry the
 //!   `sha256_cbor` hashes of kvmesh's ids and exactly their tokens;
 //! * a shape vLLM refuses (tool-call arguments as an object) is refused by vLLM and not claimed
@@ -276,6 +277,28 @@ pub async fn tokenize(http: &Http, engine: &Engine, shape: &Shape) -> Result<Vec
     ids(&reply["tokens"], "tokens")
 }
 
+/// The ids vLLM's `/tokenize` gives for the body a sidecar with `tokenizer: engine` sends it
+/// (`kvmesh_proxy::prefix::tokenize::engine_chat_body`); the per-request template is added for
+/// the shapes of the template the engine does not serve.
+async fn engine_mode(http: &Http, engine: &Engine, shape: &Shape) -> Result<Vec<u32>> {
+    let input = input(shape).map_err(|r| anyhow::anyhow!("not keyed exactly: {r:?}"))?;
+    let mut body = kvmesh_proxy::prefix::tokenize::engine_chat_body(Some(MODEL), &input);
+    if shape.template != SERVED {
+        let src = std::fs::read_to_string(templates().join(format!("{}.jinja", shape.template)))?;
+        if let Json::Object(fields) = &mut body {
+            fields.push(("chat_template".to_owned(), Json::String(src)));
+        }
+    }
+    let reply = http
+        .post_bytes(
+            &format!("{}/tokenize", engine.base_url),
+            serde_json::to_vec(&body)?,
+        )
+        .await?
+        .json()?;
+    ids(&reply["tokens"], "tokens")
+}
+
 /// Every full block of `tokens` is among the blocks vLLM reports as held, under the hash
 /// `hasher` computes, with exactly these tokens.
 async fn blocks_reported(
@@ -347,6 +370,13 @@ pub async fn every_shape(http: &Http, engine: &Engine, hasher: &VllmCborHasher) 
         ensure!(
             ours == theirs,
             "{key}: kvmesh's ids differ from the prompt vLLM ran\n ours: {ours:?}\n vllm: {theirs:?}"
+        );
+        let asked = engine_mode(http, engine, shape)
+            .await
+            .with_context(|| format!("{key}: /tokenize as tokenizer: engine asks it"))?;
+        ensure!(
+            ours == asked,
+            "{key}: the sidecar's /tokenize body (tokenizer: engine) gives other ids\n ours: {ours:?}\n vllm: {asked:?}"
         );
         if !shape.responses {
             let tokenized = tokenize(http, engine, shape)
