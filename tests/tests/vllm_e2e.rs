@@ -232,7 +232,8 @@ async fn wait_ready(http: &Http, admin_url: &str) -> Result<()> {
 /// * case 3: precise routing through the two meshed sidecars lands every repeat of a long system
 ///   prompt on the engine holding it; vLLM's `prefix_cache_hits_total` beats round robin.
 /// * case 5: a decode-role sidecar in front of engine b splits a long prompt by itself: prefill on
-///   engine a (a prefill-role sidecar, found through the mesh), KV over NIXL, decode on b.
+///   engine a (a prefill-role sidecar, found through the mesh), KV over NIXL, decode on b; case 5b
+///   the same for a `/v1/responses` request.
 /// * case 7: prefill engine down (fallback or clear error, per `pd.on_prefill_failure`), then the
 ///   decode engine killed mid-stream.
 #[test]
@@ -350,6 +351,17 @@ fn vllm_pair_group() -> Result<()> {
         "case 5: P/D through the sidecar (--pd-connector nixl), decided by its scheduler",
         || {
             rt.block_on(case_pd::through_sidecar(
+                &http,
+                &engines[0],
+                &engines[1],
+                &decode_side,
+            ))
+        },
+    )?;
+    t.step(
+        "case 5b: /v1/responses P/D through the sidecar, decided by its scheduler",
+        || {
+            rt.block_on(case_pd::responses_through_sidecar(
                 &http,
                 &engines[0],
                 &engines[1],

@@ -258,3 +258,75 @@ async fn reference(http: &Http, url: &str, body: &Value) -> Result<(String, f64)
         .context("prompt_tokens")?;
     Ok((text, prompt_tokens))
 }
+
+/// Case 5b: the same through `/v1/responses` (issue 40, item 4): vLLM 0.32 takes
+/// `kv_transfer_params` on a Responses request and returns them on its response, so the decode
+/// sidecar splits it as it splits a completion (the prefill leg capped by `max_output_tokens`).
+pub async fn responses_through_sidecar(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    decode_sidecar: &super::sidecar::SidecarUnderTest,
+) -> Result<()> {
+    let body = json!({"model": MODEL, "instructions": "Continue the text.",
+                      "input": long_prompt("pd-responses", 300), "max_output_tokens": 12,
+                      "temperature": 0, "ignore_eos": true});
+    let text = |reply: &Value| -> Result<String> {
+        reply["output"]
+            .as_array()
+            .and_then(|items| items.iter().find(|i| i["type"] == "message"))
+            .and_then(|m| m["content"][0]["text"].as_str())
+            .map(str::to_owned)
+            .with_context(|| format!("no output text in {reply}"))
+    };
+    let alone = http
+        .post_json(&format!("{}/v1/responses", prefill.base_url), &body)
+        .await?
+        .json()?;
+    let want_text = text(&alone)?;
+    let prompt_tokens = alone["usage"]["input_tokens"]
+        .as_f64()
+        .context("usage.input_tokens")?;
+    let ext = [("source", "external_kv_transfer")];
+    let ext_before = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    let split = [("outcome", "disaggregated")];
+    let split_before =
+        sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
+    let got = http
+        .post_json(&format!("{}/v1/responses", decode_sidecar.url), &body)
+        .await?
+        .json()?;
+    let got_text = text(&got)?;
+    let ext_after = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    let split_after =
+        sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
+    note(&format!(
+        "pair: case 5b: /v1/responses, prompt {prompt_tokens} tokens; decode engine external_kv_transfer +{}; \
+         sidecar disaggregated +{}; output {got_text:?}",
+        ext_after - ext_before,
+        split_after - split_before
+    ));
+    ensure!(
+        split_after - split_before == 1.0,
+        "the decode sidecar did not split the /v1/responses request (+{})",
+        split_after - split_before
+    );
+    ensure!(
+        ext_after - ext_before == prompt_tokens,
+        "decode engine's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}",
+        ext_after - ext_before
+    );
+    ensure!(
+        got_text == want_text,
+        "P/D output {got_text:?} != engine a alone {want_text:?}"
+    );
+    Ok(())
+}
