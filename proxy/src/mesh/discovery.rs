@@ -46,9 +46,9 @@ struct Sources {
 
 /// The discovery loop (see the module docs). Returns on shutdown, after
 /// every subscriber task stopped.
-pub async fn run(t: Tasks, shutdown: Shutdown) {
-    let cfg = t.config.mesh.clone();
-    let own: Option<SocketAddr> = t.mesh.mesh_addr();
+pub async fn run(shared: Tasks, shutdown: Shutdown) {
+    let cfg = shared.config.mesh.clone();
+    let own: Option<SocketAddr> = shared.mesh.mesh_addr();
     let mut follows: HashMap<SocketAddr, Follow> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut sources = Sources::default();
@@ -81,11 +81,11 @@ pub async fn run(t: Tasks, shutdown: Shutdown) {
                 }
                 let stop = CancellationToken::new();
                 let (tx, rx) = watch::channel(PeerStatus::default());
-                tasks.spawn(subscriber::run(t.clone(), addr, stop.clone(), tx));
+                tasks.spawn(subscriber::run(shared.clone(), addr, stop.clone(), tx));
                 follows.insert(addr, Follow { stop, status: rx });
             }
         }
-        gauges(&t, &follows, cfg.stale_after.get());
+        gauges(&shared, &follows, cfg.stale_after.get());
         tokio::select! {
             _ = shutdown.triggered() => break,
             _ = tokio::time::sleep(GAUGE_EVERY) => {}
@@ -97,7 +97,7 @@ pub async fn run(t: Tasks, shutdown: Shutdown) {
     while tasks.join_next().await.is_some() {}
 }
 
-fn gauges(t: &Tasks, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
+fn gauges(shared: &Tasks, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
     let now = Instant::now();
     let (mut known, mut fresh, mut other_models, mut lag) = (0, 0, 0, 0u64);
     let mut entries = Vec::with_capacity(follows.len());
@@ -120,10 +120,10 @@ fn gauges(t: &Tasks, follows: &HashMap<SocketAddr, Follow>, stale: Duration) {
             }
         }
     }
-    t.mesh.metrics.peers(known, fresh, other_models);
-    t.mesh.metrics.lag_ms(lag);
+    shared.mesh.metrics.peers(known, fresh, other_models);
+    shared.mesh.metrics.lag_ms(lag);
     entries.sort_by(|a, b| a.mesh_addr.cmp(&b.mesh_addr));
-    t.mesh.set_peers(entries);
+    shared.mesh.set_peers(entries);
 }
 
 async fn refresh(cfg: &MeshConfig, s: &mut Sources) {
@@ -255,7 +255,7 @@ mod tests {
 
     #[test]
     fn peers_file_lines() {
-        let t = "# peers\n10.0.0.1:7000\n  pod-b.svc:7000 # b\nnot-an-addr\n\n:7000\n";
-        assert_eq!(parse_peers(t), vec!["10.0.0.1:7000", "pod-b.svc:7000"]);
+        let text = "# peers\n10.0.0.1:7000\n  pod-b.svc:7000 # b\nnot-an-addr\n\n:7000\n";
+        assert_eq!(parse_peers(text), vec!["10.0.0.1:7000", "pod-b.svc:7000"]);
     }
 }

@@ -152,9 +152,9 @@ impl Mesh {
             max_subscribers: m.max_subscribers,
             local_kv: Mutex::new(enabled.then(|| prefix.subscribe_local())),
             enabled,
-            client: tls.clone().map(|t| {
+            client: tls.clone().map(|shared| {
                 let tls_failed = metrics.tls_failures("connect");
-                client::MeshClient::new(t, config.timeouts.connect.get(), tls_failed)
+                client::MeshClient::new(shared, config.timeouts.connect.get(), tls_failed)
             }),
             tls,
             routes: client::MeshRoutes::default(),
@@ -314,9 +314,9 @@ impl Mesh {
     }
 
     /// Publishes the local load and in-flight counts (also the heartbeat).
-    fn tick(&self, t: &Tasks) {
+    fn tick(&self, shared: &Tasks) {
         let now = Instant::now();
-        let fleet = &t.fleet;
+        let fleet = &shared.fleet;
         let local = fleet
             .snapshot(now)
             .into_iter()
@@ -336,7 +336,8 @@ impl Mesh {
         hub.last_in_flight = in_flight.clone();
         hub.publish(&self.metrics, &Msg::InFlight(in_flight));
         let scraped = fleet.stats().remove(fleet.local_id()).unwrap_or_default();
-        let stats = crate::stat::local_stats(scraped, self.metrics.served_total(), t.pd.totals());
+        let stats =
+            crate::stat::local_stats(scraped, self.metrics.served_total(), shared.pd.totals());
         hub.publish_stats(&self.metrics, stats);
     }
 }
@@ -410,28 +411,28 @@ pub struct Tasks {
 /// The mesh task: binds nothing itself (the listener is passed in), serves
 /// the stream, publishes local state and runs discovery. Returns on shutdown.
 pub async fn run<H: crate::server::Handler>(
-    t: Tasks,
+    shared: Tasks,
     listener: TcpListener,
     forwarded: H,
     shutdown: Shutdown,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(server::serve(
-        t.clone(),
+        shared.clone(),
         listener,
         forwarded,
         shutdown.clone(),
     ));
-    tasks.spawn(discovery::run(t.clone(), shutdown.clone()));
-    tasks.spawn(publish(t, shutdown.clone()));
+    tasks.spawn(discovery::run(shared.clone(), shutdown.clone()));
+    tasks.spawn(publish(shared, shutdown.clone()));
     while tasks.join_next().await.is_some() {}
 }
 
 /// Forwards local KV updates to subscribers and publishes the load on a tick.
-async fn publish(t: Tasks, shutdown: Shutdown) {
-    let mesh = t.mesh.clone();
+async fn publish(shared: Tasks, shutdown: Shutdown) {
+    let mesh = shared.mesh.clone();
     let mut kv = mesh.local_kv.lock().take();
-    let mut tick = tokio::time::interval(t.config.mesh.load_interval.get());
+    let mut tick = tokio::time::interval(shared.config.mesh.load_interval.get());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -443,7 +444,7 @@ async fn publish(t: Tasks, shutdown: Shutdown) {
                 hub.subs.clear();
                 return;
             }
-            _ = tick.tick() => mesh.tick(&t),
+            _ = tick.tick() => mesh.tick(&shared),
             u = crate::prefix::recv_local(&mut kv) => match u {
                 Ok(update) => mesh.local_kv(update),
                 Err(broadcast::error::RecvError::Lagged(n)) => {

@@ -89,7 +89,12 @@ impl Body for StreamBody {
 /// Serves the mesh port until shutdown; with `mesh.tls`, a request a peer
 /// forwarded goes to `forwarded` (the request path, which the sidecar passes
 /// in: the mesh does not know the stages).
-pub async fn serve<H: Handler>(t: Tasks, listener: TcpListener, forwarded: H, shutdown: Shutdown) {
+pub async fn serve<H: Handler>(
+    shared: Tasks,
+    listener: TcpListener,
+    forwarded: H,
+    shutdown: Shutdown,
+) {
     let mut conns = JoinSet::new();
     loop {
         while conns.try_join_next().is_some() {}
@@ -110,22 +115,22 @@ pub async fn serve<H: Handler>(t: Tasks, listener: TcpListener, forwarded: H, sh
             continue; // dropped: the peer retries with backoff
         }
         let _ = tcp.set_nodelay(true);
-        let t = t.clone();
+        let shared = shared.clone();
         let shutdown = shutdown.clone();
         let forwarded = forwarded.clone();
         conns.spawn(async move {
-            let Some(tls) = t.mesh.tls() else {
-                return serve_conn(t.clone(), tcp, forwarded, &shutdown).await;
+            let Some(tls) = shared.mesh.tls() else {
+                return serve_conn(shared.clone(), tcp, forwarded, &shutdown).await;
             };
-            let handshake = t.config.timeouts.tls_handshake.get();
+            let handshake = shared.config.timeouts.tls_handshake.get();
             match tokio::time::timeout(handshake, tls.acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => serve_conn(t.clone(), stream, forwarded, &shutdown).await,
+                Ok(Ok(stream)) => serve_conn(shared.clone(), stream, forwarded, &shutdown).await,
                 Ok(Err(e)) => {
-                    t.mesh.metrics.tls_failure("accept");
+                    shared.mesh.metrics.tls_failure("accept");
                     tracing::info!(error = %e, "mesh: TLS handshake with a subscriber failed");
                 }
                 Err(_) => {
-                    t.mesh.metrics.tls_failure("accept");
+                    shared.mesh.metrics.tls_failure("accept");
                     tracing::info!("mesh: TLS handshake with a subscriber timed out");
                 }
             }
@@ -140,18 +145,21 @@ pub async fn serve<H: Handler>(t: Tasks, listener: TcpListener, forwarded: H, sh
 /// Serves one connection (TCP or TLS) until it ends or shutdown. On
 /// shutdown, streams end (the hub drops its subscribers) and forwarded
 /// requests get `timeouts.shutdown_drain` to finish.
-async fn serve_conn<I, H>(t: Tasks, io: I, forwarded: H, shutdown: &Shutdown)
+async fn serve_conn<I, H>(shared: Tasks, io: I, forwarded: H, shutdown: &Shutdown)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Handler,
 {
-    let drain = if t.mesh.tls().is_some() {
-        t.config.timeouts.shutdown_drain.get()
+    let drain = if shared.mesh.tls().is_some() {
+        shared.config.timeouts.shutdown_drain.get()
     } else {
         Duration::from_secs(1)
     };
-    let app_limit = t.config.limits.max_connections;
-    let (metrics, head) = (t.metrics.clone(), t.config.timeouts.request_head.get());
+    let app_limit = shared.config.limits.max_connections;
+    let (metrics, head) = (
+        shared.metrics.clone(),
+        shared.config.timeouts.request_head.get(),
+    );
     // Set at the first request: until then only the head deadline bounds a
     // connection (a preface trickled or never sent), and h2 keep-alive
     // pings do not start before the handshake.
@@ -161,8 +169,8 @@ where
         seen.store(true, Ordering::Relaxed);
         // The state stream is answered at once; with `mesh.tls`, anything
         // else is a request a peer forwarded, for the request path.
-        let next = if req.uri().path() == STREAM_PATH || t.mesh.tls().is_none() {
-            Ok(handle(&t, &req))
+        let next = if req.uri().path() == STREAM_PATH || shared.mesh.tls().is_none() {
+            Ok(handle(&shared, &req))
         } else {
             Err(forwarded.clone())
         };
@@ -208,7 +216,7 @@ where
     let _ = tokio::time::timeout(drain, conn).await;
 }
 
-fn handle(t: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
+fn handle(shared: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
     if req.uri().path() != STREAM_PATH || req.method() != http::Method::GET {
         return status(StatusCode::NOT_FOUND);
     }
@@ -217,14 +225,14 @@ fn handle(t: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
         .get(FOLLOW_MODELS)
         .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
     if let Some(theirs) = theirs {
-        let ours = &t.config.pod.models;
+        let ours = &shared.config.pod.models;
         if !crate::config::mesh::Follow::SameModels.follows(&theirs, ours) {
-            t.mesh.metrics.dropped("other_models");
+            shared.mesh.metrics.dropped("other_models");
             return status(StatusCode::CONFLICT);
         }
     }
     let stats = req.headers().contains_key(TAKES_STATS);
-    match t.mesh.subscribe(stats) {
+    match shared.mesh.subscribe(stats) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

@@ -92,12 +92,12 @@ enum StreamEnd {
 
 /// Follows the stream of the peer at `addr` until `stop` (see the module docs).
 pub async fn run(
-    t: Tasks,
+    shared: Tasks,
     addr: SocketAddr,
     stop: CancellationToken,
     status: watch::Sender<PeerStatus>,
 ) {
-    let cfg = t.config.mesh.clone();
+    let cfg = shared.config.mesh.clone();
     let mut backoff = Backoff::new(BACKOFF_START, cfg.reconnect_max.get());
     let mut known: Option<String> = None;
     let mut lost_at: Option<Instant> = None;
@@ -105,7 +105,7 @@ pub async fn run(
     loop {
         let ended = tokio::select! {
             _ = stop.cancelled() => break,
-            e = follow(&t, addr, &status, &mut known, reason) => e,
+            e = follow(&shared, addr, &status, &mut known, reason) => e,
         };
         let was_synced = status.borrow().synced;
         status.send_modify(|s| s.synced = false);
@@ -119,7 +119,7 @@ pub async fn run(
                 tracing::debug!(%addr, reason = %ended, "mesh: peer not followed");
                 // It may have served this pod's models before a restart.
                 if let Some(id) = known.take() {
-                    forget(&t.fleet, &t.prefix, &id);
+                    forget(&shared.fleet, &shared.prefix, &id);
                 }
                 lost_at = None;
                 status.send_modify(|s| s.other_models = true);
@@ -155,7 +155,7 @@ pub async fn run(
             || now.duration_since(since) >= cfg.stale_after.get();
         if stale {
             if let Some(id) = known.take() {
-                forget(&t.fleet, &t.prefix, &id);
+                forget(&shared.fleet, &shared.prefix, &id);
             }
         }
         tokio::select! {
@@ -167,10 +167,10 @@ pub async fn run(
         }
     }
     if let Some(id) = known {
-        forget(&t.fleet, &t.prefix, &id);
+        forget(&shared.fleet, &shared.prefix, &id);
     }
-    t.mesh.routes().remove_mesh(addr);
-    if let Some(client) = t.mesh.tls_client() {
+    shared.mesh.routes().remove_mesh(addr);
+    if let Some(client) = shared.mesh.tls_client() {
         client.forget(addr);
     }
 }
@@ -203,14 +203,14 @@ fn forget(fleet: &Fleet, prefix: &PrefixState, id: &str) {
 
 /// One connection: returns why it ended.
 async fn follow(
-    t: &Tasks,
+    shared: &Tasks,
     addr: SocketAddr,
     status: &watch::Sender<PeerStatus>,
     known: &mut Option<String>,
     reason: &'static str,
 ) -> StreamEnd {
-    let cfg = &t.config.mesh;
-    let tls = t.mesh.tls();
+    let cfg = &shared.config.mesh;
+    let tls = shared.mesh.tls();
     let connect = async {
         let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
@@ -218,7 +218,7 @@ async fn follow(
             None => handshake(tcp).await,
             Some(tls) => {
                 let stream = tls.connect(tcp).await.map_err(|e| {
-                    t.mesh.metrics.tls_failure("connect");
+                    shared.mesh.metrics.tls_failure("connect");
                     format!("TLS handshake: {e}")
                 })?;
                 handshake(stream).await
@@ -235,7 +235,7 @@ async fn follow(
     let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}")).header(TAKES_STATS, "1");
     if cfg.follow == Follow::SameModels {
         // The peer checks them first and answers 409 instead of a snapshot.
-        if let Ok(models) = serde_json::to_string(&t.config.pod.models) {
+        if let Ok(models) = serde_json::to_string(&shared.config.pod.models) {
             req = req.header(FOLLOW_MODELS, models);
         }
     }
@@ -253,7 +253,7 @@ async fn follow(
             // With TLS 1.3 a peer that refuses this sidecar's certificate
             // says so here, after the handshake.
             if crate::upstream::mesh::tls_alert(&e) {
-                t.mesh.metrics.tls_failure("connect");
+                shared.mesh.metrics.tls_failure("connect");
             }
             return StreamEnd::Connect(e.to_string());
         }
@@ -267,7 +267,7 @@ async fn follow(
     }
     let mut body = resp.into_body();
     let mut reader = Reader {
-        t,
+        shared,
         addr,
         status,
         known,
@@ -299,7 +299,7 @@ async fn follow(
 }
 
 struct Reader<'a> {
-    t: &'a Tasks,
+    shared: &'a Tasks,
     /// The peer's mesh port (this stream's address).
     addr: SocketAddr,
     status: &'a watch::Sender<PeerStatus>,
@@ -329,8 +329,8 @@ impl Reader<'_> {
     }
 
     async fn apply(&mut self, seq: u64, msg: Msg) -> Result<(), StreamEnd> {
-        let t = self.t;
-        t.mesh.metrics.frame_in();
+        let shared = self.shared;
+        shared.mesh.metrics.frame_in();
         self.status
             .send_modify(|s| s.last_frame = Some(Instant::now()));
         if let Msg::Hello(a) = msg {
@@ -341,7 +341,7 @@ impl Reader<'_> {
         };
         // Out of sequence: carries the last delta's number and takes none.
         if let Msg::Stats(stats) = msg {
-            t.fleet.update_stats(&peer, |s| *s = stats);
+            shared.fleet.update_stats(&peer, |s| *s = stats);
             return Ok(());
         }
         match self.next_seq {
@@ -354,7 +354,7 @@ impl Reader<'_> {
             Msg::Hello(_) => {}
             Msg::SnapshotEnd => {
                 self.next_seq = Some(seq + 1);
-                t.mesh.metrics.resync(self.reason);
+                shared.mesh.metrics.resync(self.reason);
                 self.status.send_modify(|s| s.synced = true);
                 tracing::info!(peer, "mesh: peer in sync");
             }
@@ -364,21 +364,22 @@ impl Reader<'_> {
                     .checked_sub(Duration::from_millis(l.age_ms.min(3_600_000)))
                     .unwrap_or(now);
                 if l.age_ms != u64::MAX {
-                    t.fleet.set_load(&peer, l.load, at);
+                    shared.fleet.set_load(&peer, l.load, at);
                 }
-                t.fleet.set_healthy(&peer, l.healthy);
+                shared.fleet.set_healthy(&peer, l.healthy);
             }
             Msg::InFlight(counts) => {
-                t.fleet
+                shared
+                    .fleet
                     .set_remote_in_flight(&peer, counts.into_iter().collect());
             }
             Msg::Kv { model, batch } => {
-                t.prefix.apply(&peer, &model, &batch);
+                shared.prefix.apply(&peer, &model, &batch);
             }
             Msg::Stats(_) => {}
             Msg::Decision { pod, keys } => {
-                if t.prefix.mode() == crate::prefix::Mode::Approximate {
-                    t.prefix.approx().record(&pod, &keys);
+                if shared.prefix.mode() == crate::prefix::Mode::Approximate {
+                    shared.prefix.approx().record(&pod, &keys);
                 }
             }
         }
@@ -386,15 +387,15 @@ impl Reader<'_> {
     }
 
     async fn hello(&mut self, a: Announce) -> Result<(), StreamEnd> {
-        let t = self.t;
-        if a.id == t.fleet.local_id() {
+        let shared = self.shared;
+        if a.id == shared.fleet.local_id() {
             return Err(StreamEnd::IsSelf);
         }
-        if !t
+        if !shared
             .config
             .mesh
             .follow
-            .follows(&t.config.pod.models, &a.models)
+            .follows(&shared.config.pod.models, &a.models)
         {
             return Err(StreamEnd::OtherModels(a.id));
         }
@@ -404,9 +405,9 @@ impl Reader<'_> {
         if let Some(old) = self.known.take() {
             // A restarted or renamed peer: start from nothing.
             if old != a.id {
-                t.fleet.remove_peer(&old);
+                shared.fleet.remove_peer(&old);
             }
-            t.prefix.remove_pod(&old);
+            shared.prefix.remove_pod(&old);
         }
         let info = PodInfo {
             id: a.id.clone(),
@@ -427,8 +428,8 @@ impl Reader<'_> {
             }
         };
         // Known before the peer becomes a target, so no forward finds it missing.
-        t.mesh.routes().set(sidecar_addr, self.addr, kv_agent);
-        if let Err(e) = t.fleet.upsert_peer(info) {
+        shared.mesh.routes().set(sidecar_addr, self.addr, kv_agent);
+        if let Err(e) = shared.fleet.upsert_peer(info) {
             tracing::warn!(peer = %a.id, error = %e, "mesh: peer not added");
             return Err(StreamEnd::BadIdentity(a.id));
         }
