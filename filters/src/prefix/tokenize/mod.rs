@@ -9,13 +9,16 @@ mod builtin;
 mod cache;
 mod chat;
 mod hf;
+mod jinja;
 mod json;
+mod responses;
 
 pub use builtin::{Builtin, BOS_ID, EOS_ID, FIRST_ORDINARY_ID, MAX_PIECE_CHARS, VOCAB_SIZE};
 pub use cache::{CacheStats, CachedTokenizer, CappedIds, TokenCacheConfig};
-pub use chat::{ChatFields, ChatInput, ChatTurn, Inexact, ResponsesFields};
+pub use chat::{ChatFields, ChatInput, ChatTurn, Inexact};
 pub use hf::HfTokenizer;
 pub use json::Json;
+pub use responses::ResponsesFields;
 
 /// One chat message, with multi-part content already flattened to text.
 #[derive(Debug, Clone, PartialEq, Eq)]
