@@ -76,7 +76,7 @@ impl App {
     /// What planning one request reads besides the filter config: borrowed.
     pub fn routing_inputs(&self) -> crate::routing::Inputs<'_> {
         crate::routing::Inputs {
-            config: &self.config,
+            pod: &self.config.pod,
             fleet: &self.fleet,
             prefix: &self.prefix,
             engine_block_size: &self.engine_block_size,

@@ -19,7 +19,7 @@ use http_body_util::Limited;
 use tokio::time::Instant;
 
 use crate::body::{ResponseBody, UpstreamBody};
-use crate::config::Config;
+use crate::config::Limits;
 use crate::error::{ProxyError, UpstreamName};
 use crate::fleet::Fleet;
 use crate::headers::UNSERVED;
@@ -94,7 +94,7 @@ pub async fn execute(
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
                 let decode_upstream = leg_upstream(&decode);
-                let decode_name = decode_upstream.name(h.up.config);
+                let decode_name = decode_upstream.name(h.up.engine_url);
                 let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
@@ -204,7 +204,7 @@ fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) ->
         Target::Disaggregated { decode, .. } => *decode == Leg::LocalEngine,
         Target::Peer { .. } => false,
     };
-    let pod = &h.up.config.pod;
+    let pod = &h.up.pod;
     let model_served = match ctx.view.as_ref().and_then(|v| v.model.as_deref()) {
         Some(m) => pod.models.is_empty() || pod.models.iter().any(|s| s == m),
         None => true,
@@ -238,7 +238,7 @@ async fn forward(
     upstream: Upstream,
     req: &mut ClientRequest,
 ) -> Result<Forwarded, ProxyError> {
-    let body = client_body(up.config, req)?;
+    let body = client_body(up.limits, req)?;
     let (mut resp, name, hop) =
         send(&up, ctx, &upstream, &req.head, body, FORWARD, ctx.attempts).await?;
     let unserved = match upstream {
@@ -254,14 +254,14 @@ async fn forward(
 }
 
 /// The client's body for one attempt: buffered bodies can be sent again.
-fn client_body(config: &Config, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
+fn client_body(limits: &Limits, req: &mut ClientRequest) -> Result<UpstreamBody, ProxyError> {
     Ok(match &mut req.body {
         ClientBody::Buffered(b) => UpstreamBody::full(b.clone()),
         ClientBody::Streaming(b) => {
             let incoming = b
                 .take()
                 .ok_or_else(|| ProxyError::Internal("streamed body sent twice".to_owned()))?;
-            let limit = usize::try_from(config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+            let limit = usize::try_from(limits.max_body_bytes.0).unwrap_or(usize::MAX);
             UpstreamBody::Stream(Limited::new(incoming, limit))
         }
     })

@@ -66,7 +66,11 @@ pub fn observe(app: &App) -> Observe<'_> {
 /// What upstream calls take: pools, the fleet view, deadlines.
 pub fn upstreams(app: &App) -> Upstreams<'_> {
     Upstreams {
-        config: &app.config,
+        engine_url: &app.config.engine.url,
+        timeouts: &app.config.timeouts,
+        limits: &app.config.limits,
+        pd: &app.config.pd,
+        pod: &app.config.pod,
         metrics: &app.metrics,
         client: &app.client,
         engine: app.engine.as_ref(),

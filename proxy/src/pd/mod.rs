@@ -77,7 +77,7 @@ pub async fn execute(
         ));
     };
     let client = body::object(bytes)?;
-    match up.config.pd.connector {
+    match up.pd.connector {
         PdConnector::Nixl => twoleg::run(h, ctx, &plan, req, &client, "nixl", &Map::new()).await,
         PdConnector::Kvagent => {
             let extra = kvagent_params(up, &plan);
@@ -111,11 +111,11 @@ fn kvagent_params(up: Upstreams<'_>, plan: &PdPlan) -> Map<String, Value> {
 /// agent: the peer's sidecar IP, the local engine's host, or the engine an
 /// llm-d header named, at `pd.kvagent_port`.
 fn decode_agent(up: Upstreams<'_>, decode: &Upstream) -> String {
-    let port = up.config.pd.kvagent_port;
+    let port = up.pd.kvagent_port;
     match decode {
-        Upstream::Engine => match up.config.pod.node_ip {
+        Upstream::Engine => match up.pod.node_ip {
             Some(ip) => std::net::SocketAddr::new(ip, port).to_string(),
-            None => format!("{}:{port}", up.config.engine.url.authority().host()),
+            None => format!("{}:{port}", up.engine_url.authority().host()),
         },
         Upstream::Peer(addr) => up
             .mesh_routes

@@ -38,7 +38,7 @@ pub async fn run(
         .map(|_| rand::random::<u64>() >> 1)
         .collect();
     let host = bootstrap_host(up, prefill);
-    let legs = body::sglang_legs(client, &host, up.config.pd.sglang_bootstrap_port, &rooms)?;
+    let legs = body::sglang_legs(client, &host, up.pd.sglang_bootstrap_port, &rooms)?;
     let sent = Instant::now();
     let prefill_leg = async {
         // The prefill pod counts this leg until it ends (the decode pod
@@ -48,7 +48,7 @@ pub async fn run(
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();
         let bytes = tokio::time::timeout(
-            up.config.pd.prefill_timeout.get(),
+            up.pd.prefill_timeout.get(),
             Limited::new(resp.into_body(), MAX_PREFILL_RESPONSE).collect(),
         )
         .await
@@ -127,7 +127,7 @@ fn full(b: bytes::Bytes) -> UpstreamBody {
 /// prefill pod's address (its engine, not its sidecar, serves bootstrap).
 fn bootstrap_host(up: Upstreams<'_>, prefill: &Upstream) -> String {
     match prefill {
-        Upstream::Engine => host_of(up.config.engine.url.authority()),
+        Upstream::Engine => host_of(up.engine_url.authority()),
         Upstream::Peer(addr) => addr.ip().to_string(),
         Upstream::Direct(a) => host_of(a),
     }

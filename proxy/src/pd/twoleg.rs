@@ -53,7 +53,7 @@ pub async fn run(
             );
             (body::decode_leg(client, None)?, Outcome::Recompute)
         }
-        Err(e) => match up.config.pd.on_prefill_failure {
+        Err(e) => match up.pd.on_prefill_failure {
             OnPrefillFailure::Aggregated => {
                 tracing::warn!(request_id = ctx.id(), error = %e, "prefill failed; serving aggregated on the decode pod");
                 (body::decode_leg(client, None)?, Outcome::FallbackAggregated)
@@ -119,7 +119,7 @@ async fn prefill(
     body: Bytes,
 ) -> Result<Option<Value>, ProxyError> {
     let up = h.up;
-    let pd = &up.config.pd;
+    let pd = &up.pd;
     let attempts = pd.prefill_retries as usize + 1;
     // Doubling from `retry_backoff` with jitter; the cap only bounds a
     // configuration with many retries (each attempt has its own deadline).
@@ -139,13 +139,13 @@ async fn prefill(
         .await
         .unwrap_or_else(|_| {
             Err(ProxyError::PrefillFailed {
-                upstream: upstream.name(up.config),
+                upstream: upstream.name(up.engine_url),
                 status: StatusCode::GATEWAY_TIMEOUT.as_u16(),
                 message: format!("no prefill response within {}", pd.prefill_timeout),
                 retryable: true,
             })
         })
-        .map_err(|e| as_prefill_failure(e, || upstream.name(up.config)));
+        .map_err(|e| as_prefill_failure(e, || upstream.name(up.engine_url)));
         match leg {
             Ok(params) => return Ok(params),
             Err(e) if prefill_retryable(&e) => {

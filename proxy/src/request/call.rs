@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::context::{RequestCtx, Served};
 use super::plan::Leg;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
-use crate::config::Config;
+use crate::config::{EngineUrl, Limits, Pd as PdConfig, Pod, Timeouts};
 use crate::error::{error_chain, ProxyError, UpstreamName};
 use crate::fleet::Fleet;
 use crate::headers::{copy_end_to_end, strip_hop_by_hop, REQUEST_ID, ROUTED};
@@ -29,8 +29,15 @@ use crate::upstream::{EngineError, EnginePool, ReplyBody, UpstreamClient};
 /// call: no allocation, no reference count touched.
 #[derive(Clone, Copy)]
 pub struct Upstreams<'a> {
-    /// Deadlines, the engine's address, the body limit.
-    pub config: &'a Config,
+    /// The local engine's address.
+    pub engine_url: &'a EngineUrl,
+    pub timeouts: &'a Timeouts,
+    /// The largest client body sent on (a streamed one is cut there).
+    pub limits: &'a Limits,
+    /// The P/D connectors' settings (`crate::pd` reads them).
+    pub pd: &'a PdConfig,
+    /// The local pod (its node IP, for a P/D leg's KV agent).
+    pub pod: &'a Pod,
     pub metrics: &'a Arc<Metrics>,
     /// The general pooled client (peers, llm-d's prefiller, h2c).
     pub client: &'a UpstreamClient,
@@ -81,19 +88,19 @@ impl Upstream {
     }
 
     /// The name errors and logs use.
-    pub(crate) fn name(&self, config: &Config) -> UpstreamName {
+    pub(crate) fn name(&self, engine_url: &EngineUrl) -> UpstreamName {
         match self {
-            Self::Engine => UpstreamName::Engine(config.engine.url.authority().to_string()),
+            Self::Engine => UpstreamName::Engine(engine_url.authority().to_string()),
             Self::Peer(addr) => UpstreamName::Peer(addr.to_string()),
             Self::Direct(a) => UpstreamName::Engine(a.to_string()),
         }
     }
 
     /// The address to connect to, and the name errors use.
-    fn resolve(&self, config: &Config) -> Result<(Authority, UpstreamName), ProxyError> {
+    fn resolve(&self, engine_url: &EngineUrl) -> Result<(Authority, UpstreamName), ProxyError> {
         Ok(match self {
             Self::Engine => {
-                let a = config.engine.url.authority().clone();
+                let a = engine_url.authority().clone();
                 let n = UpstreamName::Engine(a.to_string());
                 (a, n)
             }
@@ -124,7 +131,7 @@ pub(crate) async fn send(
     leg: &'static str,
     attempt: u8,
 ) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
-    let (authority, name) = upstream.resolve(up.config)?;
+    let (authority, name) = upstream.resolve(up.engine_url)?;
     let hop = Hop::of(ctx.trace.as_deref(), leg, &name, attempt);
     let r = send_as(up, ctx, upstream, authority, &name, head, body, &hop).await;
     match r {
@@ -158,7 +165,7 @@ async fn send_as(
         hop.rank(rank);
     }
     hop.inject(out.headers_mut());
-    let timeouts = &up.config.timeouts;
+    let timeouts = up.timeouts;
     let overall_left = timeouts.overall.get().saturating_sub(ctx.started.elapsed());
     let head_wait = timeouts.first_byte.get().min(overall_left);
     let sent = Instant::now();
@@ -233,7 +240,7 @@ pub(crate) fn relay(
     resp: Response<ReplyBody>,
     hop: Hop,
 ) -> Response<ResponseBody> {
-    let timeouts = &up.config.timeouts;
+    let timeouts = up.timeouts;
     let (mut head, incoming) = resp.into_parts();
     strip_hop_by_hop(&mut head.headers);
     let sse = head

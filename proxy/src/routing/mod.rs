@@ -46,7 +46,8 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// pods, the prefix index and its block size, the local models. Borrowed per request (`App::routing_inputs`).
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
-    pub config: &'a Config,
+    /// The local pod's models (the first names a model-less request).
+    pub pod: &'a crate::config::Pod,
     pub fleet: &'a Fleet,
     pub prefix: &'a PrefixState,
     /// The local engine's KV block size from its metrics (0: not yet known).

@@ -55,7 +55,7 @@ pub fn build(
         ctx,
         view,
         &endpoints,
-        h.config.pod.models.first(),
+        h.pod.models.first(),
         block_size,
     );
     (req, endpoints)
