@@ -62,7 +62,7 @@ struct AccessGuard {
 }
 
 enum Kind {
-    Full(Option<Bytes>),
+    Full(Whole),
     Relay(Box<Relay>),
 }
 
@@ -115,7 +115,7 @@ pub struct Relay {
 /// The client's request body.
 pub enum IncomingBody {
     /// Whole already: it came in with its head (or there is none).
-    Full(Option<Bytes>),
+    Full(Whole),
     /// Still arriving on a connection of kvmesh's own HTTP/1.1 server.
     H1(Streamed),
     /// From hyper: HTTP/2 and TLS connections, the mesh port.
@@ -124,26 +124,26 @@ pub enum IncomingBody {
 
 /// The request body sent upstream.
 pub enum UpstreamBody {
-    /// Whole (`None` once sent): the engine pool takes the bytes as they
-    /// are, to write them with the head, and again on a retry.
-    Full(Option<Bytes>),
+    /// Whole: the engine pool takes the bytes as they are, to write them
+    /// with the head, and again on a retry.
+    Full(Whole),
     Stream(Limited<IncomingBody>),
 }
 
 impl UpstreamBody {
     pub fn full(b: impl Into<Bytes>) -> Self {
-        Self::Full(Some(b.into()))
+        Self::Full(Whole::new(b))
     }
 
     pub fn empty() -> Self {
-        Self::Full(None)
+        Self::Full(Whole::empty())
     }
 }
 
 impl ResponseBody {
     pub fn full(b: impl Into<Bytes>) -> Self {
         Self {
-            kind: Kind::Full(Some(b.into())),
+            kind: Kind::Full(Whole::new(b)),
             _in_flight: None,
             access: None,
             spans: None,
@@ -152,7 +152,7 @@ impl ResponseBody {
 
     pub fn empty() -> Self {
         Self {
-            kind: Kind::Full(None),
+            kind: Kind::Full(Whole::empty()),
             _in_flight: None,
             access: None,
             spans: None,
@@ -225,7 +225,7 @@ impl ResponseBody {
         // hyper stops polling a body whose length it knows once that many
         // bytes went out, so a relay has ended when its upstream body has.
         let ended = match &self.kind {
-            Kind::Full(b) => b.is_none(),
+            Kind::Full(b) => b.is_end_stream(),
             Kind::Relay(r) => r.done || r.inner.is_end_stream(),
         };
         let failed = matches!(&self.kind, Kind::Relay(r) if r.failed);
@@ -260,7 +260,7 @@ impl Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let polled = match &mut self.kind {
-            Kind::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Kind::Full(b) => Pin::new(b).poll_frame(cx),
             Kind::Relay(r) => r.poll_frame(cx),
         };
         if self.access.is_some() {
@@ -272,15 +272,14 @@ impl Body for ResponseBody {
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Full(b) => b.is_none(),
+            Kind::Full(b) => b.is_end_stream(),
             Kind::Relay(r) => r.done,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            Kind::Full(None) => SizeHint::with_exact(0),
+            Kind::Full(b) => b.size_hint(),
             // An SSE relay may append an error event, so it promises no length.
             Kind::Relay(r) if r.p.sse => SizeHint::default(),
             Kind::Relay(r) => r.inner.size_hint(),
@@ -377,18 +376,61 @@ impl Relay {
     }
 }
 
-/// A whole body's one frame, then its end.
-pub(crate) fn take_full(b: &mut Option<Bytes>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-    Poll::Ready(
-        b.take()
-            .filter(|b| !b.is_empty())
-            .map(|b| Ok(Frame::data(b))),
-    )
+/// A body that is whole already (an answer of the sidecar's own, a request
+/// body read for classification, an engine reply that came with its head):
+/// its bytes in one frame, then its end. Every body type here has one as
+/// its `Full` variant.
+#[derive(Debug, Default)]
+pub struct Whole(Option<Bytes>);
+
+impl Whole {
+    pub fn new(b: impl Into<Bytes>) -> Self {
+        Self(Some(b.into()))
+    }
+
+    pub fn empty() -> Self {
+        Self(None)
+    }
+
+    /// The bytes not yet sent (none once sent, or for an empty body).
+    pub fn bytes(&self) -> Option<&Bytes> {
+        self.0.as_ref()
+    }
+
+    /// Its length, exactly.
+    pub fn len(&self) -> u64 {
+        self.0.as_ref().map_or(0, |b| b.len() as u64)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
-/// The exact size of a whole body.
-pub(crate) fn full_hint(b: &Option<Bytes>) -> SizeHint {
-    SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+impl Body for Whole {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Poll::Ready(
+            self.get_mut()
+                .0
+                .take()
+                .filter(|b| !b.is_empty())
+                .map(|b| Ok(Frame::data(b))),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.len())
+    }
 }
 
 impl Body for UpstreamBody {
@@ -400,21 +442,21 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            Self::Full(b) => take_full(b),
+            Self::Full(b) => Pin::new(b).poll_frame(cx),
             Self::Stream(b) => Pin::new(b).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            Self::Full(b) => b.is_end_stream(),
             Self::Stream(b) => b.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Full(b) => full_hint(b),
+            Self::Full(b) => b.size_hint(),
             Self::Stream(b) => b.size_hint(),
         }
     }
@@ -422,7 +464,7 @@ impl Body for UpstreamBody {
 
 impl IncomingBody {
     pub fn empty() -> Self {
-        Self::Full(None)
+        Self::Full(Whole::empty())
     }
 }
 
@@ -435,7 +477,7 @@ impl Body for IncomingBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            Self::Full(b) => take_full(b),
+            Self::Full(b) => Pin::new(b).poll_frame(cx),
             Self::H1(b) => Pin::new(b).poll_frame(cx),
             Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
@@ -443,7 +485,7 @@ impl Body for IncomingBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            Self::Full(b) => b.is_end_stream(),
             Self::H1(b) => b.is_end_stream(),
             Self::Hyper(b) => b.is_end_stream(),
         }
@@ -451,7 +493,7 @@ impl Body for IncomingBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Full(b) => full_hint(b),
+            Self::Full(b) => b.size_hint(),
             Self::H1(b) => b.size_hint(),
             Self::Hyper(b) => b.size_hint(),
         }

@@ -254,7 +254,7 @@ impl Conn {
             Framing::Length(n) if !head.expect_continue && self.buf.len() as u64 >= n => {
                 // `n` is at most `buf.len()`, a usize.
                 let body = self.buf.split_to(n as usize).freeze();
-                (IncomingBody::Full(Some(body)), None)
+                (IncomingBody::Full(crate::body::Whole::new(body)), None)
             }
             framing => {
                 let inbound = Arc::new(Mutex::new(Inbound {

@@ -29,7 +29,7 @@ use hyper::body::Incoming;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::body::{BoxError, UpstreamBody};
+use crate::body::{BoxError, UpstreamBody, Whole};
 use crate::h1::encode;
 use crate::h1::io::ReadSize;
 use crate::h1::{self, BodyError, Decoded, Decoder, Framing, HeadError, ResponseHead};
@@ -207,7 +207,7 @@ impl EnginePool {
 /// chunked otherwise.
 fn request_framing(method: &Method, body: &UpstreamBody) -> Framing {
     let len = match body {
-        UpstreamBody::Full(b) => Some(b.as_ref().map_or(0, |b| b.len() as u64)),
+        UpstreamBody::Full(b) => Some(b.len()),
         UpstreamBody::Stream(s) if s.is_end_stream() => Some(0),
         UpstreamBody::Stream(s) => s.size_hint().exact(),
     };
@@ -243,7 +243,7 @@ impl Conn {
         };
         let stream = match body {
             UpstreamBody::Full(b) => {
-                let data = b.as_deref().unwrap_or_default();
+                let data = b.bytes().map_or(&[][..], |b| &b[..]);
                 return h1::io::write_counted(&self.io, &mut [&self.out, data], &mut written)
                     .await
                     .map_err(|e| failed(e, written));
@@ -365,7 +365,7 @@ impl Inner {
                 if head.keep_alive && conn.buf.is_empty() {
                     self.put(conn);
                 }
-                ReplyBody::Full(Some(data))
+                ReplyBody::Full(Whole::new(data))
             }
             None => ReplyBody::Engine(EngineBody {
                 decoder: Decoder::new(head.framing),
@@ -444,7 +444,7 @@ struct Lease {
 #[derive(Debug)]
 pub enum ReplyBody {
     /// Whole: it came in with its head (the connection is back in the pool).
-    Full(Option<Bytes>),
+    Full(Whole),
     /// Still arriving on a connection of the engine pool.
     Engine(EngineBody),
     /// From hyper's clients (peers, the prefiller, h2c).
@@ -538,7 +538,7 @@ impl Body for ReplyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            Self::Full(b) => crate::body::take_full(b),
+            Self::Full(b) => Pin::new(b).poll_frame(cx),
             Self::Engine(b) => b.poll_frame(cx),
             Self::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
@@ -546,7 +546,7 @@ impl Body for ReplyBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Self::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            Self::Full(b) => b.is_end_stream(),
             Self::Engine(b) => b.lease.is_none() || b.decoder.is_done(),
             Self::Hyper(b) => b.is_end_stream(),
         }
@@ -554,7 +554,7 @@ impl Body for ReplyBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Full(b) => crate::body::full_hint(b),
+            Self::Full(b) => b.size_hint(),
             Self::Engine(b) => b.decoder.size_hint(),
             Self::Hyper(b) => b.size_hint(),
         }
