@@ -250,7 +250,7 @@ impl ChatInput {
     }
 }
 
-fn turn_json(m: &ChatTurn) -> Json {
+pub(super) fn turn_json(m: &ChatTurn) -> Json {
     let mut o = vec![
         ("role".to_owned(), Json::String(m.role.clone())),
         ("content".to_owned(), Json::String(m.content.clone())),
@@ -269,6 +269,48 @@ fn turn_json(m: &ChatTurn) -> Json {
         o.push(("name".to_owned(), Json::String(n.clone())));
     }
     Json::Object(o)
+}
+
+/// A `developer` message for a template that names no developer role, as
+/// `safe_apply_chat_template` (`vllm/renderers/hf.py`) turns it: into a
+/// system message (`_convert_developer_to_system`), then every system
+/// message merged into one at the front, their non-empty contents joined by
+/// blank lines, when one is not first or there are several
+/// (`_consolidate_system_messages`). `None`: no developer message.
+pub(super) fn developer_as_system(messages: &[ChatTurn]) -> Option<Vec<ChatTurn>> {
+    if !messages.iter().any(|m| m.role == "developer") {
+        return None;
+    }
+    let converted: Vec<ChatTurn> = messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            if m.role == "developer" {
+                m.role = "system".into();
+            }
+            m
+        })
+        .collect();
+    let mut systems: Vec<&str> = Vec::new();
+    let mut needs = false;
+    for (i, m) in converted.iter().enumerate() {
+        if m.role == "system" {
+            needs |= i > 0 || !systems.is_empty();
+            if !m.content.is_empty() {
+                systems.push(&m.content);
+            }
+        }
+    }
+    if !needs {
+        return Some(converted);
+    }
+    let merged = ChatTurn {
+        role: "system".into(),
+        content: systems.join("\n\n"),
+        ..ChatTurn::default()
+    };
+    let rest = converted.iter().filter(|m| m.role != "system").cloned();
+    Some(std::iter::once(merged).chain(rest).collect())
 }
 
 /// `_postprocess_messages` on one message: tool calls kept on assistants

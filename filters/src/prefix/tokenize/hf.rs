@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use minijinja::{Environment, Value};
 
-use super::chat::{ChatInput, ChatTurn};
+use super::chat::{developer_as_system, turn_json, ChatInput, ChatTurn};
 use super::jinja::{build_env, json_value, TEMPLATE};
 use super::json::Json;
 use super::{ChatMessage, TokenizeError, Tokenizer};
@@ -217,7 +217,16 @@ impl Tokenizer for HfTokenizer {
             .env
             .as_ref()
             .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
-        let mut turns = input.messages_json();
+        // `_detect_developer_role_support`: the template names the role, quoted.
+        let developer =
+            self.source.contains("\"developer\"") || self.source.contains("'developer'");
+        let converted = if developer {
+            None
+        } else {
+            developer_as_system(&input.messages)
+        };
+        let messages = converted.as_deref().unwrap_or(&input.messages);
+        let mut turns = Json::Array(messages.iter().map(turn_json).collect());
         let mut open_final = None;
         if input.continue_final_message {
             if !self.source.contains("content") {
