@@ -105,11 +105,12 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
         .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("path=")))
         .map(str::to_owned);
     let path = forced.unwrap_or_else(|| {
-        let chat = serde_json::from_slice::<Value>(&bytes)
-            .ok()
-            .is_some_and(|v| v.get("messages").is_some());
-        if chat {
+        let body = serde_json::from_slice::<Value>(&bytes).ok();
+        let has = |k: &str| body.as_ref().is_some_and(|v| v.get(k).is_some());
+        if has("messages") {
             "/v1/chat/completions".to_owned()
+        } else if has("input") && !has("prompt") {
+            "/v1/responses".to_owned()
         } else {
             "/v1/completions".to_owned()
         }
@@ -126,6 +127,7 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
     ctx.in_flight = None;
     let shape = match path.as_str() {
         "/v1/chat/completions" => Shape::Chat,
+        "/v1/responses" => Shape::Responses,
         "/v1/embeddings" => Shape::Embedding,
         _ => Shape::Completion,
     };
