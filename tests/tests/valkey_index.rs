@@ -650,3 +650,48 @@ async fn sidecars_route_through_a_cluster_of_three_primaries_and_a_pod_that_left
     assert!(started.elapsed() < Duration::from_secs(5));
     f.shutdown().await;
 }
+
+/// `GET /autoscale` on `admin`, as JSON.
+async fn autoscale(admin: SocketAddr) -> serde_json::Value {
+    let r = fetch(&http1(), request("GET", admin, "/autoscale", "", &[])).await;
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_autoscaling_hook_on_valkey_sizes_the_whole_fleet_not_the_pods_one_sidecar_routed_to() {
+    let server = ValkeyServer::start().await.unwrap();
+    let mut f = fleet(3, fast(vec![server.url()])).await;
+    let admin = f.sidecars[0].admin_addr();
+    // No request was routed, so the sidecar itself knows only its own pod;
+    // the hook still counts all three, with their loads from their records.
+    eventually("every pod sized, each with a fresh load", || async {
+        let a = autoscale(admin).await;
+        let pool = &a["aggregated"];
+        (pool["pods"] == 3 && pool["measured"] == 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        f.sidecars[0]
+            .fleet()
+            .snapshot(tokio::time::Instant::now())
+            .len(),
+        1
+    );
+    // The same answer is in its /metrics, for an HPA or KEDA's Prometheus scaler.
+    assert_eq!(
+        metric(
+            &f.sidecars[0],
+            r#"kvmesh_autoscale_pods{pool="aggregated"}"#
+        )
+        .await,
+        Some(3.0)
+    );
+    // A pod that leaves is out once its lease lapses and the view is re-read.
+    let gone = f.sidecars.pop().unwrap();
+    gone.shutdown().await;
+    eventually("the pod that left is no longer sized", || async {
+        (autoscale(admin).await["aggregated"]["pods"] == 2).then_some(())
+    })
+    .await;
+    f.shutdown().await;
+}

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 
 use crate::app::App;
+use crate::autoscale::Answer;
 use crate::body::ResponseBody;
 use crate::server::Handler;
 
@@ -35,7 +36,10 @@ impl Admin {
         Self { app, config_json }
     }
 
-    fn answer(&self, path: &str) -> Response<ResponseBody> {
+    /// Answers `path`; `autoscale` is the hook's answer, made beforehand
+    /// (async: on Valkey it may read the fleet) for `/metrics` and
+    /// `/autoscale`.
+    fn answer(&self, path: &str, autoscale: Option<Answer>) -> Response<ResponseBody> {
         match path {
             "/health" => reply(StatusCode::OK, "text/plain", Bytes::from_static(b"ok\n")),
             "/ready" => {
@@ -58,7 +62,9 @@ impl Admin {
                 }
             }
             "/metrics" => {
-                self.app.autoscale_metrics.set(&self.autoscale());
+                if let Some(a) = &autoscale {
+                    self.app.autoscale_metrics.set(a);
+                }
                 let ready = self.app.engine_ready.load(Ordering::Acquire);
                 self.app.metrics.engine_ready.set(i64::from(ready));
                 let ejected = self.app.fleet.ejected_count(tokio::time::Instant::now());
@@ -72,7 +78,7 @@ impl Admin {
                     Bytes::from(self.app.metrics.encode()),
                 )
             }
-            "/autoscale" => match serde_json::to_vec_pretty(&self.autoscale()) {
+            "/autoscale" => match serde_json::to_vec_pretty(&autoscale.unwrap_or_default()) {
                 Ok(body) => reply(StatusCode::OK, "application/json", Bytes::from(body)),
                 Err(e) => reply(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -102,10 +108,22 @@ impl Admin {
 }
 
 impl Admin {
-    /// The autoscaling hook's answer for the fleet as this sidecar sees it now.
-    fn autoscale(&self) -> crate::autoscale::Answer {
+    /// The autoscaling hook's answer for the fleet as this sidecar sees it
+    /// now: on the mesh, every pod it follows; on Valkey, every pod
+    /// registered for its models (`Valkey::fleet_view`; the pods it knows
+    /// when Valkey does not answer).
+    async fn autoscale(&self) -> Answer {
+        let cfg = &self.app.config;
+        if let Some(index) = &self.app.index {
+            match index.fleet_view(cfg, &self.app.fleet).await {
+                Ok(pods) => return crate::autoscale::answer(&cfg.autoscale, &pods),
+                Err(e) => {
+                    tracing::debug!(error = %e, "autoscale: the fleet could not be read from valkey; sizing from the pods this sidecar knows");
+                }
+            }
+        }
         let pods = self.app.fleet.snapshot(tokio::time::Instant::now());
-        crate::autoscale::answer(&self.app.config.autoscale, &pods)
+        crate::autoscale::answer(&cfg.autoscale, &pods)
     }
 }
 
@@ -117,7 +135,12 @@ impl Handler for Admin {
         if route::handles(req.uri().path()) {
             return route::serve(self.app.clone(), req).await;
         }
-        self.answer(req.uri().path())
+        let path = req.uri().path();
+        let autoscale = match path {
+            "/metrics" | "/autoscale" => Some(self.autoscale().await),
+            _ => None,
+        };
+        self.answer(path, autoscale)
     }
 }
 

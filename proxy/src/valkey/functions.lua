@@ -16,7 +16,7 @@
 -- block entries expire later. Leases are checked against the server's own
 -- clock, so the sidecars' clocks never matter.
 
-local VERSION = '3'
+local VERSION = '4'
 
 local function version()
   return VERSION
@@ -202,7 +202,26 @@ local function lookup(keys, args)
   return out
 end
 
+-- KEYS: recs. Returns { member, record, ms left of its lease, ... } for
+-- every member whose lease holds: the whole fleet under one tag, for the
+-- autoscaling hook. O(members), so asked seldom and cached by the caller.
+local function members(keys, args)
+  local now = now_ms()
+  local all = redis.call('HGETALL', keys[1])
+  local out = {}
+  for i = 1, #all, 2 do
+    local left = expiry(all[i + 1]) - now
+    if left > 0 then
+      table.insert(out, all[i])
+      table.insert(out, string.sub(all[i + 1], 15))
+      table.insert(out, left)
+    end
+  end
+  return out
+end
+
 redis.register_function('kvmesh_version', version)
 redis.register_function('kvmesh_register', register)
 redis.register_function('kvmesh_write', write)
 redis.register_function('kvmesh_lookup', lookup)
+redis.register_function('kvmesh_members', members)

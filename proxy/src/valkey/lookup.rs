@@ -184,6 +184,28 @@ fn cache_key(model: &str, keys: &[BlockKey]) -> u64 {
     h.digest()
 }
 
+/// Reads `kvmesh_members`' reply: (record, ms left of its lease) per live
+/// member; a record that does not decode is skipped.
+pub fn parse_members(reply: Value) -> Result<Vec<(PodRecord, i64)>, StoreError> {
+    let bad = |what: &str| StoreError::Reply(format!("kvmesh_members: {what}"));
+    let Value::Array(items) = reply else {
+        return Err(bad("not an array"));
+    };
+    let mut out = Vec::with_capacity(items.len() / 3);
+    let mut it = items.into_iter();
+    loop {
+        let (record, pttl) = match (it.next(), it.next(), it.next()) {
+            (None, ..) => break,
+            (Some(Value::BulkString(_)), Some(Value::BulkString(r)), Some(Value::Int(t))) => (r, t),
+            _ => return Err(bad("an entry is not (member, record, pttl)")),
+        };
+        if let Ok(record) = serde_json::from_slice::<PodRecord>(&record) {
+            out.push((record, pttl));
+        }
+    }
+    Ok(out)
+}
+
 /// Reads `kvmesh_lookup`'s reply: the deepest block, then (member, depth,
 /// record, pttl) per pod. A record that does not decode is skipped.
 pub fn parse(reply: Value) -> Result<Found, StoreError> {

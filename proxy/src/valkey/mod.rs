@@ -34,7 +34,7 @@ use tokio::sync::broadcast;
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, PodSnapshot};
 use crate::prefix::LocalKvUpdate;
 use prometheus_client::registry::Registry;
 
@@ -53,6 +53,8 @@ pub struct Valkey {
     store: Arc<Store>,
     lookup: Lookup,
     status: Mutex<WriterStatus>,
+    /// The whole fleet of the local pod's models, as last read, and when.
+    fleet_view: tokio::sync::Mutex<Option<(Instant, Arc<Vec<PodSnapshot>>)>>,
     /// Lookups, writes, registrations, the connection.
     pub metrics: IndexMetrics,
 }
@@ -86,6 +88,7 @@ impl Valkey {
             lookup: Lookup::new(store.clone()),
             store,
             status: Mutex::new(WriterStatus::default()),
+            fleet_view: tokio::sync::Mutex::new(None),
             metrics: IndexMetrics::register(registry),
         }
     }
@@ -141,6 +144,77 @@ impl Valkey {
             out.push((r.id.clone(), c.depth));
         }
         Some(out)
+    }
+}
+
+impl Valkey {
+    /// Every pod registered for the local pod's models, as the autoscaling
+    /// hook sizes pools from: the pods' records (load, health, in-flight),
+    /// the local pod from `fleet` (its own, fresher). A sidecar on Valkey
+    /// otherwise knows only the pods of its recent lookups. One call per
+    /// model and stripe, reused for a lease (`lease_ttl`, 3 s): a pod that
+    /// left stays in the view that long anyway, and the hook's callers (KEDA,
+    /// an HPA's metrics, Prometheus) poll every 15-30 s, any sidecar of them.
+    pub async fn fleet_view(
+        &self,
+        config: &Config,
+        fleet: &Fleet,
+    ) -> Result<Arc<Vec<PodSnapshot>>, StoreError> {
+        let mut cached = self.fleet_view.lock().await;
+        if let Some((at, view)) = cached.as_ref() {
+            if at.elapsed() < self.store.config().lease_ttl.get() {
+                return Ok(view.clone());
+            }
+        }
+        let cfg = self.store.config();
+        let deadline = cfg.lookup_deadline.get().max(Duration::from_millis(500));
+        let asks = config.pod.models.iter().flat_map(|model| {
+            (0..cfg.stripes).map(move |stripe| {
+                let tag = keys::Tag::new(&cfg.key_prefix, model, stripe);
+                async move {
+                    self.store
+                        .fcall::<redis::Value, _>(
+                            "kvmesh_members",
+                            &[tag.records()],
+                            Vec::<String>::new(),
+                            deadline,
+                        )
+                        .await
+                }
+            })
+        });
+        let now = Instant::now();
+        let local = fleet.local_id();
+        let mut pods: std::collections::BTreeMap<String, PodSnapshot> = fleet
+            .snapshot(now)
+            .into_iter()
+            .filter(|p| p.info.id == local)
+            .map(|p| (p.info.id.clone(), p))
+            .collect();
+        for reply in futures_util::future::join_all(asks).await {
+            for (record, pttl) in lookup::parse_members(reply?)? {
+                let Some(info) = record.info() else { continue };
+                if pods.contains_key(&info.id) {
+                    continue;
+                }
+                pods.insert(
+                    info.id.clone(),
+                    PodSnapshot {
+                        info,
+                        load: record.load(),
+                        load_age_ms: Some(record.age_ms(pttl)),
+                        healthy: record.healthy,
+                        in_flight_local: 0,
+                        in_flight_mesh: record.in_flight,
+                        ejected_ms: None,
+                        ejections: 0,
+                    },
+                );
+            }
+        }
+        let view = Arc::new(pods.into_values().collect::<Vec<_>>());
+        *cached = Some((Instant::now(), view.clone()));
+        Ok(view)
     }
 }
 

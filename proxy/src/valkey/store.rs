@@ -31,7 +31,7 @@ use crate::shutdown::Shutdown;
 /// The server-side functions every call uses.
 pub const FUNCTIONS: &str = include_str!("functions.lua");
 /// The library version `functions.lua` reports (`kvmesh_version`).
-pub const FUNCTIONS_VERSION: &str = "3";
+pub const FUNCTIONS_VERSION: &str = "4";
 
 /// Deadline of connecting and loading the functions.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -311,12 +311,15 @@ async fn connect_primary(
 }
 
 /// Loads `functions.lua` (on every primary of a cluster), unless `always`
-/// is false and the same version is there already.
+/// is false and the same version or a newer one is there already: during a
+/// rolling upgrade the newer sidecars' library stays (each version only adds
+/// functions), so old and new sidecars do not replace each other's.
 async fn load_functions(link: &mut Link, always: bool) -> Result<(), StoreError> {
     if !always {
         let have: Result<String, _> =
             timed(link.query(redis::cmd("FCALL").arg("kvmesh_version").arg(0))).await;
-        if matches!(&have, Ok(v) if v == FUNCTIONS_VERSION) {
+        let ours: u32 = FUNCTIONS_VERSION.parse().unwrap_or(0);
+        if matches!(&have, Ok(v) if v.parse::<u32>().is_ok_and(|v| v >= ours)) {
             return Ok(());
         }
     }
