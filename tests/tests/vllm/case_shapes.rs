@@ -18,9 +18,10 @@
 //!   as exact by kvmesh.
 //!
 //! Then through a sidecar (KV events, the same template in its model directory): a `/v1/responses`
-//! request is tokenized by the prefix stage and routed, and the sidecar's index holds its blocks
-//! under the keys kvmesh computes for that body; an image and a `previous_response_id` are
-//! counted in `kvmesh_prefix_inexact_keys_total` by reason.
+//! request is tokenized by the prefix stage and routed, the sidecar's index holds its blocks
+//! under the keys kvmesh computes for that body, and `/debug/route` for the same body finds the
+//! local pod holding all of them; an image and a `previous_response_id` are counted in
+//! `kvmesh_prefix_inexact_keys_total` by reason.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -470,6 +471,31 @@ pub async fn through_sidecar(http: &Http, sidecar: &SidecarUnderTest) -> Result<
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The decision the same body gets now sees them: `/debug/route` (which reads a body with
+    // `input` as `/v1/responses`) has its keys exact and the local pod holding every block.
+    let body = with(&shape.body, vec![("model", Json::from(MODEL))])?;
+    let route = http
+        .post_bytes(&format!("{}/debug/route", sidecar.admin_url), body)
+        .await?
+        .json()?;
+    let request = &route["request"];
+    ensure!(
+        request["prompt_tokens_exact"] == true
+            && request["prompt_tokens"].as_u64() == Some(ours.len() as u64)
+            && request["block_keys"].as_array().map(Vec::len) == Some(keys.len()),
+        "/debug/route keyed the /v1/responses body otherwise: {request}"
+    );
+    let matched: Vec<u64> = route["endpoints"]
+        .as_array()
+        .context("no endpoints in /debug/route")?
+        .iter()
+        .filter_map(|e| e["prefix"]["matched_blocks"].as_u64())
+        .collect();
+    ensure!(
+        matched.contains(&(keys.len() as u64)),
+        "/debug/route: no endpoint holds all {} blocks: {matched:?}",
+        keys.len()
+    );
     // Shapes that cannot be keyed exactly are routed all the same and counted by reason.
     let image = br#"{"model":"tiny-llama","max_tokens":1,"messages":[{"role":"user","content":[{"type":"text","text":"What is in it?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#;
     let previous = br#"{"model":"tiny-llama","max_output_tokens":1,"input":"and then?","previous_response_id":"resp_kvmesh_unknown"}"#;
