@@ -51,13 +51,7 @@ pub fn build(
             .fleet
             .endpoints(now, block_size, |id| matches.get(id).copied().unwrap_or(0)),
     };
-    let req = request_view(
-        ctx,
-        view,
-        &endpoints,
-        h.pod.models.first(),
-        block_size,
-    );
+    let req = request_view(ctx, view, &endpoints, h.pod.models.first(), block_size);
     (req, endpoints)
 }
 
