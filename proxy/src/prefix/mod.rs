@@ -299,8 +299,10 @@ impl PrefixState {
         request_id: &str,
     ) -> (Vec<u64>, Option<u32>, &'static str) {
         let max = usize::try_from(self.config.max_tokenize_bytes.0).unwrap_or(usize::MAX);
-        // vLLM's default; the request view does not carry the field.
-        let add_gen = true;
+        if let (Some(reason), Mode::Precise) = (view.inexact, self.mode()) {
+            // Keyed on the text alone: its leading blocks may still match.
+            self.metrics.inexact(reason.as_str());
+        }
         let tokenized = match &self.source {
             Source::Approx => {
                 let keys = tokenize::approx_text(&view.prompt)
@@ -316,56 +318,16 @@ impl PrefixState {
                 return (keys, None, outcome);
             }
             Source::Local(t) => {
-                let r = match view.chat.as_deref() {
-                    Some(input) => match t.tokenize_chat_input(input, max) {
-                        Ok(ids) => Ok(Some(ids)),
-                        Err(e) => {
-                            // The template refused what the request holds (the
-                            // engine will answer it): keyed on its text instead.
-                            tracing::debug!(request_id, error = %e, "template input not rendered; keys approximate");
-                            self.metrics.inexact(Inexact::Template.as_str());
-                            t.tokenize(&view.prompt, input.add_generation_prompt, max)
-                        }
-                    },
-                    None => t.tokenize(&view.prompt, add_gen, max),
-                };
+                let r = self.local_ids(t, view, max, request_id);
                 let s = t.cache().stats();
                 self.metrics.token_cache(s.reused_bytes, s.tokenized_bytes);
                 r
             }
-            Source::Engine => {
-                let engine = c.config.engine.url.to_string();
-                let deadline = self.config.engine_tokenize_timeout.get();
-                let model = view.model.as_deref();
-                match view.chat.as_deref() {
-                    Some(input) => {
-                        tokenize::engine_tokenize_chat_input(
-                            c.client, &engine, model, input, max, deadline,
-                        )
-                        .await
-                    }
-                    None => {
-                        if tokenize::engine_skips_chat(&view.prompt, max) {
-                            return (Vec::new(), None, "capped");
-                        }
-                        tokenize::engine_tokenize(
-                            c.client,
-                            &engine,
-                            model,
-                            &view.prompt,
-                            add_gen,
-                            max,
-                            deadline,
-                        )
-                        .await
-                    }
-                }
-            }
+            Source::Engine => match self.engine_ids(c, view, max, request_id).await {
+                Some(r) => r,
+                None => return (Vec::new(), None, "capped"),
+            },
         };
-        if let Some(reason) = view.inexact {
-            // Keyed on the text alone: its leading blocks may still match.
-            self.metrics.inexact(reason.as_str());
-        }
         match tokenized {
             Ok(Some(t)) => {
                 let bs = self.block_size(c.engine_block_size) as usize;
@@ -379,6 +341,79 @@ impl PrefixState {
                 (Vec::new(), None, "error")
             }
         }
+    }
+
+    /// A local tokenizer's ids of the request's template input (tools,
+    /// documents, ...; docs/prefix.md, "Request shapes"), or of its messages
+    /// alone when it has none or the template refused it (counted as
+    /// `template_error`: the engine will answer the request itself).
+    fn local_ids(
+        &self,
+        t: &LocalTokenizer,
+        view: &RequestView,
+        max: usize,
+        request_id: &str,
+    ) -> Result<Option<Tokenized>, PrefixError> {
+        // vLLM's default when the request has no template input to say otherwise.
+        let mut add_gen = true;
+        if let Some(input) = view.chat.as_deref() {
+            match t.tokenize_chat_input(input, max) {
+                Ok(ids) => return Ok(Some(ids)),
+                Err(e) => {
+                    tracing::debug!(request_id, error = %e, "template input not rendered; keys approximate");
+                    self.metrics.inexact(Inexact::Template.as_str());
+                    add_gen = input.add_generation_prompt;
+                }
+            }
+        }
+        t.tokenize(&view.prompt, add_gen, max)
+    }
+
+    /// `tokenizer: engine`: the engine's `/tokenize` of the request's
+    /// template input, or of its messages alone when it has none or the
+    /// engine refused it (counted as `template_error`); a timeout or a
+    /// connection error is not asked again. `None`: a chat too long to ask
+    /// about (capped).
+    async fn engine_ids(
+        &self,
+        c: Compute<'_>,
+        view: &RequestView,
+        max: usize,
+        request_id: &str,
+    ) -> Option<Result<Option<Tokenized>, PrefixError>> {
+        let engine = c.config.engine.url.to_string();
+        let deadline = self.config.engine_tokenize_timeout.get();
+        let model = view.model.as_deref();
+        let mut add_gen = true;
+        if let Some(input) = view.chat.as_deref() {
+            let r = tokenize::engine_tokenize_chat_input(
+                c.client, &engine, model, input, max, deadline,
+            )
+            .await;
+            match r {
+                Err(e @ PrefixError::EngineRefused { .. }) => {
+                    tracing::debug!(request_id, error = %e, "template input refused by the engine; keys approximate");
+                    self.metrics.inexact(Inexact::Template.as_str());
+                    add_gen = input.add_generation_prompt;
+                }
+                r => return Some(r),
+            }
+        }
+        if tokenize::engine_skips_chat(&view.prompt, max) {
+            return None;
+        }
+        Some(
+            tokenize::engine_tokenize(
+                c.client,
+                &engine,
+                model,
+                &view.prompt,
+                add_gen,
+                max,
+                deadline,
+            )
+            .await,
+        )
     }
 
     /// The precise block keys of token ids `ids` of request `view`.
@@ -440,6 +475,9 @@ impl PrefixState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 /// The prefix-index name of data-parallel rank `rank` of pod `pod`: each
 /// rank's blocks are indexed under it (as well as under the pod), a name

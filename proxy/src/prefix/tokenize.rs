@@ -57,6 +57,10 @@ pub enum PrefixError {
     Engine(String),
     #[error("engine /tokenize did not answer within {0:?}")]
     EngineTimeout(Duration),
+    /// The engine answered, and not with ids (its template refused the
+    /// request, say).
+    #[error("engine /tokenize: status {status}: {body}")]
+    EngineRefused { status: u16, body: String },
 }
 
 /// A tokenizer in this process, with the token prefix cache in front.
@@ -412,10 +416,10 @@ async fn post_tokenize(
             .map_err(|e| PrefixError::Engine(e.to_string()))?
             .to_bytes();
         if !status.is_success() {
-            return Err(PrefixError::Engine(format!(
-                "status {status}: {}",
-                String::from_utf8_lossy(&body[..body.len().min(200)])
-            )));
+            return Err(PrefixError::EngineRefused {
+                status: status.as_u16(),
+                body: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+            });
         }
         let reply: TokenizeReply =
             serde_json::from_slice(&body).map_err(|e| PrefixError::Engine(e.to_string()))?;
