@@ -298,3 +298,81 @@ fn unkeyable_shapes_name_their_reason() {
     let input = ChatInput::from_chat_body(&two_calls).unwrap();
     assert!(t.render_chat_input(&input).is_err());
 }
+
+/// Any JSON value, a few levels deep (object keys from the fields the
+/// template input reads, so that they are hit).
+fn any_json() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::Bool),
+        any::<i64>().prop_map(|n| serde_json::json!(n)),
+        "[a-z {}\"]{0,12}".prop_map(serde_json::Value::String),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+            proptest::collection::vec(
+                (
+                    prop_oneof![
+                        Just("role"),
+                        Just("content"),
+                        Just("tool_calls"),
+                        Just("function"),
+                        Just("arguments"),
+                        Just("name"),
+                        Just("type"),
+                        Just("text"),
+                        Just("tools"),
+                        Just("documents"),
+                        Just("chat_template_kwargs"),
+                        Just("messages"),
+                        Just("input"),
+                        Just("instructions"),
+                        Just("output"),
+                        Just("call_id"),
+                        Just("status"),
+                        Just("reasoning"),
+                        Just("tool_call_id"),
+                        Just("continue_final_message"),
+                        Just("add_generation_prompt"),
+                    ],
+                    inner,
+                ),
+                0..5
+            )
+            .prop_map(|kv| serde_json::Value::Object(
+                kv.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+            )),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Whatever a chat or Responses body holds, building its template input
+    /// and rendering it with either fixture template answers (ids or an
+    /// error the caller keys approximately), never panics.
+    #[test]
+    fn any_body_renders_or_errs(v in any_json(), roles in proptest::collection::vec(prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("developer")], 1..4)) {
+        static TEMPLATES: OnceLock<[HfTokenizer; 2]> = OnceLock::new();
+        let ts = TEMPLATES.get_or_init(|| [with_template("qwen3-tools"), with_template("llama31-tools")]);
+        let messages: Vec<serde_json::Value> = roles
+            .iter()
+            .map(|r| serde_json::json!({"role": r, "content": "x", "tool_calls": v.clone(), "tool_call_id": v.clone()}))
+            .collect();
+        let bodies = [
+            serde_json::json!({"messages": messages, "tools": v.clone(), "documents": v.clone(), "chat_template_kwargs": v.clone()}),
+            serde_json::json!({"input": v.clone(), "instructions": "i", "tools": v.clone()}),
+            v.clone(),
+        ];
+        for b in bodies {
+            let j = Json::parse(&b.to_string()).unwrap();
+            for input in [ChatInput::from_chat_body(&j), ChatInput::from_responses_body(&j)].into_iter().flatten() {
+                for t in ts {
+                    let _ = t.encode_chat_input(&input);
+                }
+            }
+        }
+    }
+}
