@@ -18,15 +18,23 @@ pub(super) fn chat(body: &[u8]) -> Result<ChatInput, Inexact> {
 }
 
 /// A `/v1/responses` body: the messages' text (the template input's when
-/// it can be built, else whatever text the body holds) and the template
-/// input or why there is none.
-pub(super) fn responses(body: &[u8]) -> (Vec<ChatMessage>, Result<ChatInput, Inexact>) {
+/// it can be built, else whatever text the body holds), the template input
+/// or why there is none, and `max_output_tokens` (read here, not with the
+/// other shapes' fields, so that a chat body's stray field of that name is
+/// not held to a type).
+pub(super) fn responses(
+    body: &[u8],
+) -> (Vec<ChatMessage>, Result<ChatInput, Inexact>, Option<u64>) {
     let Ok(json) = serde_json::from_slice::<Json>(body) else {
-        return (Vec::new(), Err(Inexact::Unsupported));
+        return (Vec::new(), Err(Inexact::Unsupported), None);
+    };
+    let limit = match json.field("max_output_tokens") {
+        Some(Json::Number(n)) => n.as_u64(),
+        _ => None,
     };
     match ChatInput::from_responses_body(&json) {
-        Ok(input) => (input.flat(), Ok(input)),
-        Err(reason) => (responses_text(&json), Err(reason)),
+        Ok(input) => (input.flat(), Ok(input), limit),
+        Err(reason) => (responses_text(&json), Err(reason), limit),
     }
 }
 

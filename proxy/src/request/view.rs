@@ -143,8 +143,6 @@ struct Wire<'a, const QUICK: bool> {
     stream: Option<bool>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
-    /// `/v1/responses`' limit.
-    max_output_tokens: Option<u64>,
     cache_salt: Option<String>,
     // Chat fields that reach the template: only whether they are there
     // (`super::shapes` reads the body again, keeping key order, when one is).
@@ -474,6 +472,7 @@ impl RequestView {
         };
         let mut chat = None;
         let mut inexact = None;
+        let mut max_tokens = w.max_completion_tokens.or(w.max_tokens);
         let beyond = w.beyond_messages();
         let prompt = match shape {
             Shape::Embedding => Prompt::None,
@@ -497,7 +496,8 @@ impl RequestView {
                 }
             },
             Shape::Responses => {
-                let (messages, input) = super::shapes::responses(body);
+                let (messages, input, limit) = super::shapes::responses(body);
+                max_tokens = limit;
                 match input {
                     Ok(input) => chat = Some(Box::new(input)),
                     Err(reason) => inexact = Some(reason),
@@ -513,10 +513,7 @@ impl RequestView {
             model: w.model,
             prompt,
             stream: w.stream.unwrap_or(false),
-            max_tokens: w
-                .max_completion_tokens
-                .or(w.max_tokens)
-                .or(w.max_output_tokens),
+            max_tokens,
             cache_salt: w.cache_salt,
             chat,
             inexact,
