@@ -66,7 +66,7 @@ impl App {
     /// What the prefix stage reads besides the prefix state: borrowed.
     pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
         crate::prefix::Compute {
-            config: &self.config,
+            engine_url: &self.config.engine.url,
             client: &self.client,
             engine_block_size: &self.engine_block_size,
             approx_max_blocks: self.routing.approx_max_blocks(),

@@ -8,7 +8,8 @@
 //!
 //! Finer rules the module graph cannot see: no file under `request/`,
 //! `routing/`, `pd/` or `mesh/` names the stages (`crate::path`); the
-//! request core names none of `routing`, `pd`, `mesh` or `app`; the stages
+//! request core names none of `routing`, `pd`, `mesh`, `app`, `fleet`,
+//! `prefix` or `valkey` (it asks the fleet through `request::Peers`); the stages
 //! take narrow handles, so no file under `path/` but `handles.rs` and
 //! `mod.rs` (which build them from `App`), and none under `pd/`, names
 //! `crate::app`.
@@ -386,7 +387,15 @@ fn the_stages_sit_above_the_request_core() {
     }
     let bad = offenders(
         "request",
-        &["crate::routing", "crate::pd", "crate::mesh", "crate::app"],
+        &[
+            "crate::routing",
+            "crate::pd",
+            "crate::mesh",
+            "crate::app",
+            "crate::fleet",
+            "crate::prefix",
+            "crate::valkey",
+        ],
     );
     assert!(
         bad.is_empty(),

@@ -534,5 +534,19 @@ impl PodState {
     }
 }
 
+impl crate::request::Peers for Fleet {
+    fn local_id(&self) -> &str {
+        Fleet::local_id(self)
+    }
+
+    fn peer_id(&self, addr: SocketAddr) -> Option<String> {
+        Fleet::peer_id(self, addr)
+    }
+
+    fn is_peer_addr(&self, addr: SocketAddr) -> bool {
+        Fleet::is_peer_addr(self, addr)
+    }
+}
+
 #[cfg(test)]
 mod tests;

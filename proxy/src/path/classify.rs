@@ -9,7 +9,6 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Limited};
 
 use crate::body::IncomingBody;
-use crate::config::Config;
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
 use crate::metrics::{Metrics, Route};
@@ -22,7 +21,12 @@ use opentelemetry::KeyValue;
 /// fleet (an llm-d prefiller must be a pod it knows).
 #[derive(Clone, Copy)]
 pub struct Classify<'a> {
-    pub config: &'a Config,
+    /// The body limit.
+    pub limits: &'a crate::config::Limits,
+    /// Which prefillers an llm-d EPP may name.
+    pub pd: &'a crate::config::Pd,
+    /// The body-read deadlines.
+    pub timeouts: &'a crate::config::Timeouts,
     pub metrics: &'a Metrics,
     pub fleet: &'a Fleet,
 }
@@ -56,7 +60,7 @@ async fn read(
     req: Request<IncomingBody>,
 ) -> Result<ClientRequest, ProxyError> {
     check_method(ctx)?;
-    let limit = h.config.limits.max_body_bytes.0;
+    let limit = h.limits.max_body_bytes.0;
     let (head, body) = req.into_parts();
     let declared = head
         .headers
@@ -79,7 +83,7 @@ async fn read(
         }
     };
     // Refused (403) before the body is read or any connection made.
-    ctx.epp_prefiller = crate::pd::llmd::prefiller(&h.config.pd, h.fleet, &head.headers)?;
+    ctx.epp_prefiller = crate::pd::llmd::prefiller(h.pd, h.fleet, &head.headers)?;
     let bytes = read_body(h, ctx, body, limit).await?;
     h.metrics.bytes_in(ctx.route, bytes.len() as u64);
     let view =
@@ -126,7 +130,7 @@ async fn read_body(
     limit: u64,
 ) -> Result<Bytes, ProxyError> {
     let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-    let t = &h.config.timeouts;
+    let t = h.timeouts;
     let after = t.request_body.get().min(t.overall.get());
     let collected = tokio::time::timeout_at(
         ctx.started + after,

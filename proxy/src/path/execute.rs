@@ -99,12 +99,16 @@ pub async fn execute(
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
                 if let Some(a) = access.as_mut() {
-                    a.legs(leg_pod(h.up.fleet, &prefill), leg_pod(h.up.fleet, &decode));
+                    a.legs(
+                        leg_pod(h.books.fleet, &prefill),
+                        leg_pod(h.books.fleet, &decode),
+                    );
                 }
                 let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
                 let split = crate::pd::Pd {
                     up: h.up,
                     metrics: h.pd,
+                    fleet: h.books.fleet,
                 };
                 let pd = Box::pin(crate::pd::execute(split, ctx, pd, &req));
                 let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
@@ -215,7 +219,10 @@ fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) ->
         && pod.role != kvmesh_filters::sched::Role::Prefill
         && model_served
         && h.engine_ready.load(std::sync::atomic::Ordering::Acquire)
-        && !h.up.fleet.ejected(h.up.fleet.local_id(), Instant::now())
+        && !h
+            .books
+            .fleet
+            .ejected(h.books.fleet.local_id(), Instant::now())
 }
 
 /// Whether `e` is `upstream` failing before any byte reached the client, so

@@ -14,7 +14,9 @@ use super::schedule::Schedule;
 
 pub fn classify(app: &App) -> Classify<'_> {
     Classify {
-        config: &app.config,
+        limits: &app.config.limits,
+        pd: &app.config.pd,
+        timeouts: &app.config.timeouts,
         metrics: &app.metrics,
         fleet: &app.fleet,
     }
@@ -76,6 +78,6 @@ pub fn upstreams(app: &App) -> Upstreams<'_> {
         engine: app.engine.as_ref(),
         mesh_tls: app.mesh.tls_client(),
         mesh_routes: app.mesh.routes(),
-        fleet: &app.fleet,
+        peers: &*app.fleet,
     }
 }

@@ -40,6 +40,8 @@ use metrics::PdMetrics;
 pub struct Pd<'a> {
     pub up: Upstreams<'a>,
     pub metrics: &'a PdMetrics,
+    /// Where each leg counts in flight.
+    pub fleet: &'a crate::fleet::Fleet,
 }
 
 /// Where the legs of one disaggregated request go.

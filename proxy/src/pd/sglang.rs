@@ -43,7 +43,7 @@ pub async fn run(
     let prefill_leg = async {
         // The prefill pod counts this leg until it ends (the decode pod
         // counts the request: the execute stage tracks it there).
-        let _queued = up.fleet.begin(&prefill.pod(up.fleet));
+        let _queued = h.fleet.begin(&prefill.pod(h.fleet));
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();

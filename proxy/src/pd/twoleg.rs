@@ -202,7 +202,7 @@ async fn prefill_once(
     // The prefill pod counts this leg until it ends, so the mesh's
     // schedulers see its queue (the decode pod counts the request: the
     // execute stage tracks it there).
-    let _queued = up.fleet.begin(&upstream.pod(up.fleet));
+    let _queued = h.fleet.begin(&upstream.pod(h.fleet));
     let sent = Instant::now();
     let (resp, name, hop) = send(
         &up,

@@ -51,7 +51,8 @@ pub const LOCAL_UPDATES_CAPACITY: usize = 4096;
 /// block size the engine reported. Borrowed per request.
 #[derive(Clone, Copy)]
 pub struct Compute<'a> {
-    pub config: &'a Config,
+    /// The local engine's URL (`tokenizer: engine` asks its `/tokenize`).
+    pub engine_url: &'a crate::config::EngineUrl,
     pub client: &'a UpstreamClient,
     /// The local engine's KV block size from its metrics (0: not yet known).
     pub engine_block_size: &'a AtomicU32,
@@ -381,7 +382,7 @@ impl PrefixState {
         max: usize,
         request_id: &str,
     ) -> Option<Result<Option<Tokenized>, PrefixError>> {
-        let engine = c.config.engine.url.to_string();
+        let engine = c.engine_url.to_string();
         let deadline = self.config.engine_tokenize_timeout.get();
         let model = view.model.as_deref();
         let mut add_gen = true;

@@ -18,7 +18,6 @@ use super::plan::Leg;
 use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::config::{EngineUrl, Limits, Pd as PdConfig, Pod, Timeouts};
 use crate::error::{error_chain, ProxyError, UpstreamName};
-use crate::fleet::Fleet;
 use crate::headers::{copy_end_to_end, strip_hop_by_hop, REQUEST_ID, ROUTED};
 use crate::metrics::Metrics;
 use crate::otel::Hop;
@@ -47,7 +46,7 @@ pub struct Upstreams<'a> {
     pub mesh_tls: Option<&'a MeshClient>,
     pub mesh_routes: &'a MeshRoutes,
     /// Which addresses are discovered peers.
-    pub fleet: &'a Fleet,
+    pub peers: &'a dyn super::Peers,
 }
 
 /// Where a disaggregated request's leg goes.
@@ -79,10 +78,10 @@ impl Upstream {
     }
 
     /// The pod id behind this upstream (an llm-d prefiller: its address).
-    pub(crate) fn pod(&self, fleet: &Fleet) -> String {
+    pub(crate) fn pod(&self, peers: &dyn super::Peers) -> String {
         match self {
-            Self::Engine => fleet.local_id().to_owned(),
-            Self::Peer(a) => fleet.peer_id(*a).unwrap_or_else(|| a.to_string()),
+            Self::Engine => peers.local_id().to_owned(),
+            Self::Peer(a) => peers.peer_id(*a).unwrap_or_else(|| a.to_string()),
             Self::Direct(a) => a.to_string(),
         }
     }
@@ -315,7 +314,7 @@ fn build_request(
     });
     headers.insert(REQUEST_ID, ctx.request_id.clone());
     if let Upstream::Peer(addr) = upstream {
-        super::hops::prepare(up.fleet, *addr, &head.headers, headers)?;
+        super::hops::prepare(up.peers, *addr, &head.headers, headers)?;
         headers.insert(ROUTED, HeaderValue::from_static("1"));
     }
     Ok(out)

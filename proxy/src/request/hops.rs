@@ -14,7 +14,6 @@ use std::net::SocketAddr;
 use http::{HeaderMap, HeaderValue};
 
 use crate::error::{ProxyError, UpstreamName};
-use crate::fleet::Fleet;
 use crate::headers::HOPS;
 
 /// Most sidecar-to-sidecar hops a request may take: the first sidecar routes,
@@ -48,12 +47,12 @@ pub fn check_arrival(h: &HeaderMap) -> Result<(), ProxyError> {
 /// Before forwarding to `addr`: it must be a discovered peer, and the hop
 /// count must stay within the limit. Sets the hop header on `out`.
 pub fn prepare(
-    fleet: &Fleet,
+    peers: &dyn super::Peers,
     addr: SocketAddr,
     incoming: &HeaderMap,
     out: &mut HeaderMap,
 ) -> Result<(), ProxyError> {
-    if !fleet.is_peer_addr(addr) {
+    if !peers.is_peer_addr(addr) {
         // Nothing was sent: the next fallback may take it.
         return Err(ProxyError::Connect {
             upstream: UpstreamName::Peer(addr.to_string()),

@@ -1,8 +1,9 @@
 //! The request core: what one request is on its way through the stages, and
 //! how it is sent upstream. A leaf of the sidecar's modules: `path` (the
 //! stages), `routing`, `pd`, `mesh`, `prefix` and `fleet` use it, and it
-//! uses none of `path`, `routing`, `pd` or `mesh` (checked by
-//! `tests::no_cycle`).
+//! uses none of them but `upstream` (the connections): what it needs of the
+//! fleet (who the local pod is, which addresses are peers) it asks through
+//! [`Peers`], which the fleet implements (`graph_tests.rs` keeps it so).
 //!
 //! | file | holds |
 //! |---|---|
@@ -25,6 +26,17 @@ mod shapes;
 pub mod view;
 
 pub use call::Upstreams;
+
+/// What the request core asks of the fleet: the local pod's id and which
+/// sidecar addresses belong to discovered peers (`crate::fleet::Fleet`).
+pub trait Peers: Sync {
+    fn local_id(&self) -> &str;
+    /// The pod id of the peer whose sidecar is at `addr`.
+    fn peer_id(&self, addr: std::net::SocketAddr) -> Option<String>;
+    /// Whether `addr` is a discovered peer's sidecar (forwarding goes
+    /// nowhere else, so the sidecar is no open relay).
+    fn is_peer_addr(&self, addr: std::net::SocketAddr) -> bool;
+}
 pub(crate) use call::{leg_upstream, relay, send, Upstream, FORWARD};
 pub use client::{ClientBody, ClientRequest};
 pub use context::{RequestCtx, Served};
