@@ -81,15 +81,28 @@ pub fn compute(args: &PrefixArgs, body: &[u8]) -> Result<serde_json::Value, Comm
     };
     let raw: serde_json::Value = serde_json::from_slice(body)?;
     let chat = args.chat || raw.get("messages").is_some();
-    let view = RequestView::parse(body, if chat { Shape::Chat } else { Shape::Completion })?;
+    // A body with `input` and no `prompt` is a `/v1/responses` request.
+    let responses = !chat && raw.get("input").is_some() && raw.get("prompt").is_none();
+    let shape = match (chat, responses) {
+        (true, _) => Shape::Chat,
+        (false, true) => Shape::Responses,
+        (false, false) => Shape::Completion,
+    };
+    let view = RequestView::parse(body, shape)?;
     let add_gen = raw
         .get("add_generation_prompt")
         .and_then(serde_json::Value::as_bool)
         .unwrap_or(true);
-    let ids = tok
-        .tokenize(&view.prompt, add_gen, usize::MAX)?
-        .ok_or(CommandError::NoPrompt)?
-        .ids;
+    // Tools, documents, template kwargs and the rest reach the template as
+    // the request path renders them (`RequestView::chat`).
+    let ids = match view.chat.as_deref() {
+        Some(input) => tok.tokenize_chat_input(input, usize::MAX)?.ids,
+        None => {
+            tok.tokenize(&view.prompt, add_gen, usize::MAX)?
+                .ok_or(CommandError::NoPrompt)?
+                .ids
+        }
+    };
     let salt = view.cache_salt.as_deref();
     let hashes = match args.hash {
         HashKind::Local => {
@@ -169,6 +182,54 @@ mod tests {
             VllmCborHasher::new(None).block_hashes(&ids, 4, Some("t"))
         );
         assert_eq!(hashes.len(), ids.len() / 4);
+    }
+
+    /// A chat request with tools and a `/v1/responses` request give the ids
+    /// real vLLM 0.32 gave for them (the request shapes' fixtures, captured
+    /// by tests/fixtures/chat-templates/capture.py): the command renders what
+    /// the request path renders, not the messages alone.
+    #[test]
+    fn request_shapes_give_the_ids_vllm_gave() {
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let model = tempfile::tempdir().unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixtures.join("tiny-llama").join(f), model.path().join(f)).unwrap();
+        }
+        std::fs::copy(
+            fixtures.join("chat-templates/qwen3-tools.jinja"),
+            model.path().join("chat_template.jinja"),
+        )
+        .unwrap();
+        let read = |f: &str| -> serde_json::Value {
+            serde_json::from_str(
+                &std::fs::read_to_string(fixtures.join("chat-templates").join(f)).unwrap(),
+            )
+            .unwrap()
+        };
+        let (shapes, captured) = (read("shapes.json"), read("vllm-tokenize.json"));
+        // The bodies as written, key order kept (a tool schema prints in it).
+        let ordered = kvmesh_filters::prefix::tokenize::Json::parse(
+            &std::fs::read_to_string(fixtures.join("chat-templates/shapes.json")).unwrap(),
+        )
+        .unwrap();
+        let mut a = args(HashKind::Local);
+        a.tokenizer = model.path().to_str().unwrap().to_owned();
+        let mut checked = 0;
+        for name in ["tools", "tool_call_history", "responses_input_items"] {
+            let at = shapes.as_array().unwrap().iter().position(|s| {
+                s["template"] == "qwen3-tools" && s["name"] == name && s.get("same_as").is_none()
+            });
+            let shape = &ordered.as_array().unwrap()[at.unwrap()];
+            let body = serde_json::to_vec(shape.get("body").unwrap()).unwrap();
+            let v = compute(&a, &body).unwrap();
+            assert_eq!(
+                v["token_ids"],
+                captured[format!("qwen3-tools/{name}")],
+                "qwen3-tools/{name}"
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 3);
     }
 
     #[test]
