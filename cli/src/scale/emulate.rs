@@ -196,6 +196,15 @@ impl ValkeyFleet {
         blocks: &Blocks,
         engines: bool,
     ) -> Result<Self> {
+        let mut fleet = Self::connect(n, cfg, engines).await?;
+        fleet.seed(blocks).await?;
+        Ok(fleet)
+    }
+
+    /// The pods connected, each with its writer and (with `engines`) its
+    /// fake engine, holding no block yet: what Valkey holds for the
+    /// connections alone, before [`Self::seed`].
+    pub async fn connect(n: usize, cfg: &ValkeyConfig, engines: bool) -> Result<Self> {
         let shutdown = Shutdown::new();
         let mut tasks = JoinSet::new();
         let connect = |tasks: &mut JoinSet<()>| {
@@ -218,9 +227,6 @@ impl ValkeyFleet {
         }
         let index = Arc::new(PrefixIndex::default());
         let metrics = Arc::new(IndexMetrics::default());
-        let prefixes: Vec<Vec<u32>> = (0..blocks.groups)
-            .map(prefix_tokens)
-            .collect::<Result<_>>()?;
         let mut pods = Vec::with_capacity(n);
         let mut fake = Vec::new();
         for (k, store) in stores.iter().enumerate() {
@@ -255,7 +261,7 @@ impl ValkeyFleet {
             ));
             pods.push((pod, id, PodEvents::new(k), tx));
         }
-        let mut fleet = Self {
+        Ok(Self {
             store,
             index,
             metrics,
@@ -263,18 +269,26 @@ impl ValkeyFleet {
             engines: fake,
             tasks,
             shutdown,
-        };
-        for k in 0..n {
+        })
+    }
+
+    /// Stores each pod's blocks (its group's prefix and filler) and waits
+    /// until every writer has written them.
+    pub async fn seed(&mut self, blocks: &Blocks) -> Result<()> {
+        let prefixes: Vec<Vec<u32>> = (0..blocks.groups)
+            .map(prefix_tokens)
+            .collect::<Result<_>>()?;
+        for k in 0..self.pods.len() {
             let batches = {
-                let (_, _, ev, _) = &mut fleet.pods[k];
+                let (_, _, ev, _) = &mut self.pods[k];
                 seed(k, ev, blocks, &prefixes)
             };
             for b in batches {
-                fleet.apply(k, b).await;
+                self.apply(k, b).await;
             }
         }
-        fleet.drain().await;
-        Ok(fleet)
+        self.drain().await;
+        Ok(())
     }
 
     pub fn len(&self) -> usize {

@@ -103,7 +103,6 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
     if let Some(c) = cpus.measured {
         pin(server.pid(), c);
     }
-    let before = server.info_memory_without_clients().await?;
     let mut cfg = valkey_config(vec![server.url()]);
     cfg.cache_ttl = CfgDuration::from_millis(1);
     let blocks = Blocks {
@@ -111,7 +110,10 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
         per_pod: 64,
         churn_per_pod: 0.0,
     };
-    let fleet = ValkeyFleet::start(LOOKUP_PODS, &cfg, &blocks, false).await?;
+    // Memory per block: the seeding alone, every connection already open.
+    let mut fleet = ValkeyFleet::connect(LOOKUP_PODS, &cfg, false).await?;
+    let before = server.info_memory_without_clients().await?;
+    fleet.seed(&blocks).await?;
     let bytes = server
         .info_memory_without_clients()
         .await?

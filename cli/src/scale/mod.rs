@@ -219,9 +219,11 @@ async fn valkey_point(
     if let Some(c) = cpus.measured {
         pin(server.pid(), c);
     }
-    let before = server.info_memory_without_clients().await?;
     let cfg = valkey_config(vec![server.url()]);
-    let mut fleet = ValkeyFleet::start(n, &cfg, &opts.blocks, true).await?;
+    // Memory per block: the seeding alone, every connection already open.
+    let mut fleet = ValkeyFleet::connect(n, &cfg, true).await?;
+    let before = server.info_memory_without_clients().await?;
+    fleet.seed(&opts.blocks).await?;
     let used = server.info_memory_without_clients().await?;
     let engine = FastEngine::bind("127.0.0.1:0", FastEngineConfig::default()).await?;
     let name = format!("valkey-{n}-r{round}");
