@@ -112,12 +112,9 @@ async fn lookups(opts: &ScaleOpts, cpus: Cpus) -> Result<(f64, f64, f64, u64)> {
     };
     // Memory per block: the seeding alone, every connection already open.
     let mut fleet = ValkeyFleet::connect(LOOKUP_PODS, &cfg, false).await?;
-    let before = server.info_memory_without_clients().await?;
+    let before = server.info_memory_used().await?;
     fleet.seed(&blocks).await?;
-    let bytes = server
-        .info_memory_without_clients()
-        .await?
-        .saturating_sub(before) as f64
+    let bytes = server.info_memory_used().await?.saturating_sub(before) as f64
         / (LOOKUP_PODS * blocks.per_pod) as f64;
     let keys: Vec<Vec<u64>> = (0..blocks.groups)
         .map(|g| prefix_tokens(g).map(|t| fleet.index.request_keys(MODEL, None, &t, BLOCK)))

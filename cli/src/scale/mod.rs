@@ -222,9 +222,9 @@ async fn valkey_point(
     let cfg = valkey_config(vec![server.url()]);
     // Memory per block: the seeding alone, every connection already open.
     let mut fleet = ValkeyFleet::connect(n, &cfg, true).await?;
-    let before = server.info_memory_without_clients().await?;
+    let before = server.info_memory_used().await?;
     fleet.seed(&opts.blocks).await?;
-    let used = server.info_memory_without_clients().await?;
+    let used = server.info_memory_used().await?;
     let engine = FastEngine::bind("127.0.0.1:0", FastEngineConfig::default()).await?;
     let name = format!("valkey-{n}-r{round}");
     let sut = Sut::start(

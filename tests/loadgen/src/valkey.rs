@@ -243,21 +243,6 @@ impl ValkeyServer {
         self.info_number("memory", "used_memory").await
     }
 
-    /// `used_memory` less `mem_clients_normal`: what the data takes, without
-    /// the buffers of however many clients are connected.
-    pub async fn info_memory_without_clients(&self) -> Result<u64, ValkeyError> {
-        let info = self.info("memory").await?;
-        let number = |field: &str| {
-            info_value(&info, field)
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| ValkeyError::State {
-                    port: self.port,
-                    what: format!("INFO memory has no number {field}"),
-                })
-        };
-        Ok(number("used_memory")?.saturating_sub(number("mem_clients_normal")?))
-    }
-
     async fn info_number(&self, section: &str, field: &str) -> Result<u64, ValkeyError> {
         let v = self.info_field(section, field).await?;
         v.parse().map_err(|_| ValkeyError::State {
