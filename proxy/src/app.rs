@@ -62,24 +62,4 @@ impl App {
             autoscale_metrics: self.autoscale_metrics.clone(),
         }
     }
-
-    /// What the prefix stage reads besides the prefix state: borrowed.
-    pub fn prefix_inputs(&self) -> crate::prefix::Compute<'_> {
-        crate::prefix::Compute {
-            engine_url: &self.config.engine.url,
-            client: &self.client,
-            engine_block_size: &self.engine_block_size,
-            approx_max_blocks: self.routing.approx_max_blocks(),
-        }
-    }
-
-    /// What planning one request reads besides the filter config: borrowed.
-    pub fn routing_inputs(&self) -> crate::routing::Inputs<'_> {
-        crate::routing::Inputs {
-            pod: &self.config.pod,
-            fleet: &self.fleet,
-            prefix: &self.prefix,
-            engine_block_size: &self.engine_block_size,
-        }
-    }
 }

@@ -138,7 +138,9 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
     ctx.view = Some(view);
     // As the prefix stage does: a request a peer routed here is not tokenized.
     if !ctx.already_routed {
-        app.prefix.compute(app.prefix_inputs(), &mut ctx).await;
+        app.prefix
+            .compute(crate::path::handles::compute(app), &mut ctx)
+            .await;
         // As the schedule stage does: the Valkey index names the candidates.
         if let (Some(index), Some(view)) = (&app.index, &ctx.view) {
             let model = app.prefix.request_model(view.model.as_deref());
@@ -183,7 +185,9 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             "target": describe(&Target::LocalEngine),
             "fallbacks": [],
         });
-        if let Some(dp) = crate::routing::rank::explain(app.routing_inputs(), ctx) {
+        if let Some(dp) =
+            crate::routing::rank::explain(crate::path::handles::routing_inputs(app), ctx)
+        {
             out["data_parallel"] = dp;
         }
         return out;
@@ -192,7 +196,8 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
         return json!({"decision": "local", "reason": "passthrough"});
     };
     let now = Instant::now();
-    let (req, endpoints) = crate::routing::request::build(app.routing_inputs(), ctx, view, now);
+    let (req, endpoints) =
+        crate::routing::request::build(crate::path::handles::routing_inputs(app), ctx, view, now);
     let (route, trace) = active.scheduler.explain(&req, &endpoints, rand::random());
     let mut out = json!({
         "filters": active.origin,
@@ -216,7 +221,10 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
             if let Some(plan) = plan {
                 // The rank the local engine's run gets (a peer picks its own).
                 if plan.target == Target::LocalEngine {
-                    if let Some(dp) = crate::routing::rank::explain(app.routing_inputs(), ctx) {
+                    if let Some(dp) = crate::routing::rank::explain(
+                        crate::path::handles::routing_inputs(app),
+                        ctx,
+                    ) {
                         out["data_parallel"] = dp;
                     }
                 }

@@ -25,14 +25,14 @@ pub fn classify(app: &App) -> Classify<'_> {
 pub fn prefix(app: &App) -> Prefix<'_> {
     Prefix {
         state: &app.prefix,
-        compute: app.prefix_inputs(),
+        compute: compute(app),
     }
 }
 
 pub fn schedule(app: &App) -> Schedule<'_> {
     Schedule {
         routing: &app.routing,
-        inputs: app.routing_inputs(),
+        inputs: routing_inputs(app),
         index: app.index.as_deref(),
         routes: app.mesh.routes(),
     }
@@ -79,5 +79,26 @@ pub fn upstreams(app: &App) -> Upstreams<'_> {
         mesh_tls: app.mesh.tls_client(),
         mesh_routes: app.mesh.routes(),
         peers: &*app.fleet,
+    }
+}
+
+/// What the prefix stage reads besides the prefix state (also `/debug/route`'s).
+pub fn compute(app: &App) -> crate::prefix::Compute<'_> {
+    crate::prefix::Compute {
+        engine_url: &app.config.engine.url,
+        client: &app.client,
+        engine_block_size: &app.engine_block_size,
+        approx_max_blocks: app.routing.approx_max_blocks(),
+    }
+}
+
+/// What planning one request reads besides the filter config (also
+/// `/debug/route`'s).
+pub fn routing_inputs(app: &App) -> crate::routing::Inputs<'_> {
+    crate::routing::Inputs {
+        pod: &app.config.pod,
+        fleet: &app.fleet,
+        prefix: &app.prefix,
+        engine_block_size: &app.engine_block_size,
     }
 }

@@ -43,7 +43,7 @@ pub use producers::PrefixSettings;
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// What planning one request reads besides the filter config: the fleet's
-/// pods, the prefix index and its block size, the local models. Borrowed per request (`App::routing_inputs`).
+/// pods, the prefix index and its block size, the local models. Borrowed per request (`path::handles::routing_inputs`).
 #[derive(Clone, Copy)]
 pub struct Inputs<'a> {
     /// The local pod's models (the first names a model-less request).
