@@ -24,3 +24,4 @@ pub mod route;
 pub mod sidecar;
 pub mod simproc;
 pub mod tls_front;
+pub mod workspace;

@@ -10,11 +10,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use kvmesh_tests::workspace::{metadata, root};
 
 /// A Dockerfile's instructions, continuation lines joined, comments kept apart.
 struct Dockerfile {
@@ -110,26 +107,6 @@ fn cargo_build(d: &Dockerfile) -> (Vec<String>, HashMap<String, String>) {
         }
     }
     (words, flags)
-}
-
-fn metadata() -> Value {
-    let out = std::process::Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 fn dockerfiles() -> Vec<PathBuf> {

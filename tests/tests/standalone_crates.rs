@@ -23,9 +23,7 @@ const EXCEPTIONS: &[(&str, &str)] = &[];
 /// The macros and attribute whose string literal names a file the crate compiles in.
 const REACHES: &[&str] = &["include_str!(", "include_bytes!(", "#[path = "];
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use kvmesh_tests::workspace::{metadata, root};
 
 /// `path` with `.` and `..` resolved lexically (the files need not exist).
 fn normalize(path: &Path) -> PathBuf {
@@ -44,23 +42,7 @@ fn normalize(path: &Path) -> PathBuf {
 
 /// The folder of every workspace crate but this one, relative to the root.
 fn crate_dirs() -> Vec<PathBuf> {
-    let out = std::process::Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meta: Value = metadata();
     let root = normalize(&root().canonicalize().unwrap());
     let dirs: Vec<PathBuf> = meta["packages"]
         .as_array()
