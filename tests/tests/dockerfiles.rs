@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-
 use kvmesh_tests::workspace::{metadata, root};
 
 /// A Dockerfile's instructions, continuation lines joined, comments kept apart.
