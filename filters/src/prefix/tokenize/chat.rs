@@ -447,32 +447,7 @@ fn wire_turn(m: &Json) -> Result<ChatTurn, Inexact> {
         .field("role")
         .and_then(Json::as_str)
         .ok_or(Inexact::Unsupported)?;
-    let content = match m.field("content") {
-        None => String::new(),
-        Some(Json::String(s)) => s.clone(),
-        Some(Json::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for p in parts {
-                match p {
-                    Json::String(s) => texts.push(s.as_str()),
-                    _ => match p.field("type").and_then(Json::as_str).unwrap_or("text") {
-                        kind @ ("text" | "input_text" | "output_text" | "thinking" | "refusal") => {
-                            let key = match kind {
-                                "thinking" | "refusal" => kind,
-                                _ => "text",
-                            };
-                            if let Some(t) = p.field(key).and_then(Json::as_str) {
-                                texts.push(t);
-                            }
-                        }
-                        _ => return Err(Inexact::Multimodal),
-                    },
-                }
-            }
-            texts.join("\n")
-        }
-        Some(_) => return Err(Inexact::Unsupported),
-    };
+    let content = content_text(m.field("content"), &["thinking", "refusal"])?;
     Ok(ChatTurn {
         role: role.to_owned(),
         content,
@@ -484,6 +459,40 @@ fn wire_turn(m: &Json) -> Result<ChatTurn, Inexact> {
             .and_then(Json::as_str)
             .map(str::to_owned),
     })
+}
+
+/// The text of a message's content: a string, or its parts' text joined by
+/// newlines (as vLLM joins them). `text`, `input_text` and `output_text`
+/// parts give their `text`; a part of a kind in `own_field` gives the field
+/// named like its kind (chat's `thinking` and `refusal`); any other part
+/// (an image, audio) cannot be keyed on its text alone.
+pub(super) fn content_text(content: Option<&Json>, own_field: &[&str]) -> Result<String, Inexact> {
+    match content {
+        None => Ok(String::new()),
+        Some(Json::String(s)) => Ok(s.clone()),
+        Some(Json::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for p in parts {
+                let kind = match p {
+                    Json::String(s) => {
+                        texts.push(s.as_str());
+                        continue;
+                    }
+                    _ => p.field("type").and_then(Json::as_str).unwrap_or("text"),
+                };
+                let key = match kind {
+                    "text" | "input_text" | "output_text" => "text",
+                    k if own_field.contains(&k) => k,
+                    _ => return Err(Inexact::Multimodal),
+                };
+                if let Some(t) = p.field(key).and_then(Json::as_str) {
+                    texts.push(t);
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(Inexact::Unsupported),
+    }
 }
 
 fn opt_bool(body: &Json, key: &str) -> Result<Option<bool>, Inexact> {

@@ -11,7 +11,9 @@
 //! encoded with special tokens: `build_tok_params` leaves
 //! `TokenizeParams.add_special_tokens` at its default, true.
 
-use super::chat::{function_def, normalize_turn, opt_str, ChatInput, ChatTurn, Inexact};
+use super::chat::{
+    content_text, function_def, normalize_turn, opt_str, ChatInput, ChatTurn, Inexact,
+};
 use super::json::Json;
 
 /// The `/v1/responses` fields that make the prompt.
@@ -125,32 +127,6 @@ fn continues(item: &Json) -> bool {
         )
 }
 
-/// The text of a message item's content: a string, or its text parts.
-fn item_text(content: Option<&Json>) -> Result<String, Inexact> {
-    match content {
-        None => Ok(String::new()),
-        Some(Json::String(s)) => Ok(s.clone()),
-        Some(Json::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for p in parts {
-                match p {
-                    Json::String(s) => texts.push(s.as_str()),
-                    _ => match p.field("type").and_then(Json::as_str).unwrap_or("text") {
-                        "text" | "input_text" | "output_text" => {
-                            if let Some(t) = p.field("text").and_then(Json::as_str) {
-                                texts.push(t);
-                            }
-                        }
-                        _ => return Err(Inexact::Multimodal),
-                    },
-                }
-            }
-            Ok(texts.join("\n"))
-        }
-        Some(_) => Err(Inexact::Unsupported),
-    }
-}
-
 /// `_construct_message_from_response_item`: adds `item` to `messages`, or
 /// merges it into the assistant message before it.
 fn responses_item(item: &Json, messages: &mut Vec<ChatTurn>) -> Result<(), Inexact> {
@@ -257,7 +233,7 @@ fn responses_item(item: &Json, messages: &mut Vec<ChatTurn>) -> Result<(), Inexa
             } else {
                 messages.push(ChatTurn {
                     role: role.to_owned(),
-                    content: item_text(item.field("content"))?,
+                    content: content_text(item.field("content"), &[])?,
                     name: item.field("name").and_then(Json::as_str).map(str::to_owned),
                     ..ChatTurn::default()
                 });
