@@ -31,7 +31,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::access::{AccessLog, End};
 use crate::error::{ProxyError, UpstreamName};
-use crate::metrics::{InFlight, Metrics, Route};
+use crate::metrics::{InFlight, Route, UpstreamMetrics};
 use crate::respond::sse_error_tail;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -70,7 +70,7 @@ enum Kind {
 pub struct RelayParams {
     pub upstream: UpstreamName,
     pub route: Route,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<UpstreamMetrics>,
     /// When the request arrived (TTFT is measured from here).
     pub started: Instant,
     pub stream_idle: Duration,

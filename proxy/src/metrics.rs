@@ -7,7 +7,7 @@
 //! are resolved once and kept ([`PerRoute`]): a family lookup takes a lock
 //! shared by every worker thread and hashes the labels.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -204,43 +204,75 @@ where
     }
 }
 
-/// The families every request touches, and the registry `/metrics` encodes.
-/// Each subsystem owns its own families and registers them in the same
+/// The request path's families, and the registry `/metrics` encodes. Each
+/// subsystem owns its own families and registers them in the same
 /// registry ([`registry`]) before this is built: routing's in [`Routing`],
 /// the prefix state's in [`PrefixState`], the mesh's in [`Mesh`], P/D's and
 /// the autoscaling hook's in `App`. Cheap to share behind an `Arc`.
+///
+/// The families are grouped by who counts in them, so that each stage's
+/// handle (`path/handles.rs`) borrows its group alone: classify
+/// [`ClientMetrics`], observe [`RequestMetrics`], the upstream calls (and
+/// so execute) [`UpstreamMetrics`], the accounting stage [`OutlierMetrics`].
 ///
 /// [`Routing`]: crate::routing::Routing
 /// [`PrefixState`]: crate::prefix::PrefixState
 /// [`Mesh`]: crate::mesh::Mesh
 pub struct Metrics {
     registry: Registry,
-    requests: Family<StatusLabels, Counter>,
-    /// `requests{status="200"}` per route, the series nearly every request counts.
-    requests_ok: [OnceLock<Counter>; Route::COUNT],
-    in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
-    upstream_latency: PerRoute<Histogram>,
-    ttft: PerRoute<Histogram>,
-    itl: PerRoute<Histogram>,
-    bytes_in: PerRoute<Counter<u64, AtomicU64>>,
-    bytes_out: PerRoute<Counter<u64, AtomicU64>>,
-    /// Targets that refused a request before any byte was sent.
-    fallbacks: Counter,
-    /// Client connections accepted, by serving thread.
-    connections: Family<ThreadLabels, Counter>,
-    /// Connections or requests cut for a slow or oversize client.
-    rejected: Family<RejectLabels, Counter>,
-    /// Pods ejected as outliers (`fleet/outlier.rs`).
-    outlier_ejections: Counter,
-    /// Pods ejected now (set at each scrape).
-    pub outliers_ejected: Gauge,
+    /// Counted by the listeners and the classify stage.
+    pub clients: ClientMetrics,
+    /// Counted at the request path's entry (in flight) and by the observe stage.
+    pub requests: RequestMetrics,
+    /// Counted by the upstream calls and the relays of their bodies (each
+    /// relayed body holds a reference).
+    pub upstream: Arc<UpstreamMetrics>,
+    /// Counted by the accounting stage, and set at each scrape.
+    pub outliers: OutlierMetrics,
     /// 1 while the local engine answers its health check (set at each scrape).
     pub engine_ready: Gauge,
 }
 
+/// What the clients did on the way in: connections accepted, clients cut,
+/// request body bytes.
+pub struct ClientMetrics {
+    /// Client connections accepted, by serving thread.
+    connections: Family<ThreadLabels, Counter>,
+    /// Connections or requests cut for a slow or oversize client.
+    rejected: Family<RejectLabels, Counter>,
+    bytes_in: PerRoute<Counter<u64, AtomicU64>>,
+}
+
+/// Requests answered, by route and status, and those still in flight.
+pub struct RequestMetrics {
+    requests: Family<StatusLabels, Counter>,
+    /// `requests{status="200"}` per route, the series nearly every request counts.
+    requests_ok: [OnceLock<Counter>; Route::COUNT],
+    in_flight: Gauge<i64, AtomicI64>,
+}
+
+/// The upstream calls: latency to the response head, targets that refused,
+/// and what the relay sees as a body flows to the client (time to first
+/// token and the gaps between chunks on streams, bytes).
+pub struct UpstreamMetrics {
+    latency: PerRoute<Histogram>,
+    ttft: PerRoute<Histogram>,
+    itl: PerRoute<Histogram>,
+    bytes_out: PerRoute<Counter<u64, AtomicU64>>,
+    /// Targets that refused a request before any byte was sent.
+    fallbacks: Counter,
+}
+
+/// Pods ejected as outliers (`fleet/outlier.rs`).
+pub struct OutlierMetrics {
+    ejections: Counter,
+    /// Pods ejected now (set at each scrape).
+    pub ejected_pods: Gauge,
+}
+
 /// Decrements the in-flight gauge when the response body is finished or dropped.
 pub struct InFlight {
-    gauge: Gauge<i64, std::sync::atomic::AtomicI64>,
+    gauge: Gauge<i64, AtomicI64>,
     /// The fleet's count of requests towards the pod serving this one, held
     /// exactly as long (until the response body ends).
     target: Option<CountGuard>,
@@ -294,66 +326,55 @@ impl Metrics {
     /// The request families, registered in `registry` beside the
     /// subsystems' families already there.
     pub fn with_registry(mut registry: Registry) -> Self {
-        let requests = Family::<StatusLabels, Counter>::default();
-        let in_flight = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
-        let histograms = || {
-            Family::<RouteLabels, Histogram, fn() -> Histogram>::new_with_constructor(
-                latency_histogram,
-            )
-        };
-        let (upstream_latency, ttft, itl) = (histograms(), histograms(), histograms());
-        let counters = || {
-            Family::<RouteLabels, Counter<u64, AtomicU64>, fn() -> Counter<u64, AtomicU64>>::new_with_constructor(
-                Counter::default,
-            )
-        };
-        let (bytes_in, bytes_out) = (counters(), counters());
+        let clients = ClientMetrics::new();
+        let requests = RequestMetrics::new();
+        let upstream = UpstreamMetrics::new();
+        let outliers = OutlierMetrics::new();
+        let engine_ready = Gauge::default();
+        // One list across the groups: the exposition lists the families in
+        // the order they are registered here.
         registry.register(
             "requests",
             "Requests answered by the sidecar, by route and HTTP status",
-            requests.clone(),
+            requests.requests.clone(),
         );
         registry.register(
             "requests_in_flight",
             "Requests whose response has not finished",
-            in_flight.clone(),
+            requests.in_flight.clone(),
         );
         registry.register_with_unit(
             "upstream_latency",
             "Time from sending a request upstream to its response head",
             Unit::Seconds,
-            upstream_latency.clone(),
+            upstream.latency.family.clone(),
         );
         registry.register_with_unit(
             "time_to_first_token",
             "Streams: time from the request's arrival to the first body chunk sent to the client",
             Unit::Seconds,
-            ttft.clone(),
+            upstream.ttft.family.clone(),
         );
         registry.register_with_unit(
             "inter_token_latency",
             "Streams: time between consecutive body chunks sent to the client",
             Unit::Seconds,
-            itl.clone(),
+            upstream.itl.family.clone(),
         );
-        let fallbacks = Counter::default();
-        let engine_ready = Gauge::default();
-        let outlier_ejections = Counter::default();
-        let outliers_ejected = Gauge::default();
         registry.register(
             "outlier_ejections",
             "Pods ejected after consecutive failed calls (refused, broken before the head, 5xx); the scheduler skips an ejected pod for a period growing with each ejection",
-            outlier_ejections.clone(),
+            outliers.ejections.clone(),
         );
         registry.register(
             "outlier_ejected_pods",
             "Pods ejected as outliers now, as this sidecar judges its own calls",
-            outliers_ejected.clone(),
+            outliers.ejected_pods.clone(),
         );
         registry.register(
             "fallbacks",
             "Targets that refused a request before any byte was sent (the plan's next fallback pod, if any, takes it)",
-            fallbacks.clone(),
+            upstream.fallbacks.clone(),
         );
         registry.register(
             "engine_ready",
@@ -364,47 +385,30 @@ impl Metrics {
             "request",
             "Request body bytes received from clients",
             Unit::Bytes,
-            bytes_in.clone(),
+            clients.bytes_in.family.clone(),
         );
         registry.register_with_unit(
             "response",
             "Response body bytes sent to clients",
             Unit::Bytes,
-            bytes_out.clone(),
+            upstream.bytes_out.family.clone(),
         );
-        let connections = Family::<ThreadLabels, Counter>::default();
         registry.register(
             "client_connections",
             "Client connections accepted, by serving thread (runtime.worker_threads; 0 is the first): how evenly the kernel spreads them",
-            connections.clone(),
+            clients.connections.clone(),
         );
-        let rejected = Family::<RejectLabels, Counter>::default();
         registry.register(
             "client_connections_rejected",
             "Clients cut before an answer, by listener and reason (slow or oversize request heads, slow bodies, failed TLS handshakes)",
-            rejected.clone(),
+            clients.rejected.clone(),
         );
-        for listener in [Listener::Client, Listener::Mesh] {
-            for reason in RejectReason::ALL {
-                // Closed sets start at 0, so a rate() sees the first one.
-                let _ = rejected.get_or_create(&RejectLabels { listener, reason });
-            }
-        }
         Self {
             registry,
+            clients,
             requests,
-            connections,
-            rejected,
-            requests_ok: Default::default(),
-            in_flight,
-            upstream_latency: PerRoute::new(upstream_latency),
-            ttft: PerRoute::new(ttft),
-            itl: PerRoute::new(itl),
-            bytes_in: PerRoute::new(bytes_in),
-            bytes_out: PerRoute::new(bytes_out),
-            fallbacks,
-            outlier_ejections,
-            outliers_ejected,
+            upstream: Arc::new(upstream),
+            outliers,
             engine_ready,
         }
     }
@@ -416,54 +420,37 @@ impl Metrics {
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
     }
+}
 
-    pub fn in_flight(&self) -> InFlight {
-        self.in_flight.inc();
-        InFlight {
-            gauge: self.in_flight.clone(),
-            target: None,
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn route_counters() -> PerRoute<Counter<u64, AtomicU64>> {
+    PerRoute::new(Family::new_with_constructor(Counter::default))
+}
+
+fn route_histograms() -> PerRoute<Histogram> {
+    PerRoute::new(Family::new_with_constructor(latency_histogram))
+}
+
+impl ClientMetrics {
+    /// The families, registered nowhere yet.
+    fn new() -> Self {
+        let rejected = Family::<RejectLabels, Counter>::default();
+        for listener in [Listener::Client, Listener::Mesh] {
+            for reason in RejectReason::ALL {
+                // Closed sets start at 0, so a rate() sees the first one.
+                let _ = rejected.get_or_create(&RejectLabels { listener, reason });
+            }
         }
-    }
-
-    pub fn request_done(&self, route: Route, status: u16) {
-        let labels = || StatusLabels { route, status };
-        if status == 200 {
-            self.requests_ok[route.index()]
-                .get_or_init(|| self.requests.get_or_create(&labels()).clone())
-                .inc();
-        } else {
-            self.requests.get_or_create(&labels()).inc();
+        Self {
+            connections: Family::default(),
+            rejected,
+            bytes_in: route_counters(),
         }
-    }
-
-    pub fn upstream_latency(&self, route: Route, secs: f64) {
-        self.upstream_latency.get(route).observe(secs);
-    }
-
-    pub fn ttft(&self, route: Route, secs: f64) {
-        self.ttft.get(route).observe(secs);
-    }
-
-    pub fn itl(&self, route: Route, secs: f64) {
-        self.itl.get(route).observe(secs);
-    }
-
-    pub fn bytes_in(&self, route: Route, n: u64) {
-        self.bytes_in.get(route).inc_by(n);
-    }
-
-    pub fn bytes_out(&self, route: Route, n: u64) {
-        self.bytes_out.get(route).inc_by(n);
-    }
-
-    /// A target refused the request before any byte was sent.
-    pub fn fallback(&self) {
-        self.fallbacks.inc();
-    }
-
-    /// A pod was ejected as an outlier.
-    pub fn outlier_ejected(&self) {
-        self.outlier_ejections.inc();
     }
 
     /// The counter of client connections serving thread `thread` accepted,
@@ -480,11 +467,91 @@ impl Metrics {
             .get_or_create(&RejectLabels { listener, reason })
             .inc();
     }
+
+    pub fn bytes_in(&self, route: Route, n: u64) {
+        self.bytes_in.get(route).inc_by(n);
+    }
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
+impl RequestMetrics {
+    /// The families, registered nowhere yet.
+    fn new() -> Self {
+        Self {
+            requests: Family::default(),
+            requests_ok: Default::default(),
+            in_flight: Gauge::default(),
+        }
+    }
+
+    /// Counts a request in flight until the returned guard is dropped.
+    pub fn in_flight(&self) -> InFlight {
+        self.in_flight.inc();
+        InFlight {
+            gauge: self.in_flight.clone(),
+            target: None,
+        }
+    }
+
+    /// A request was answered with `status`.
+    pub fn done(&self, route: Route, status: u16) {
+        let labels = || StatusLabels { route, status };
+        if status == 200 {
+            self.requests_ok[route.index()]
+                .get_or_init(|| self.requests.get_or_create(&labels()).clone())
+                .inc();
+        } else {
+            self.requests.get_or_create(&labels()).inc();
+        }
+    }
+}
+
+impl UpstreamMetrics {
+    /// The families, registered nowhere yet.
+    fn new() -> Self {
+        Self {
+            latency: route_histograms(),
+            ttft: route_histograms(),
+            itl: route_histograms(),
+            bytes_out: route_counters(),
+            fallbacks: Counter::default(),
+        }
+    }
+
+    /// A response head came `secs` after its request was sent upstream.
+    pub fn latency(&self, route: Route, secs: f64) {
+        self.latency.get(route).observe(secs);
+    }
+
+    pub fn ttft(&self, route: Route, secs: f64) {
+        self.ttft.get(route).observe(secs);
+    }
+
+    pub fn itl(&self, route: Route, secs: f64) {
+        self.itl.get(route).observe(secs);
+    }
+
+    pub fn bytes_out(&self, route: Route, n: u64) {
+        self.bytes_out.get(route).inc_by(n);
+    }
+
+    /// A target refused the request before any byte was sent.
+    pub fn fallback(&self) {
+        self.fallbacks.inc();
+    }
+}
+
+impl OutlierMetrics {
+    /// The families, registered nowhere yet.
+    fn new() -> Self {
+        Self {
+            ejections: Counter::default(),
+            ejected_pods: Gauge::default(),
+        }
+    }
+
+    /// A pod was ejected as an outlier.
+    pub fn ejected(&self) {
+        self.ejections.inc();
     }
 }
 
@@ -511,12 +578,12 @@ mod tests {
     fn kept_series_count_in_the_exposition() {
         let m = Metrics::new();
         assert!(!m.encode().contains("kvmesh_request_bytes_total{"));
-        m.bytes_in(Route::Completions, 5);
-        m.bytes_in(Route::Completions, 7);
-        m.request_done(Route::Completions, 200);
-        m.request_done(Route::Completions, 200);
-        m.request_done(Route::Completions, 404);
-        m.upstream_latency(Route::ChatCompletions, 0.001);
+        m.clients.bytes_in(Route::Completions, 5);
+        m.clients.bytes_in(Route::Completions, 7);
+        m.requests.done(Route::Completions, 200);
+        m.requests.done(Route::Completions, 200);
+        m.requests.done(Route::Completions, 404);
+        m.upstream.latency(Route::ChatCompletions, 0.001);
         let text = m.encode();
         assert!(
             text.contains(r#"kvmesh_request_bytes_total{route="completions"} 12"#),

@@ -188,7 +188,7 @@ impl Sidecar {
         // Every thread's series from the start, so a scrape sees a thread
         // that has accepted nothing yet as 0.
         for n in 0..threads {
-            let _ = app.metrics.connections(n);
+            let _ = app.metrics.clients.connections(n);
         }
         let first = TcpListener::from_std(client.try_clone()?)?;
         for n in 1..threads {

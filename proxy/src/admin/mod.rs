@@ -70,7 +70,8 @@ impl Admin {
                 let ejected = self.app.fleet.ejected_count(tokio::time::Instant::now());
                 self.app
                     .metrics
-                    .outliers_ejected
+                    .outliers
+                    .ejected_pods
                     .set(i64::try_from(ejected).unwrap_or(i64::MAX));
                 reply(
                     StatusCode::OK,

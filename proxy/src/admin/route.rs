@@ -122,7 +122,7 @@ async fn route(app: &App, req: Request<IncomingBody>) -> Result<Value, ProxyErro
         .parse()
         .map_err(|e| ProxyError::ClientBody(format!("path {path:?}: {e}")))?;
     *as_client.headers_mut() = head.headers;
-    let mut ctx = RequestCtx::new(&as_client, app.metrics.in_flight());
+    let mut ctx = RequestCtx::new(&as_client, app.metrics.requests.in_flight());
     // Nothing is in flight: this request never goes upstream.
     ctx.in_flight = None;
     let shape = match path.as_str() {

@@ -204,7 +204,7 @@ where
             _ = shutdown.triggered() => break,
             _ = deadline.as_mut(), if head_pending => {
                 if !started.load(Ordering::Relaxed) {
-                    metrics.rejected(Listener::Mesh, RejectReason::HeaderTimeout);
+                    metrics.clients.rejected(Listener::Mesh, RejectReason::HeaderTimeout);
                     tracing::debug!("mesh: no request within timeouts.request_head; closing");
                     return; // dropping the connection closes the socket
                 }

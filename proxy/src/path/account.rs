@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use crate::fleet::Fleet;
 use crate::mesh::Mesh;
-use crate::metrics::Metrics;
+use crate::metrics::OutlierMetrics;
 use crate::prefix::PrefixState;
 use crate::request::{Leg, RequestCtx, Served, Target, Upstream};
 
@@ -31,9 +31,9 @@ pub struct Accounting<'a> {
     pub fleet: &'a Fleet,
     /// Predicted blocks; the approximate index.
     pub prefix: &'a PrefixState,
-    /// Outlier ejections and the mesh counters.
-    pub metrics: &'a Metrics,
-    /// Where approximate decisions are published.
+    /// Outlier ejections.
+    pub outliers: &'a OutlierMetrics,
+    /// Where approximate decisions are published; the mesh counters.
     pub mesh: &'a Mesh,
 }
 
@@ -51,7 +51,7 @@ pub(crate) fn served(a: Accounting<'_>, ctx: &RequestCtx, upstream: &Upstream) {
 pub(crate) fn failed(a: Accounting<'_>, upstream: &Upstream) {
     let pod = upstream.pod(a.fleet);
     if let Some(period) = a.fleet.call_failed(&pod, Instant::now()) {
-        a.metrics.outlier_ejected();
+        a.outliers.ejected();
         tracing::warn!(%pod, ?period, "pod ejected after consecutive failed calls");
     }
 }

@@ -11,14 +11,14 @@ use http_body_util::{BodyExt, Limited};
 use crate::body::IncomingBody;
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
-use crate::metrics::{Metrics, Route};
+use crate::metrics::{ClientMetrics, Route};
 use crate::otel::Stage;
 use crate::request::view::{RequestView, Shape};
 use crate::request::{ClientBody, ClientRequest, RequestCtx};
 use opentelemetry::KeyValue;
 
-/// What classify reads: the limits and deadlines, the counters, and the
-/// fleet (an llm-d prefiller must be a pod it knows).
+/// What classify reads: the limits and deadlines, the clients' counters, and
+/// the fleet (an llm-d prefiller must be a pod it knows).
 #[derive(Clone, Copy)]
 pub struct Classify<'a> {
     /// The body limit.
@@ -27,7 +27,8 @@ pub struct Classify<'a> {
     pub pd: &'a crate::config::Pd,
     /// The body-read deadlines.
     pub timeouts: &'a crate::config::Timeouts,
-    pub metrics: &'a Metrics,
+    /// Request body bytes; a body too slow to arrive.
+    pub clients: &'a ClientMetrics,
     pub fleet: &'a Fleet,
 }
 
@@ -85,7 +86,7 @@ async fn read(
     // Refused (403) before the body is read or any connection made.
     ctx.epp_prefiller = crate::pd::llmd::prefiller(h.pd, h.fleet, &head.headers)?;
     let bytes = read_body(h, ctx, body, limit).await?;
-    h.metrics.bytes_in(ctx.route, bytes.len() as u64);
+    h.clients.bytes_in(ctx.route, bytes.len() as u64);
     let view =
         RequestView::parse_shared(&bytes, shape).map_err(|source| ProxyError::MalformedJson {
             route: ctx.route.as_str(),
@@ -140,7 +141,7 @@ async fn read_body(
     match collected {
         Err(_) => {
             let reason = crate::metrics::RejectReason::BodyTimeout;
-            h.metrics.rejected(crate::metrics::Listener::Client, reason);
+            h.clients.rejected(crate::metrics::Listener::Client, reason);
             Err(ProxyError::ClientTimeout { after })
         }
         Ok(Ok(c)) => Ok(c.to_bytes()),

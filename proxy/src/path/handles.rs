@@ -17,7 +17,7 @@ pub fn classify(app: &App) -> Classify<'_> {
         limits: &app.config.limits,
         pd: &app.config.pd,
         timeouts: &app.config.timeouts,
-        metrics: &app.metrics,
+        clients: &app.metrics.clients,
         fleet: &app.fleet,
     }
 }
@@ -53,14 +53,14 @@ pub fn accounting(app: &App) -> Accounting<'_> {
     Accounting {
         fleet: &app.fleet,
         prefix: &app.prefix,
-        metrics: &app.metrics,
+        outliers: &app.metrics.outliers,
         mesh: &app.mesh,
     }
 }
 
 pub fn observe(app: &App) -> Observe<'_> {
     Observe {
-        metrics: &app.metrics,
+        requests: &app.metrics.requests,
         fleet: &app.fleet,
     }
 }
@@ -73,7 +73,7 @@ pub fn upstreams(app: &App) -> Upstreams<'_> {
         limits: &app.config.limits,
         pd: &app.config.pd,
         pod: &app.config.pod,
-        metrics: &app.metrics,
+        metrics: &app.metrics.upstream,
         client: &app.client,
         engine: app.engine.as_ref(),
         mesh_tls: app.mesh.tls_client(),

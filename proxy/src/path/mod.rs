@@ -31,7 +31,7 @@ use http::{Request, Response};
 
 /// One request, top to bottom.
 pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<ResponseBody> {
-    let mut ctx = RequestCtx::new(&req, app.metrics.in_flight());
+    let mut ctx = RequestCtx::new(&req, app.metrics.requests.in_flight());
     ctx.access = crate::access::start(
         app.config.logging.access_log,
         req.method(),

@@ -8,15 +8,15 @@ use http::Response;
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
-use crate::metrics::Metrics;
+use crate::metrics::RequestMetrics;
 use crate::request::RequestCtx;
 use crate::respond::error_response;
 
-/// What the observe stage reads: the counters, and the fleet (the served
-/// pod's id for the access line).
+/// What the observe stage reads: the requests' counters (by route and
+/// status), and the fleet (the served pod's id for the access line).
 #[derive(Clone, Copy)]
 pub struct Observe<'a> {
-    pub metrics: &'a Metrics,
+    pub requests: &'a RequestMetrics,
     pub fleet: &'a Fleet,
 }
 
@@ -46,7 +46,7 @@ pub fn observe(
         }
     };
     let status = resp.status().as_u16();
-    h.metrics.request_done(ctx.route, status);
+    h.requests.done(ctx.route, status);
     tracing::debug!(
         request_id = ctx.id(),
         route = ctx.route.as_str(),

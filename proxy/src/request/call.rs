@@ -19,7 +19,7 @@ use crate::body::{RelayParams, ResponseBody, UpstreamBody};
 use crate::config::{EngineUrl, Limits, Pd as PdConfig, Pod, Timeouts};
 use crate::error::{error_chain, ProxyError, UpstreamName};
 use crate::headers::{copy_end_to_end, strip_hop_by_hop, REQUEST_ID, ROUTED};
-use crate::metrics::Metrics;
+use crate::metrics::UpstreamMetrics;
 use crate::otel::Hop;
 use crate::upstream::mesh::{MeshClient, MeshRoutes, MeshSendError};
 use crate::upstream::{EngineError, EnginePool, ReplyBody, UpstreamClient};
@@ -37,7 +37,8 @@ pub struct Upstreams<'a> {
     pub pd: &'a PdConfig,
     /// The local pod (its node IP, for a P/D leg's KV agent).
     pub pod: &'a Pod,
-    pub metrics: &'a Arc<Metrics>,
+    /// Upstream latency, fallbacks, and (held by each relayed body) the relay's counts.
+    pub metrics: &'a Arc<UpstreamMetrics>,
     /// The general pooled client (peers, llm-d's prefiller, h2c).
     pub client: &'a UpstreamClient,
     /// The local engine's own keep-alive pool; `None` with h2c upstreams.
@@ -180,8 +181,7 @@ async fn send_as(
         }
         Ok(r) => r?,
     };
-    up.metrics
-        .upstream_latency(ctx.route, sent.elapsed().as_secs_f64());
+    up.metrics.latency(ctx.route, sent.elapsed().as_secs_f64());
     Ok(resp)
 }
 

@@ -78,7 +78,10 @@ pub async fn serve<H: Handler>(
         .header_read_timeout(opts.request_head);
     builder.http2().timer(TokioTimer::new());
     let slots = opts.slots.clone();
-    let accepted = opts.metrics.as_ref().map(|m| m.connections(opts.thread));
+    let accepted = opts
+        .metrics
+        .as_ref()
+        .map(|m| m.clients.connections(opts.thread));
     let mut conns = JoinSet::new();
     loop {
         // Reap finished connections so the set stays as small as the live ones.
@@ -168,7 +171,7 @@ struct ConnLimits {
 impl ConnLimits {
     fn reject(&self, reason: RejectReason) {
         if let Some(m) = &self.rejected {
-            m.rejected(Listener::Client, reason);
+            m.clients.rejected(Listener::Client, reason);
         }
     }
 }
