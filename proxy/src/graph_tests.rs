@@ -12,7 +12,8 @@
 //! `prefix` or `valkey` (it asks the fleet through `request::Peers`); the stages
 //! take narrow handles, so no file under `path/` but `handles.rs` and
 //! `mod.rs` (which build them from `App`), and none under `pd/`, names
-//! `crate::app`.
+//! `crate::app`; nor does any file under `path/`, `request/` or `pd/` name
+//! the whole `Metrics` (each borrows the group of families it counts in).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -414,6 +415,44 @@ fn the_stages_sit_above_the_request_core() {
         "a stage takes the whole App, not a narrow handle:\n{}",
         bad.join("\n")
     );
+}
+
+/// Files under `src/<module>` whose code names `word` as a whole identifier
+/// (so `Metrics`, not `PdMetrics`).
+fn word_offenders(module: &str, word: &str) -> Vec<String> {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let root = src().join(module);
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    assert!(!files.is_empty(), "no sources under {}", root.display());
+    let mut bad = Vec::new();
+    for f in files {
+        let code = code_only(&std::fs::read_to_string(&f).unwrap_or_default());
+        for (n, line) in code.lines().enumerate() {
+            let whole = line.match_indices(word).any(|(at, _)| {
+                !line[..at].chars().next_back().is_some_and(is_ident)
+                    && !line[at + word.len()..].chars().next().is_some_and(is_ident)
+            });
+            if whole {
+                bad.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn the_stages_borrow_their_metric_group() {
+    // The request families are grouped by who counts in them; a stage's
+    // handle (and the upstream calls' `Upstreams`) borrows its group.
+    for module in ["path", "request", "pd"] {
+        let bad = word_offenders(module, "Metrics");
+        assert!(
+            bad.is_empty(),
+            "{module} takes the whole Metrics, not its group:\n{}",
+            bad.join("\n")
+        );
+    }
 }
 
 #[test]
