@@ -11,7 +11,7 @@ use bytes::Bytes;
 use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvmesh_filters::sched::view::Role;
 use kvmesh_fuzz::{allocated_during, edits, fuzz, mutate, CountingAlloc};
-use kvmesh_proxy::fleet::EngineLoad;
+use kvmesh_proxy::fleet::{EngineLoad, EngineWork};
 use kvmesh_proxy::mesh::wire::{self, Announce, LoadMsg, Msg, HEADER_LEN};
 use kvmesh_proxy::path::view::{RequestView, Shape};
 use kvmesh_proxy::stat::PodStats;
@@ -316,9 +316,10 @@ fn msg() -> impl Strategy<Value = Msg> {
         any::<u32>(),
         any::<u64>(),
         any::<bool>(),
+        proptest::option::of(any::<[u64; 4]>()),
     )
         .prop_map(
-            |(waiting, running, kv_usage, block_size, num_blocks, age_ms, healthy)| {
+            |(waiting, running, kv_usage, block_size, num_blocks, age_ms, healthy, work)| {
                 Msg::Load(LoadMsg {
                     load: EngineLoad {
                         waiting,
@@ -326,6 +327,16 @@ fn msg() -> impl Strategy<Value = Msg> {
                         kv_usage,
                         block_size,
                         num_blocks,
+                        work: work.map(
+                            |[finished, prompt_tokens, cached_tokens, generation_tokens]| {
+                                EngineWork {
+                                    finished,
+                                    prompt_tokens,
+                                    cached_tokens,
+                                    generation_tokens,
+                                }
+                            },
+                        ),
                     },
                     age_ms,
                     healthy,

@@ -70,6 +70,7 @@ fn record(id: &str) -> PodRecord {
         in_flight: 3,
         load_age_ms: 0,
         ttl_ms: 0,
+        work: None,
     }
 }
 

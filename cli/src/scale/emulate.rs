@@ -382,6 +382,7 @@ fn record(id: &str, k: usize) -> PodRecord {
         in_flight: (k % 7) as u32,
         load_age_ms: 0,
         ttl_ms: 0,
+        work: None,
     }
 }
 

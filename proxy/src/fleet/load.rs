@@ -2,7 +2,8 @@
 //!
 //! Only the few series the scheduler uses are read (docs/wire-formats.md §3.3,
 //! the same set llm-d's EPP scrapes): queue, running, KV usage, and the cache
-//! geometry (block size, number of blocks). Values are summed over label sets
+//! geometry (block size, number of blocks); and, for the autoscaling hook's
+//! SLO model, the engine's cumulative work counters ([`EngineWork`]). Values are summed over label sets
 //! (several DP ranks or TP ranks report separately); unknown lines are skipped
 //! and a malformed value is ignored, so a newer engine never breaks the scrape.
 
@@ -21,6 +22,25 @@ pub struct EngineLoad {
     pub block_size: u32,
     /// KV blocks in the engine's cache (0: not reported).
     pub num_blocks: u32,
+    /// What the engine has done since it started (`None`: it exports none
+    /// of the counters).
+    pub work: Option<EngineWork>,
+}
+
+/// An engine's cumulative work counters: the autoscaling hook turns their rates into the pool's arrival rate and
+/// tokens per request (docs/autoscaling.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EngineWork {
+    /// Requests finished (`vllm:request_success_total`, SGLang's
+    /// `sglang:num_requests_total`).
+    pub finished: u64,
+    /// Prompt tokens prefilled or found cached (`*:prompt_tokens_total`).
+    pub prompt_tokens: u64,
+    /// Of those, found cached, locally or through a KV connector
+    /// (`vllm:prompt_tokens_cached_total`, `sglang:cached_tokens_total`).
+    pub cached_tokens: u64,
+    /// Tokens generated (`*:generation_tokens_total`).
+    pub generation_tokens: u64,
 }
 
 /// Reads an engine's load from its metrics text; `None` when the text holds
@@ -29,6 +49,9 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     let names = Names::of(kind);
     let mut load = EngineLoad::default();
     let (mut waiting, mut running, mut usage_sum, mut usage_n) = (0.0, 0.0, 0.0, 0u32);
+    // finished, prompt, cached, generated
+    let mut work = [0.0f64; 4];
+    let mut work_seen = false;
     let mut seen = false;
     for line in text.lines() {
         if line.starts_with('#') || line.is_empty() {
@@ -62,6 +85,9 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
             load.block_size = to_u32(value);
         } else if kind == EngineKind::Sglang && name == "sglang:num_pages" {
             load.num_blocks = to_u32(value);
+        } else if let Some(i) = names.work_index(name) {
+            work[i] += value;
+            work_seen = true;
         }
     }
     if !seen {
@@ -72,6 +98,13 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     if usage_n > 0 {
         load.kv_usage = (usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
     }
+    let [finished, prompt_tokens, cached_tokens, generation_tokens] = work.map(to_u64);
+    load.work = work_seen.then_some(EngineWork {
+        finished,
+        prompt_tokens,
+        cached_tokens,
+        generation_tokens,
+    });
     Some(load)
 }
 
@@ -108,6 +141,8 @@ struct Names {
     waiting: &'static str,
     running: &'static str,
     kv_usage: &'static str,
+    /// The [`EngineWork`] counters, in its field order, without `_total`.
+    work: [&'static str; 4],
 }
 
 impl Names {
@@ -117,13 +152,31 @@ impl Names {
                 waiting: "vllm:num_requests_waiting",
                 running: "vllm:num_requests_running",
                 kv_usage: "vllm:kv_cache_usage_perc",
+                work: [
+                    "vllm:request_success",
+                    "vllm:prompt_tokens",
+                    "vllm:prompt_tokens_cached",
+                    "vllm:generation_tokens",
+                ],
             },
             EngineKind::Sglang => Self {
                 waiting: "sglang:num_queue_reqs",
                 running: "sglang:num_running_reqs",
                 kv_usage: "sglang:token_usage",
+                work: [
+                    "sglang:num_requests",
+                    "sglang:prompt_tokens",
+                    "sglang:cached_tokens",
+                    "sglang:generation_tokens",
+                ],
             },
         }
+    }
+
+    /// Which work counter `name` is (with or without the `_total` suffix).
+    fn work_index(&self, name: &str) -> Option<usize> {
+        let base = name.strip_suffix("_total").unwrap_or(name);
+        self.work.iter().position(|w| *w == base)
     }
 }
 
@@ -154,6 +207,17 @@ fn label_u32(labels: &str, key: &str) -> Option<u32> {
     None
 }
 
+fn to_u64(v: f64) -> u64 {
+    if v <= 0.0 {
+        0
+    } else if v >= u64::MAX as f64 {
+        u64::MAX
+    } else {
+        // Rounded and in range.
+        v.round() as u64
+    }
+}
+
 fn to_u32(v: f64) -> u32 {
     if v <= 0.0 {
         0
@@ -178,6 +242,17 @@ mod tests {
         assert_eq!(load.block_size, 128);
         assert_eq!(load.num_blocks, 4096);
         assert_eq!((load.waiting, load.running), (0, 0));
+        // Summed over finish reasons; `_created` series are not counters.
+        let w = load.work.unwrap();
+        assert_eq!(
+            (
+                w.finished,
+                w.prompt_tokens,
+                w.cached_tokens,
+                w.generation_tokens
+            ),
+            (4, 56, 0, 21)
+        );
     }
 
     #[test]
@@ -201,6 +276,17 @@ mod tests {
     #[test]
     fn reads_a_real_sglang_scrape() {
         let load = parse_engine_metrics(EngineKind::Sglang, SGLANG).unwrap();
+        // Summed over streaming and non-streaming series.
+        let w = load.work.unwrap();
+        assert_eq!(
+            (
+                w.finished,
+                w.prompt_tokens,
+                w.cached_tokens,
+                w.generation_tokens
+            ),
+            (4, 30, 9, 19)
+        );
         assert_eq!(load.block_size, 1);
         assert_eq!(load.num_blocks, 4096);
     }

@@ -24,7 +24,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
 
-pub use load::{parse_engine_metrics, parse_rank_loads, EngineLoad};
+pub use load::{parse_engine_metrics, parse_rank_loads, EngineLoad, EngineWork};
 
 /// Most pods one sidecar tracks (local included); further peers are refused.
 pub const MAX_PODS: usize = 4096;

@@ -93,6 +93,7 @@ fn endpoint_views_carry_load_role_prefix_and_staleness() {
             kv_usage: 0.5,
             block_size: 32,
             num_blocks: 100,
+            ..EngineLoad::default()
         },
         now,
     );

@@ -12,7 +12,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvmesh_filters::sched::view::Role;
 
-use crate::fleet::EngineLoad;
+use crate::fleet::{EngineLoad, EngineWork};
 
 /// The protocol version this sidecar speaks; a frame of another is refused.
 pub const VERSION: u8 = 1;
@@ -145,6 +145,18 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
             b.put_u32(l.load.num_blocks);
             b.put_u64(l.age_ms);
             b.put_u8(u8::from(l.healthy));
+            // Written only when reported: a sidecar older than the counters
+            // refuses trailing bytes, and still reads a Load without them.
+            if let Some(w) = &l.load.work {
+                for v in [
+                    w.finished,
+                    w.prompt_tokens,
+                    w.cached_tokens,
+                    w.generation_tokens,
+                ] {
+                    b.put_u64(v);
+                }
+            }
         }
         Msg::InFlight(counts) => {
             put_len(&mut b, counts.len());
@@ -235,20 +247,33 @@ pub fn decode(kind: u8, payload: &[u8]) -> Result<Msg, WireError> {
         }
         kind::SNAPSHOT_END => Msg::SnapshotEnd,
         kind::LOAD => {
-            let load = EngineLoad {
+            let mut load = EngineLoad {
                 waiting: r.u32()?,
                 running: r.u32()?,
                 kv_usage: r.f64()?,
                 block_size: r.u32()?,
                 num_blocks: r.u32()?,
+                work: None,
             };
             if !load.kv_usage.is_finite() {
                 return Err(WireError::Invalid("kv_usage"));
             }
+            let age_ms = r.u64()?;
+            let healthy = r.u8()? != 0;
+            // Absent from sidecars older than the counters, and from pods
+            // whose engine exports none.
+            if !r.0.is_empty() {
+                load.work = Some(EngineWork {
+                    finished: r.u64()?,
+                    prompt_tokens: r.u64()?,
+                    cached_tokens: r.u64()?,
+                    generation_tokens: r.u64()?,
+                });
+            }
             Msg::Load(LoadMsg {
                 load,
-                age_ms: r.u64()?,
-                healthy: r.u8()? != 0,
+                age_ms,
+                healthy,
             })
         }
         kind::IN_FLIGHT => {
@@ -542,6 +567,21 @@ mod tests {
                     kv_usage: 0.5,
                     block_size: 16,
                     num_blocks: 100,
+                    work: None,
+                },
+                age_ms: 7,
+                healthy: true,
+            }),
+            Msg::Load(LoadMsg {
+                load: EngineLoad {
+                    waiting: 1,
+                    work: Some(EngineWork {
+                        finished: 9,
+                        prompt_tokens: 9000,
+                        cached_tokens: 4000,
+                        generation_tokens: 900,
+                    }),
+                    ..EngineLoad::default()
                 },
                 age_ms: 7,
                 healthy: true,

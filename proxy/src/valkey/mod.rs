@@ -344,6 +344,14 @@ fn record_fn(t: &Tasks) -> writer::RecordFn {
             in_flight: me.in_flight_local,
             load_age_ms: me.load_age_ms.unwrap_or(0),
             ttl_ms: 0,
+            work: me.load.work.map(|w| {
+                [
+                    w.finished,
+                    w.prompt_tokens,
+                    w.cached_tokens,
+                    w.generation_tokens,
+                ]
+            }),
         }
     })
 }

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use kvmesh_filters::sched::view::Role;
 use serde::{Deserialize, Serialize};
 
-use crate::fleet::{EngineLoad, PodInfo};
+use crate::fleet::{EngineLoad, EngineWork, PodInfo};
 
 /// See the module docs. Field names are short: a lookup returns a record
 /// for every candidate, on every routing decision.
@@ -47,6 +47,11 @@ pub struct PodRecord {
     pub load_age_ms: u64,
     /// The lease the record was written with, to age it by its PTTL.
     pub ttl_ms: u64,
+    /// The engine's work counters (finished, prompt, cached and generated
+    /// tokens; `EngineWork`), for the autoscaling hook; absent when the
+    /// engine exports none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work: Option<[u64; 4]>,
 }
 
 impl PodRecord {
@@ -71,6 +76,14 @@ impl PodRecord {
             kv_usage: self.kv,
             block_size: self.block_size,
             num_blocks: self.blocks,
+            work: self.work.map(
+                |[finished, prompt_tokens, cached_tokens, generation_tokens]| EngineWork {
+                    finished,
+                    prompt_tokens,
+                    cached_tokens,
+                    generation_tokens,
+                },
+            ),
         }
     }
 
@@ -106,6 +119,7 @@ mod tests {
             in_flight: 7,
             load_age_ms: 40,
             ttl_ms: 3000,
+            work: Some([3, 300, 100, 30]),
         };
         let json = serde_json::to_string(&r).unwrap();
         assert!(!json.contains("mesh"), "{json}");
