@@ -35,8 +35,8 @@ pub struct App {
     pub index: Option<Arc<crate::valkey::Valkey>>,
     /// P/D's counters (the other subsystems hold their own).
     pub pd_metrics: Arc<crate::pd::metrics::PdMetrics>,
-    /// The autoscaling hook's answer, set at each `/metrics` scrape.
-    pub autoscale_metrics: Arc<crate::autoscale::AutoscaleMetrics>,
+    /// The autoscaling hook: its samples of the fleet and its metrics.
+    pub autoscale: Arc<crate::autoscale::Hook>,
 }
 
 impl App {
@@ -59,7 +59,7 @@ impl App {
             tracer: self.tracer.clone(),
             index: self.index.clone(),
             pd_metrics: self.pd_metrics.clone(),
-            autoscale_metrics: self.autoscale_metrics.clone(),
+            autoscale: self.autoscale.clone(),
         }
     }
 }

@@ -138,8 +138,10 @@ impl Sidecar {
             &mut registry,
         ));
         let pd_metrics = Arc::new(crate::pd::metrics::PdMetrics::register(&mut registry));
-        let autoscale_metrics =
-            Arc::new(crate::autoscale::AutoscaleMetrics::register(&mut registry));
+        let autoscale = Arc::new(crate::autoscale::Hook::new(
+            &config.autoscale,
+            &mut registry,
+        ));
         let (tracer, exporter) = match &config.tracing {
             Some(t) => {
                 let (tracer, exporter) = crate::otel::build(t, fleet.local_id())?;
@@ -166,7 +168,7 @@ impl Sidecar {
             tracer,
             index: index.clone(),
             pd_metrics,
-            autoscale_metrics,
+            autoscale: autoscale.clone(),
         });
         let app_index = index.clone();
         let shutdown = Shutdown::new();
@@ -239,6 +241,16 @@ impl Sidecar {
             routing: routing.clone(),
         };
         tasks.spawn(crate::scrape::scrape_engine(scrape, shutdown.clone()));
+        let fleet_source = crate::autoscale::FleetSource {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            index: app.index.clone(),
+        };
+        tasks.spawn(crate::autoscale::run(
+            autoscale,
+            fleet_source,
+            shutdown.clone(),
+        ));
         tasks.spawn(crate::routing::reload::watch(
             routing.clone(),
             config.clone(),

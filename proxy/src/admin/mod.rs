@@ -62,9 +62,6 @@ impl Admin {
                 }
             }
             "/metrics" => {
-                if let Some(a) = &autoscale {
-                    self.app.autoscale_metrics.set(a);
-                }
                 let ready = self.app.engine_ready.load(Ordering::Acquire);
                 self.app.metrics.engine_ready.set(i64::from(ready));
                 let ejected = self.app.fleet.ejected_count(tokio::time::Instant::now());
@@ -110,21 +107,17 @@ impl Admin {
 
 impl Admin {
     /// The autoscaling hook's answer for the fleet as this sidecar sees it
-    /// now: on the mesh, every pod it follows; on Valkey, every pod
-    /// registered for its models (`Valkey::fleet_view`; the pods it knows
-    /// when Valkey does not answer).
+    /// now (see [`crate::autoscale::FleetSource`]).
     async fn autoscale(&self) -> Answer {
-        let cfg = &self.app.config;
-        if let Some(index) = &self.app.index {
-            match index.fleet_view(cfg, &self.app.fleet).await {
-                Ok(pods) => return crate::autoscale::answer(&cfg.autoscale, &pods),
-                Err(e) => {
-                    tracing::debug!(error = %e, "autoscale: the fleet could not be read from valkey; sizing from the pods this sidecar knows");
-                }
-            }
-        }
-        let pods = self.app.fleet.snapshot(tokio::time::Instant::now());
-        crate::autoscale::answer(&cfg.autoscale, &pods)
+        let source = crate::autoscale::FleetSource {
+            config: self.app.config.clone(),
+            fleet: self.app.fleet.clone(),
+            index: self.app.index.clone(),
+        };
+        let pods = source.pods().await;
+        self.app
+            .autoscale
+            .answer(&pods, tokio::time::Instant::now())
     }
 }
 

@@ -1,5 +1,7 @@
 //! The `autoscale` section of `proxy.yaml`: the targets the autoscaling hook
-//! sizes each pool against (docs/autoscaling.md).
+//! sizes each pool against (docs/autoscaling.md). Without `slo` the hook sizes
+//! pools by their queue and KV usage; with it, by the pods a pool needs to
+//! meet the SLO at the rate and request sizes the fleet measures.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +24,160 @@ pub struct Autoscale {
     pub max_replicas: u32,
     /// Pods whose load is older than this are left out (not counted, not averaged).
     pub max_load_age: Duration,
+    /// Size pools for this SLO (`None`: by queue and KV usage alone).
+    pub slo: Option<Slo>,
+}
+
+/// The latency targets a pool is sized for, how its workload is measured,
+/// and what one pod can do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Slo {
+    /// Time to first token that 90% of requests should meet.
+    pub ttft_p90: Duration,
+    /// Inter-token latency that 99% of tokens should meet.
+    pub itl_p99: Duration,
+    /// The arrival rate and tokens per request are measured over this window.
+    #[serde(default = "default_window")]
+    pub window: Duration,
+    /// How often every sidecar samples the fleet's counters, polled or not.
+    #[serde(default = "default_sample_interval")]
+    pub sample_interval: Duration,
+    /// A pool shrinks only to the largest size asked for within this window
+    /// (the HPA's scale-down stabilisation, here so that any sidecar answers
+    /// the same whichever the poller reaches).
+    #[serde(default = "default_scale_down_window")]
+    pub scale_down_window: Duration,
+    /// One pod's costs (every pool's; the decode pool's too unless `decode_pod`).
+    pub pod: PodProfile,
+    /// The decode pool's pods, when their GPUs differ.
+    #[serde(default)]
+    pub decode_pod: Option<PodProfile>,
+}
+
+fn default_window() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_sample_interval() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_scale_down_window() -> Duration {
+    Duration::from_secs(300)
+}
+
+/// What one engine step costs and what one pod holds: the terms
+/// `kvmesh-engine-sim profile --profile gpu:MODEL@GPU` prints (derived from
+/// the GPU's datasheet, docs/gpu-profiles.md), or a fit to a measured
+/// sweep of the real engine. A step of `b` running sequences of `ctx`
+/// context tokens each that also prefills `n` tokens takes
+/// `step_base_ms + b × (decode_ms_per_seq + ctx/1000 × decode_ms_per_kctx)
+/// + n × (prefill_ms_per_token + ctx/1000 × prefill_ms_per_token_kctx)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodProfile {
+    pub step_base_ms: f64,
+    pub prefill_ms_per_token: f64,
+    #[serde(default)]
+    pub prefill_ms_per_token_kctx: f64,
+    pub decode_ms_per_seq: f64,
+    #[serde(default)]
+    pub decode_ms_per_kctx: f64,
+    /// Tokens the pod's KV cache holds.
+    pub kv_cache_tokens: u64,
+    /// The engine's running-sequence limit (vLLM `max_num_seqs`).
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: u32,
+    /// Tokens one step computes at most (vLLM `max_num_batched_tokens`).
+    #[serde(default = "default_max_num_batched_tokens")]
+    pub max_num_batched_tokens: u32,
+}
+
+// Every cost is validated finite, so comparing bits is an equivalence.
+impl Eq for PodProfile {}
+
+fn default_max_num_seqs() -> u32 {
+    256
+}
+
+fn default_max_num_batched_tokens() -> u32 {
+    8192
+}
+
+impl PodProfile {
+    fn validate(&self, field: &str) -> Result<(), (String, String)> {
+        let costs = [
+            ("step_base_ms", self.step_base_ms),
+            ("prefill_ms_per_token", self.prefill_ms_per_token),
+            ("prefill_ms_per_token_kctx", self.prefill_ms_per_token_kctx),
+            ("decode_ms_per_seq", self.decode_ms_per_seq),
+            ("decode_ms_per_kctx", self.decode_ms_per_kctx),
+        ];
+        for (name, v) in costs {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err((
+                    format!("{field}.{name}"),
+                    format!("{v} is not a cost in milliseconds (finite, not negative)"),
+                ));
+            }
+        }
+        for (name, v) in [
+            ("step_base_ms", self.step_base_ms),
+            ("prefill_ms_per_token", self.prefill_ms_per_token),
+        ] {
+            if v == 0.0 {
+                return Err((
+                    format!("{field}.{name}"),
+                    "must be above 0: a step and a prefill take time".to_owned(),
+                ));
+            }
+        }
+        for (name, v) in [
+            ("kv_cache_tokens", self.kv_cache_tokens),
+            ("max_num_seqs", u64::from(self.max_num_seqs)),
+            (
+                "max_num_batched_tokens",
+                u64::from(self.max_num_batched_tokens),
+            ),
+        ] {
+            if v == 0 {
+                return Err((format!("{field}.{name}"), "must be at least 1".to_owned()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Slo {
+    fn validate(&self) -> Result<(), (String, String)> {
+        for (name, d) in [
+            ("ttft_p90", self.ttft_p90),
+            ("itl_p99", self.itl_p99),
+            ("sample_interval", self.sample_interval),
+        ] {
+            if d.get().is_zero() {
+                return Err((
+                    format!("autoscale.slo.{name}"),
+                    "must be above 0".to_owned(),
+                ));
+            }
+        }
+        if self.window.get() < self.sample_interval.get() * 2 {
+            return Err((
+                "autoscale.slo.window".to_owned(),
+                format!(
+                    "{} holds fewer than two samples {} apart: a rate needs two",
+                    self.window, self.sample_interval
+                ),
+            ));
+        }
+        self.pod.validate("autoscale.slo.pod")?;
+        if let Some(d) = &self.decode_pod {
+            d.validate("autoscale.slo.decode_pod")?;
+        }
+        Ok(())
+    }
 }
 
 impl Default for Autoscale {
@@ -33,6 +189,7 @@ impl Default for Autoscale {
             min_replicas: 1,
             max_replicas: 64,
             max_load_age: Duration::from_secs(10),
+            slo: None,
         }
     }
 }
@@ -61,6 +218,9 @@ impl Autoscale {
                     self.min_replicas, self.max_replicas
                 ),
             ));
+        }
+        if let Some(slo) = &self.slo {
+            slo.validate()?;
         }
         Ok(())
     }
@@ -95,6 +255,22 @@ mod tests {
                 "autoscale.min_replicas",
             ),
             ("autoscale:\n  min_replicas: 0\n", "autoscale.min_replicas"),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 0s, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.itl_p99",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: -1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.pod.prefill_ms_per_token",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, window: 5s, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.window",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 0}}\n",
+                "autoscale.slo.pod.kv_cache_tokens",
+            ),
         ] {
             let e = from_yaml_str(yaml, "proxy.yaml").unwrap_err().to_string();
             assert!(e.contains(field), "{yaml}: {e}");

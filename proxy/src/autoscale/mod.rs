@@ -1,0 +1,584 @@
+//! The autoscaling hook: how many pods each pool should run, for KEDA or an
+//! HPA to act on (docs/autoscaling.md), from what every sidecar already sees
+//! (its own engine's load, scraped, and its peers', over the mesh or from
+//! Valkey).
+//!
+//! Pools are the pods of one role: `prefill`, `decode`, and `aggregated`
+//! (role `both`), so a P/D deployment scales its two pools independently.
+//! Two ways to size a pool:
+//!
+//! - **By queue** ([`queue`], the only one without `autoscale.slo`): the
+//!   pool grows by how far its queue and KV usage are above their targets.
+//! - **By SLO** (`autoscale.slo`): the pool runs the pods a queueing model
+//!   ([`slo`]) says meet TTFT p90 and ITL p99, at the arrival rate and
+//!   tokens per request measured over the last window ([`rates`]), on pods
+//!   that cost what `autoscale.slo.pod` says. The queue rule stays as a
+//!   guard (a queue or a full KV cache still grows the pool), the pool never
+//!   drops below what its requests in flight hold, and it shrinks only to
+//!   the largest size asked for within `scale_down_window`.
+//!
+//! Every sidecar samples the fleet every `sample_interval` whether polled or
+//! not ([`run`]), so whichever sidecar a poller reaches answers from the
+//! same window. Each answer explains itself: `GET /autoscale` on the admin
+//! port (JSON) and `kvmesh_autoscale_*` in `/metrics`.
+//!
+//! Pools span every model the sidecar follows: where several models share a
+//! mesh, run it with `mesh.follow: same-models` so each model's sidecars
+//! answer for that model's pools only.
+
+mod queue;
+pub mod rates;
+pub mod slo;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::config::{Autoscale, Config};
+use crate::fleet::{Fleet, PodSnapshot};
+use crate::shutdown::Shutdown;
+use kvmesh_filters::sched::Role;
+use rates::{History, Workload};
+use slo::{Prediction, Targets};
+
+/// The pools, by their names in the JSON and the metric label.
+pub const POOLS: [(&str, Role); 3] = [
+    ("prefill", Role::Prefill),
+    ("decode", Role::Decode),
+    ("aggregated", Role::Both),
+];
+
+/// One pool's answer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolAnswer {
+    /// Pods of the pool in the fleet, and how many of them have a fresh load.
+    pub pods: u32,
+    pub measured: u32,
+    /// How many pods the pool should run.
+    pub desired: u32,
+    /// Means over the measured pods.
+    pub waiting_per_pod: f64,
+    pub kv_usage: f64,
+    /// Load over what the pool's pods hold: above 1 the pool is short of pods.
+    pub ratio: f64,
+    /// What set `desired`: `waiting` or `kv_usage` (the queue rule), `no_load`
+    /// (nothing measured: the pool keeps its size); with an SLO also `slo`
+    /// (the model), `in_flight` (the requests the pool holds), `stabilized`
+    /// (a larger size asked within `scale_down_window`) and `no_rate`
+    /// (nothing finished in the window yet: the queue rule answers).
+    pub signal: &'static str,
+    /// How the SLO model sized the pool (with `autoscale.slo`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloAnswer>,
+}
+
+/// The SLO model's working, for `GET /autoscale`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SloAnswer {
+    /// What the pool was asked to serve over the window.
+    pub workload: Workload,
+    /// The fewest pods the model says meet the SLO at that workload.
+    pub needed: u32,
+    /// The model at `needed` pods (`limit` set when even `max_replicas` fail).
+    pub predicted: Prediction,
+    /// The highest rate one pod sustains within the SLO at that size, req/s.
+    pub rate_per_pod: f64,
+    /// Pods the requests the pool runs and queues now need, at the batch a
+    /// pod holds within the SLO.
+    pub in_flight_floor: u32,
+    /// The queue rule's answer, which `desired` never goes below when it
+    /// asks for more pods than the pool has.
+    pub queue_desired: u32,
+    /// The largest size asked for within `scale_down_window`.
+    pub held: u32,
+}
+
+/// Every pool's answer, keyed by pool name (`prefill`, `decode`, `aggregated`),
+/// so KEDA's `metrics-api` scaler reads e.g. `decode.desired`.
+pub type Answer = BTreeMap<&'static str, PoolAnswer>;
+
+/// Sizes every pool from `pods` by the queue rule alone.
+pub fn answer(cfg: &Autoscale, pods: &[PodSnapshot]) -> Answer {
+    POOLS
+        .iter()
+        .map(|&(name, role)| (name, queue::size(cfg, role, &members(pods, role))))
+        .collect()
+}
+
+fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
+    pods.iter().filter(|p| p.info.role == role).collect()
+}
+
+/// The hook: the config, the samples of the last window, the sizes asked
+/// for within `scale_down_window`, and the metrics the answers set.
+pub struct Hook {
+    cfg: Autoscale,
+    metrics: AutoscaleMetrics,
+    state: Mutex<State>,
+}
+
+struct State {
+    history: History,
+    /// Each sample's raw sizes (before stabilisation), in [`POOLS`] order.
+    asked: VecDeque<(Instant, [u32; 3])>,
+    /// Each pool's last measured workload, used while a window sees nothing finish.
+    last: [Option<Workload>; 3],
+}
+
+impl Hook {
+    /// A hook for `cfg`, its metrics registered in `r` (prefix `kvmesh`).
+    pub fn new(cfg: &Autoscale, r: &mut Registry) -> Self {
+        let window = cfg
+            .slo
+            .as_ref()
+            .map_or(std::time::Duration::from_secs(60), |s| s.window.get());
+        Self {
+            cfg: cfg.clone(),
+            metrics: AutoscaleMetrics::register(r),
+            state: Mutex::new(State {
+                history: History::new(window),
+                asked: VecDeque::new(),
+                last: [None; 3],
+            }),
+        }
+    }
+
+    /// Every pool's answer for `pods` at `now`. Records a sample (the
+    /// pods' counters and the sizes asked) when `sample_interval` has passed
+    /// since the last one.
+    pub fn answer(&self, pods: &[PodSnapshot], now: Instant) -> Answer {
+        let Some(slo) = &self.cfg.slo else {
+            let a = answer(&self.cfg, pods);
+            self.metrics.set(&a);
+            return a;
+        };
+        // A poisoned lock only means a panic mid-answer; the samples stay usable.
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let due = st
+            .history
+            .last_at()
+            .is_none_or(|t| now.saturating_duration_since(t) >= slo.sample_interval.get());
+        if due {
+            st.history.record(now, pods);
+        }
+        let hold_from = now.checked_sub(slo.scale_down_window.get());
+        while st
+            .asked
+            .front()
+            .is_some_and(|(t, _)| hold_from.is_some_and(|h| *t < h))
+        {
+            st.asked.pop_front();
+        }
+        let mut raw = [0u32; 3];
+        let mut a = Answer::new();
+        for (i, &(name, role)) in POOLS.iter().enumerate() {
+            let measured = st.history.workload(role);
+            if measured.is_some() {
+                st.last[i] = measured;
+            }
+            let held = st.asked.iter().map(|(_, r)| r[i]).max().unwrap_or(0);
+            let (pool, wanted) =
+                self.size_for_slo(slo, role, &members(pods, role), st.last[i], held);
+            raw[i] = wanted;
+            a.insert(name, pool);
+        }
+        if due {
+            st.asked.push_back((now, raw));
+        }
+        drop(st);
+        self.metrics.set(&a);
+        a
+    }
+
+    /// One pool's answer under the SLO, and the size asked before
+    /// stabilisation.
+    fn size_for_slo(
+        &self,
+        slo: &crate::config::autoscale::Slo,
+        role: Role,
+        members: &[&PodSnapshot],
+        workload: Option<Workload>,
+        held: u32,
+    ) -> (PoolAnswer, u32) {
+        let cfg = &self.cfg;
+        let by_queue = queue::size(cfg, role, members);
+        let Some(w) = workload.filter(|_| !members.is_empty()) else {
+            let signal = if members.is_empty() {
+                by_queue.signal
+            } else {
+                "no_rate"
+            };
+            let desired = by_queue.desired;
+            return (PoolAnswer { signal, ..by_queue }, desired);
+        };
+        let profile = match (role, &slo.decode_pod) {
+            (Role::Decode, Some(p)) => p,
+            _ => &slo.pod,
+        };
+        let targets = Targets {
+            ttft_p90_ms: slo.ttft_p90.get().as_secs_f64() * 1000.0,
+            itl_p99_ms: slo.itl_p99.get().as_secs_f64() * 1000.0,
+            kv_usage: cfg.target_kv_usage.get(),
+        };
+        let (needed, predicted) = slo::pods_needed(profile, &targets, &w, cfg.max_replicas);
+        let rate_per_pod = slo::rate_per_pod(profile, &targets, &w, needed);
+        // The batch a pod holds within the SLO: what its KV share and
+        // max_num_seqs allow.
+        let per_seq = (w.prompt_tokens + w.output_tokens / 2.0).max(1.0);
+        let batch = (targets.kv_usage * profile.kv_cache_tokens as f64 / per_seq)
+            .min(f64::from(profile.max_num_seqs))
+            .max(1.0);
+        let in_system: f64 = members
+            .iter()
+            .filter(|p| p.load_age_ms.is_some())
+            .map(|p| f64::from(p.load.waiting) + f64::from(p.load.running))
+            .sum();
+        let in_flight_floor = saturating_u32((in_system / batch).ceil());
+        let queue_desired = by_queue.desired;
+        let queue_guard = if queue_desired > by_queue.pods {
+            queue_desired
+        } else {
+            0
+        };
+        let (mut wanted, mut signal) = (needed, "slo");
+        if in_flight_floor > wanted {
+            (wanted, signal) = (in_flight_floor, "in_flight");
+        }
+        if queue_guard > wanted {
+            (wanted, signal) = (queue_guard, by_queue.signal);
+        }
+        let wanted = wanted.clamp(cfg.min_replicas, cfg.max_replicas);
+        let desired = if held > wanted {
+            signal = "stabilized";
+            held
+        } else {
+            wanted
+        };
+        let pods = by_queue.pods;
+        let answer = PoolAnswer {
+            desired,
+            ratio: f64::from(needed) / f64::from(pods.max(1)),
+            signal,
+            slo: Some(SloAnswer {
+                workload: w,
+                needed,
+                predicted,
+                rate_per_pod,
+                in_flight_floor,
+                queue_desired,
+                held: held.max(wanted),
+            }),
+            ..by_queue
+        };
+        (answer, wanted)
+    }
+}
+
+fn saturating_u32(v: f64) -> u32 {
+    if v.is_nan() || v <= 0.0 {
+        0
+    } else if v >= f64::from(u32::MAX) {
+        u32::MAX
+    } else {
+        v as u32
+    }
+}
+
+/// Where the hook reads the fleet: on the mesh, every pod this sidecar
+/// follows; on Valkey, every pod registered for its models
+/// (`Valkey::fleet_view`), or the pods it knows when Valkey does not answer.
+pub struct FleetSource {
+    pub config: Arc<Config>,
+    pub fleet: Arc<Fleet>,
+    pub index: Option<Arc<crate::valkey::Valkey>>,
+}
+
+impl FleetSource {
+    pub async fn pods(&self) -> Vec<PodSnapshot> {
+        if let Some(index) = &self.index {
+            match index.fleet_view(&self.config, &self.fleet).await {
+                Ok(pods) => return pods.as_ref().clone(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "autoscale: the fleet could not be read from valkey; sizing from the pods this sidecar knows");
+                }
+            }
+        }
+        self.fleet.snapshot(Instant::now())
+    }
+}
+
+/// Samples the fleet every `autoscale.slo.sample_interval` until shutdown
+/// (nothing to do without an SLO: the queue rule keeps no history).
+pub async fn run(hook: Arc<Hook>, source: FleetSource, shutdown: Shutdown) {
+    let Some(slo) = &hook.cfg.slo else {
+        return;
+    };
+    let mut tick = tokio::time::interval(slo.sample_interval.get());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tick.tick() => {
+                let pods = source.pods().await;
+                hook.answer(&pods, Instant::now());
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PoolLabels {
+    pool: &'static str,
+}
+
+/// `kvmesh_autoscale_*`, set from every [`Answer`] the hook makes.
+struct AutoscaleMetrics {
+    desired: Family<PoolLabels, Gauge>,
+    pods: Family<PoolLabels, Gauge>,
+    ratio: Family<PoolLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+}
+
+impl AutoscaleMetrics {
+    /// Creates the metrics and registers them in `r` (prefix `kvmesh`).
+    fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            desired: Family::default(),
+            pods: Family::default(),
+            ratio: Family::default(),
+        };
+        r.register(
+            "autoscale_desired_replicas",
+            "Pods each pool should run (prefill, decode, aggregated), from the load of the whole fleet",
+            m.desired.clone(),
+        );
+        r.register(
+            "autoscale_pods",
+            "Pods of each pool in the fleet",
+            m.pods.clone(),
+        );
+        r.register(
+            "autoscale_load_ratio",
+            "Each pool's load over its target (above 1: short of pods)",
+            m.ratio.clone(),
+        );
+        m
+    }
+
+    fn set(&self, answer: &Answer) {
+        for (&pool, a) in answer {
+            let l = PoolLabels { pool };
+            self.desired.get_or_create(&l).set(i64::from(a.desired));
+            self.pods.get_or_create(&l).set(i64::from(a.pods));
+            self.ratio.get_or_create(&l).set(a.ratio);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::fleet::{EngineLoad, PodInfo};
+
+    fn pod(role: Role, waiting: u32, kv_usage: f64, age_ms: Option<u64>) -> PodSnapshot {
+        PodSnapshot {
+            info: PodInfo {
+                id: format!("10.0.0.{waiting}:8000"),
+                sidecar_addr: None,
+                role,
+                models: vec![],
+                lora_adapters: vec![],
+                labels: Default::default(),
+            },
+            load: EngineLoad {
+                waiting,
+                kv_usage,
+                ..EngineLoad::default()
+            },
+            load_age_ms: age_ms,
+            healthy: true,
+            in_flight_local: 0,
+            in_flight_mesh: 0,
+            ejected_ms: None,
+            ejections: 0,
+        }
+    }
+
+    #[test]
+    fn a_queueing_prefill_pool_grows_by_its_queue_and_ignores_kv_usage() {
+        let cfg = Autoscale::default(); // 2 waiting per pod, 75% KV
+        let pods = [
+            pod(Role::Prefill, 6, 0.99, Some(100)),
+            pod(Role::Prefill, 4, 0.99, Some(100)),
+        ];
+        let a = &answer(&cfg, &pods)["prefill"];
+        assert_eq!((a.pods, a.measured, a.signal), (2, 2, "waiting"));
+        assert!((a.ratio - 2.5).abs() < 1e-9, "{a:?}");
+        assert_eq!(a.desired, 5);
+    }
+
+    #[test]
+    fn a_decode_pool_grows_by_the_tighter_of_queue_and_kv_cache() {
+        let cfg = Autoscale::default();
+        let pods = [
+            pod(Role::Decode, 1, 0.9, Some(100)),
+            pod(Role::Decode, 1, 0.9, Some(100)),
+            pod(Role::Decode, 1, 0.9, Some(100)),
+        ];
+        let a = &answer(&cfg, &pods)["decode"];
+        assert_eq!(a.signal, "kv_usage");
+        assert!((a.ratio - 1.2).abs() < 1e-9, "{a:?}");
+        assert_eq!(a.desired, 4); // ceil(3 × 1.2)
+    }
+
+    #[test]
+    fn within_the_tolerance_the_pool_keeps_its_size_and_idle_pools_shrink_to_the_minimum() {
+        let mut cfg = Autoscale::default();
+        let near = [
+            pod(Role::Both, 2, 0.5, Some(100)),
+            pod(Role::Both, 2, 0.5, Some(100)),
+        ];
+        assert_eq!(answer(&cfg, &near)["aggregated"].desired, 2); // ratio 1.0
+        let idle = [
+            pod(Role::Both, 0, 0.0, Some(100)),
+            pod(Role::Both, 0, 0.0, Some(100)),
+        ];
+        assert_eq!(answer(&cfg, &idle)["aggregated"].desired, 1);
+        cfg.min_replicas = 2;
+        assert_eq!(answer(&cfg, &idle)["aggregated"].desired, 2);
+        cfg.max_replicas = 3;
+        let busy = [pod(Role::Both, 20, 0.5, Some(100))];
+        assert_eq!(answer(&cfg, &busy)["aggregated"].desired, 3);
+    }
+
+    #[test]
+    fn stale_and_unhealthy_pods_are_not_measured_and_an_unmeasured_pool_keeps_its_size() {
+        let cfg = Autoscale::default();
+        let mut sick = pod(Role::Decode, 50, 1.0, Some(100));
+        sick.healthy = false;
+        let pods = [
+            pod(Role::Decode, 50, 1.0, Some(60_000)),
+            pod(Role::Decode, 50, 1.0, None),
+            sick,
+        ];
+        let nan = [
+            pod(Role::Decode, 1, f64::NAN, Some(100)),
+            pod(Role::Decode, 1, 0.9, Some(100)),
+        ];
+        let a = &answer(&cfg, &nan)["decode"];
+        assert!(
+            a.kv_usage.is_finite() && (a.kv_usage - 0.45).abs() < 1e-9,
+            "{a:?}"
+        );
+        let a = &answer(&cfg, &pods)["decode"];
+        assert_eq!(
+            (a.pods, a.measured, a.desired, a.signal),
+            (3, 0, 3, "no_load")
+        );
+        // A pool the fleet has no pod of answers its minimum.
+        assert_eq!(answer(&cfg, &pods)["prefill"].desired, 1);
+    }
+
+    #[test]
+    fn the_keda_example_reads_values_the_hook_answers() {
+        let yaml = include_str!("../../assets/deploy/autoscaling/keda-scaledobjects.yaml");
+        let locations: Vec<&str> = yaml
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("valueLocation:"))
+            .map(|v| v.trim().trim_matches('"'))
+            .collect();
+        assert_eq!(locations, ["prefill.desired", "decode.desired"]);
+        let json = serde_json::to_value(answer(&Autoscale::default(), &[])).unwrap();
+        for loc in locations {
+            let (pool, field) = loc.split_once('.').unwrap();
+            assert!(json[pool][field].is_u64(), "{loc} in {json}");
+        }
+    }
+
+    fn slo_config() -> Autoscale {
+        crate::config::from_yaml_str(
+            "autoscale:\n  max_replicas: 16\n  slo:\n    ttft_p90: 2s\n    itl_p99: 250ms\n    window: 20s\n    sample_interval: 5s\n    scale_down_window: 30s\n    pod: {step_base_ms: 26, prefill_ms_per_token: 0.1326, prefill_ms_per_token_kctx: 0.0042, decode_ms_per_seq: 0.1326, decode_ms_per_kctx: 0.0978, kv_cache_tokens: 29424}\n",
+            "proxy.yaml",
+        )
+        .unwrap()
+        .autoscale
+    }
+
+    /// An aggregated pod `i` that has finished `finished` requests of 1155
+    /// prompt and 211 generated tokens, with `in_system` running.
+    fn busy(i: u32, finished: u64, in_system: u32) -> PodSnapshot {
+        let mut p = pod(Role::Both, 0, 0.3, Some(50));
+        p.info.id = format!("10.0.1.{i}:8000");
+        p.load.running = in_system;
+        p.load.work = Some(crate::fleet::EngineWork {
+            finished,
+            prompt_tokens: finished * 1155,
+            cached_tokens: 0,
+            generation_tokens: finished * 211,
+        });
+        p
+    }
+
+    #[test]
+    fn the_slo_hook_sizes_by_the_measured_rate_holds_its_size_down_and_explains_itself() {
+        let r = &mut Registry::default();
+        let hook = Hook::new(&slo_config(), r);
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + std::time::Duration::from_secs(n);
+        // The first sample measures no rate: the queue rule answers.
+        let a = &hook.answer(&[busy(1, 0, 2), busy(2, 0, 2)], s(0))["aggregated"];
+        assert_eq!((a.signal, a.slo.is_none()), ("no_rate", true), "{a:?}");
+        // 10 req/s for 10 s over two pods.
+        let a = hook.answer(&[busy(1, 50, 2), busy(2, 50, 2)], s(10))["aggregated"].clone();
+        let slo = a.slo.clone().unwrap();
+        assert!((slo.workload.arrival_rate - 10.0).abs() < 1e-9, "{slo:?}");
+        assert_eq!(a.signal, "slo");
+        assert!(a.desired > 2 && a.desired == slo.needed, "{a:?}");
+        assert_eq!(slo.predicted.limit, None);
+        assert!(slo.rate_per_pod * f64::from(slo.needed) >= 10.0);
+        let json = serde_json::to_value(&a).unwrap();
+        for field in ["arrival_rate", "uncached_tokens", "output_tokens"] {
+            assert!(json["slo"]["workload"][field].is_number(), "{json}");
+        }
+        assert!(
+            json["slo"]["predicted"]["ttft_p90_ms"].is_number(),
+            "{json}"
+        );
+        // The rate falls to 1 req/s: the model asks for fewer pods, but the
+        // pool holds its size within scale_down_window (30 s).
+        let high = a.desired;
+        let mut finished = 50;
+        for n in [15, 20, 25, 30] {
+            finished += 2;
+            let pods = [busy(1, finished, 0), busy(2, finished, 0)];
+            let a = &hook.answer(&pods, s(n))["aggregated"];
+            assert_eq!(
+                (a.desired, a.signal),
+                (high, "stabilized"),
+                "at {n} s: {a:?}"
+            );
+            assert!(a.slo.as_ref().unwrap().needed < high);
+        }
+        for n in [35, 40, 45] {
+            finished += 2;
+            hook.answer(&[busy(1, finished, 0), busy(2, finished, 0)], s(n));
+        }
+        let a = &hook.answer(&[busy(1, finished + 2, 0), busy(2, finished + 2, 0)], s(50))
+            ["aggregated"];
+        assert!(a.desired < high, "{a:?}");
+        // Requests in flight floor the pool: 60 running need 60 / the batch
+        // a pod holds (0.75 of 29424 KV tokens over 1260.5 per sequence = 17).
+        let a = &hook.answer(
+            &[busy(1, finished + 4, 30), busy(2, finished + 4, 30)],
+            s(55),
+        )["aggregated"];
+        assert_eq!(a.slo.as_ref().unwrap().in_flight_floor, 4, "{a:?}");
+        assert!(a.desired >= 4);
+    }
+}

@@ -1,0 +1,238 @@
+//! The workload each pool serves, measured: its arrival rate and the tokens
+//! of an average request, from every pod's engine counters ([`EngineWork`])
+//! and queue, sampled over a window.
+//!
+//! Arrivals are what finished plus what the pool took on: `Δfinished +
+//! Δ(waiting + running)`, so a pool that falls behind still shows the rate
+//! it is asked for, not the rate it manages. Tokens per request are ratios
+//! of the counters' deltas over the same window (prompt, cached, generated
+//! per finished request).
+//!
+//! Each pod is measured from its first sample inside the window, so a pod
+//! that joined during it adds what it served since; a counter that went
+//! down (the engine restarted) counts from zero.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use kvmesh_filters::sched::Role;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::fleet::{EngineWork, PodSnapshot};
+
+/// One pod's counters at one sample.
+#[derive(Debug, Clone)]
+struct PodCount {
+    id: String,
+    role: Role,
+    work: EngineWork,
+    in_system: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Sample {
+    at: Instant,
+    pods: Vec<PodCount>,
+}
+
+/// A pool's workload over the window.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Workload {
+    /// Requests per second arriving at the pool.
+    pub arrival_rate: f64,
+    /// Per finished request: prompt tokens, of which not found cached
+    /// (computed), and tokens generated.
+    pub prompt_tokens: f64,
+    pub uncached_tokens: f64,
+    pub output_tokens: f64,
+    /// Seconds the rates span.
+    pub window_s: f64,
+}
+
+/// The samples of the last window (and the one just before it, so a rate
+/// always spans the whole window once the sidecar has run that long).
+#[derive(Debug)]
+pub struct History {
+    window: Duration,
+    samples: VecDeque<Sample>,
+}
+
+impl History {
+    pub fn new(window: Duration) -> Self {
+        Self {
+            window,
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// When the last sample was taken.
+    pub fn last_at(&self) -> Option<Instant> {
+        self.samples.back().map(|s| s.at)
+    }
+
+    /// Records the counters of every pod that reports them.
+    pub fn record(&mut self, at: Instant, pods: &[PodSnapshot]) {
+        let pods = pods
+            .iter()
+            .filter(|p| p.load_age_ms.is_some())
+            .filter_map(|p| {
+                Some(PodCount {
+                    id: p.info.id.clone(),
+                    role: p.info.role,
+                    work: p.load.work?,
+                    in_system: u64::from(p.load.waiting) + u64::from(p.load.running),
+                })
+            })
+            .collect();
+        self.samples.push_back(Sample { at, pods });
+        // Keep one sample at or before the window's start, none older.
+        while self
+            .samples
+            .get(1)
+            .is_some_and(|s| at.saturating_duration_since(s.at) >= self.window)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The workload of the pods of `role`; `None` until two samples span
+    /// some time, or when no request of the pool finished in the window
+    /// (tokens per request are then unknown).
+    pub fn workload(&self, role: Role) -> Option<Workload> {
+        let (first, last) = (self.samples.front()?, self.samples.back()?);
+        let span = last.at.saturating_duration_since(first.at).as_secs_f64();
+        if span <= 0.0 {
+            return None;
+        }
+        let (mut finished, mut prompt, mut cached, mut generated) = (0u64, 0u64, 0u64, 0u64);
+        let mut in_system_change = 0i64;
+        for now in last.pods.iter().filter(|p| p.role == role) {
+            let Some(then) = self
+                .samples
+                .iter()
+                .find_map(|s| s.pods.iter().find(|p| p.id == now.id))
+            else {
+                continue;
+            };
+            let delta = |a: u64, b: u64| if a >= b { a - b } else { a };
+            finished += delta(now.work.finished, then.work.finished);
+            prompt += delta(now.work.prompt_tokens, then.work.prompt_tokens);
+            cached += delta(now.work.cached_tokens, then.work.cached_tokens);
+            generated += delta(now.work.generation_tokens, then.work.generation_tokens);
+            in_system_change += i64::try_from(now.in_system).unwrap_or(i64::MAX)
+                - i64::try_from(then.in_system).unwrap_or(i64::MAX);
+        }
+        if finished == 0 {
+            return None;
+        }
+        let arrivals = (finished as f64 + in_system_change as f64).max(0.0);
+        let per = |n: u64| n as f64 / finished as f64;
+        Some(Workload {
+            arrival_rate: arrivals / span,
+            prompt_tokens: per(prompt),
+            uncached_tokens: per(prompt.saturating_sub(cached)),
+            output_tokens: per(generated),
+            window_s: span,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::fleet::{EngineLoad, PodInfo};
+
+    fn pod(id: &str, role: Role, finished: u64, in_system: u32) -> PodSnapshot {
+        PodSnapshot {
+            info: PodInfo {
+                id: id.to_owned(),
+                sidecar_addr: None,
+                role,
+                models: vec![],
+                lora_adapters: vec![],
+                labels: Default::default(),
+            },
+            load: EngineLoad {
+                waiting: in_system,
+                work: Some(EngineWork {
+                    finished,
+                    prompt_tokens: finished * 1000,
+                    cached_tokens: finished * 400,
+                    generation_tokens: finished * 200,
+                }),
+                ..EngineLoad::default()
+            },
+            load_age_ms: Some(10),
+            healthy: true,
+            in_flight_local: 0,
+            in_flight_mesh: 0,
+            ejected_ms: None,
+            ejections: 0,
+        }
+    }
+
+    #[test]
+    fn arrivals_count_what_finished_and_what_queued_and_tokens_are_per_finished_request() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        assert_eq!(h.workload(Role::Both), None);
+        h.record(
+            t0,
+            &[pod("a", Role::Both, 100, 0), pod("b", Role::Both, 50, 2)],
+        );
+        assert_eq!(h.workload(Role::Both), None, "one sample spans no time");
+        // 10 s later: 40 + 20 finished, a's queue grew by 10.
+        h.record(
+            t0 + Duration::from_secs(10),
+            &[pod("a", Role::Both, 140, 10), pod("b", Role::Both, 70, 2)],
+        );
+        let w = h.workload(Role::Both).unwrap();
+        assert!((w.arrival_rate - 7.0).abs() < 1e-9, "{w:?}"); // (60 + 10) / 10 s
+        assert!((w.prompt_tokens - 1000.0).abs() < 1e-9);
+        assert!((w.uncached_tokens - 600.0).abs() < 1e-9);
+        assert!((w.output_tokens - 200.0).abs() < 1e-9);
+        assert_eq!(h.workload(Role::Decode), None, "no pod of the pool");
+    }
+
+    #[test]
+    fn a_pod_that_joins_counts_from_its_first_sample_and_a_restart_from_zero() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        h.record(t0, &[pod("a", Role::Decode, 100, 0)]);
+        h.record(
+            t0 + Duration::from_secs(5),
+            &[
+                pod("a", Role::Decode, 110, 0),
+                pod("new", Role::Decode, 3, 0),
+            ],
+        );
+        // a restarted: its counter went down, so all 4 are new.
+        h.record(
+            t0 + Duration::from_secs(10),
+            &[
+                pod("a", Role::Decode, 4, 0),
+                pod("new", Role::Decode, 13, 0),
+            ],
+        );
+        let w = h.workload(Role::Decode).unwrap();
+        assert!((w.arrival_rate - 1.4).abs() < 1e-9, "{w:?}"); // (4 + 10) / 10 s
+    }
+
+    #[test]
+    fn the_window_keeps_one_sample_before_its_start() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(10));
+        for (i, f) in [0u64, 10, 20, 30, 40].into_iter().enumerate() {
+            h.record(
+                t0 + Duration::from_secs(5 * i as u64),
+                &[pod("a", Role::Prefill, f, 0)],
+            );
+        }
+        // Samples at 10, 15 and 20 s remain: the rate spans 10 s.
+        let w = h.workload(Role::Prefill).unwrap();
+        assert!((w.window_s - 10.0).abs() < 1e-9, "{w:?}");
+        assert!((w.arrival_rate - 2.0).abs() < 1e-9);
+    }
+}
