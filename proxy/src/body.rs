@@ -9,6 +9,11 @@
 //! rather than a silently short one. Dropping a `ResponseBody` (client gone)
 //! drops the upstream body, which cancels the upstream request.
 //!
+//! A relay given a [`Migrate`] (a streamed completion, `request/migrate.rs`)
+//! forwards whole SSE events only and, when its upstream fails, asks it for a
+//! continuation on another pod, which it then relays in the same body: the
+//! client sees one stream.
+//!
 //! [`IncomingBody`] is the client's request body as the request path gets
 //! it, whichever codec read it. The codecs' own bodies (the HTTP/1.1
 //! server's reader, the engine pool's reply) live with their codecs and come
@@ -80,6 +85,28 @@ pub struct RelayParams {
     pub request_id: String,
 }
 
+/// A stream that may go on elsewhere when its upstream fails after bytes
+/// reached the client (request migration, `crate::request::migrate`). The
+/// relay hands it every data frame and every failure; it owns no socket.
+pub trait Migrate: Send + Sync {
+    /// Bytes from the upstream: what to forward to the client now (whole
+    /// events, the current upstream's rewritten as the first one's), and the
+    /// failure the upstream reported in-band after them (an SSE error
+    /// event), if it did.
+    fn forward(&mut self, data: Bytes) -> (Bytes, Option<ProxyError>);
+    /// The upstream's body ended: `Ok` when the stream is complete, else the
+    /// failure (it stopped before its end).
+    fn ended(&mut self) -> Result<(), ProxyError>;
+    /// The upstream failed with `err`: the call that continues the stream on
+    /// another pod, or `None` (why not is counted) and the stream ends with
+    /// the error.
+    fn resume(&mut self, err: &ProxyError) -> Option<Resuming>;
+}
+
+/// A continuation being started: its body and who serves it.
+pub type Resuming =
+    Pin<Box<dyn Future<Output = Result<(Streamed, UpstreamName), ProxyError>> + Send>>;
+
 /// A body still arriving, from whichever codec reads it.
 pub type Streamed = BoxBody<Bytes, BoxError>;
 
@@ -110,6 +137,13 @@ pub struct Relay {
     done: bool,
     /// Ended by an upstream failure (an SSE error tail or a cut body).
     failed: bool,
+    /// Set for a stream that may migrate.
+    migrate: Option<Box<dyn Migrate>>,
+    /// The continuation being started; its `Mutex` only makes the future
+    /// `Sync` (the relay polls it through `&mut`, never locking).
+    resuming: Option<std::sync::Mutex<Resuming>>,
+    /// A failure reported after the bytes just forwarded: handled next poll.
+    failure: Option<ProxyError>,
 }
 
 /// The client's request body.
@@ -180,11 +214,23 @@ impl ResponseBody {
                 mid_event: false,
                 done: false,
                 failed: false,
+                migrate: None,
+                resuming: None,
+                failure: None,
             })),
             _in_flight: None,
             access: None,
             spans: None,
         }
+    }
+
+    /// Lets a relayed stream continue on another pod when its upstream
+    /// fails (see [`Migrate`]); a whole body ignores it.
+    pub fn with_migration(mut self, m: Box<dyn Migrate>) -> Self {
+        if let Kind::Relay(r) = &mut self.kind {
+            r.migrate = Some(m);
+        }
+        self
     }
 
     pub fn with_in_flight(mut self, guard: InFlight) -> Self {
@@ -226,7 +272,8 @@ impl ResponseBody {
         // bytes went out, so a relay has ended when its upstream body has.
         let ended = match &self.kind {
             Kind::Full(b) => b.is_end_stream(),
-            Kind::Relay(r) => r.done || r.inner.is_end_stream(),
+            // A continuation being started has an empty body in the meantime.
+            Kind::Relay(r) => r.done || (r.resuming.is_none() && r.inner.is_end_stream()),
         };
         let failed = matches!(&self.kind, Kind::Relay(r) if r.failed);
         let Some(a) = &mut self.access else {
@@ -289,45 +336,121 @@ impl Body for ResponseBody {
 
 impl Relay {
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.done {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    self.observe(data);
-                }
-                Poll::Ready(Some(Ok(frame)))
+        loop {
+            if self.done {
+                return Poll::Ready(None);
             }
-            Poll::Ready(Some(Err(e))) => {
-                let err = ProxyError::UpstreamDied {
-                    upstream: self.p.upstream.clone(),
-                    reason: e.to_string(),
+            if let Some(e) = self.failure.take() {
+                if let Some(r) = self.migrate_or_fail(e) {
+                    return Poll::Ready(Some(r));
+                }
+            }
+            if let Some(r) = self.resuming.as_mut() {
+                let fut = match r.get_mut() {
+                    Ok(f) => f,
+                    Err(poisoned) => poisoned.into_inner(),
                 };
-                Poll::Ready(Some(self.fail(err)))
-            }
-            Poll::Ready(None) => {
-                self.done = true;
-                Poll::Ready(None)
-            }
-            Poll::Pending => match self.deadline_timer().poll(cx) {
-                Poll::Ready(()) => {
-                    let err = if Instant::now() >= self.overall_at {
-                        ProxyError::OverallTimeout {
-                            upstream: self.p.upstream.clone(),
-                            after: self.p.overall,
+                match fut.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok((inner, upstream))) => {
+                        self.resuming = None;
+                        self.inner = inner;
+                        self.p.upstream = upstream;
+                        self.deadline_at =
+                            (Instant::now() + self.p.stream_idle).min(self.overall_at);
+                    }
+                    Poll::Ready(Err(e)) => {
+                        self.resuming = None;
+                        match self.migrate_or_fail(e) {
+                            Some(r) => return Poll::Ready(Some(r)),
+                            None => continue,
                         }
-                    } else {
-                        ProxyError::IdleTimeout {
-                            upstream: self.p.upstream.clone(),
-                            after: self.p.stream_idle,
-                        }
-                    };
-                    Poll::Ready(Some(self.fail(err)))
+                    }
                 }
-                Poll::Pending => Poll::Pending,
-            },
+            }
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let frame = match (self.migrate.as_mut(), frame.into_data()) {
+                        (Some(m), Ok(data)) => {
+                            let (data, failure) = m.forward(data);
+                            self.failure = failure;
+                            if data.is_empty() {
+                                // Part of an event (wait for the rest), or
+                                // a failure (handled at the loop's top).
+                                continue;
+                            }
+                            Frame::data(data)
+                        }
+                        (_, Ok(data)) => Frame::data(data),
+                        (_, Err(frame)) => frame,
+                    };
+                    if let Some(data) = frame.data_ref() {
+                        self.observe(data);
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let err = ProxyError::UpstreamDied {
+                        upstream: self.p.upstream.clone(),
+                        reason: e.to_string(),
+                    };
+                    match self.migrate_or_fail(err) {
+                        Some(r) => return Poll::Ready(Some(r)),
+                        None => continue,
+                    }
+                }
+                Poll::Ready(None) => {
+                    if let Some(Err(e)) = self.migrate.as_mut().map(|m| m.ended()) {
+                        match self.migrate_or_fail(e) {
+                            Some(r) => return Poll::Ready(Some(r)),
+                            None => continue,
+                        }
+                    }
+                    self.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => match self.deadline_timer().poll(cx) {
+                    Poll::Ready(()) => {
+                        let overall = Instant::now() >= self.overall_at;
+                        let err = if overall {
+                            ProxyError::OverallTimeout {
+                                upstream: self.p.upstream.clone(),
+                                after: self.p.overall,
+                            }
+                        } else {
+                            ProxyError::IdleTimeout {
+                                upstream: self.p.upstream.clone(),
+                                after: self.p.stream_idle,
+                            }
+                        };
+                        // Past the overall deadline the request is over,
+                        // wherever it might go on.
+                        if overall {
+                            return Poll::Ready(Some(self.fail(err)));
+                        }
+                        match self.migrate_or_fail(err) {
+                            Some(r) => return Poll::Ready(Some(r)),
+                            None => continue,
+                        }
+                    }
+                    Poll::Pending => return Poll::Pending,
+                },
+            }
         }
+    }
+
+    /// After an upstream failure: starts the continuation when the stream
+    /// may migrate (and returns `None`: poll on), else ends the body.
+    fn migrate_or_fail(&mut self, err: ProxyError) -> Option<Result<Frame<Bytes>, BoxError>> {
+        if let Some(next) = self.migrate.as_mut().and_then(|m| m.resume(&err)) {
+            tracing::info!(request_id = %self.p.request_id, error = %err, "stream failed after it started; migrating");
+            // The failed upstream's body goes now: dropping it cancels the
+            // call (a hung engine stops working on it).
+            self.inner = streamed(Whole::empty());
+            self.resuming = Some(std::sync::Mutex::new(next));
+            return None;
+        }
+        Some(self.fail(err))
     }
 
     fn observe(&mut self, data: &Bytes) {

@@ -14,6 +14,7 @@ pub mod autoscale;
 pub mod index;
 pub mod load;
 pub mod mesh;
+pub mod migration;
 pub mod pd;
 pub mod prefix;
 pub mod traces;
@@ -28,6 +29,7 @@ pub use autoscale::Autoscale;
 pub use index::Index;
 pub use load::{from_yaml_str, load_file, ConfigError, ConfigErrorKind};
 pub use mesh::Mesh;
+pub use migration::Migration;
 pub use pd::{OnPrefillFailure, Pd, PdConnector};
 pub use prefix::{KvEvents, Prefix, SocketMode, TokenizerChoice};
 pub use traces::{OtlpEndpoint, OtlpProtocol, Tracing};
@@ -58,6 +60,8 @@ pub struct Config {
     pub index: Index,
     /// How a request split into prefill and decode is carried out (docs/pd.md).
     pub pd: Pd,
+    /// Streams continued on another pod when theirs fails mid-way (docs/migration.md).
+    pub migration: Migration,
     /// The targets the autoscaling hook sizes each pool against (docs/autoscaling.md).
     pub autoscale: Autoscale,
     /// OpenTelemetry spans exported over OTLP (docs/observability.md#traces);

@@ -199,6 +199,16 @@ pub struct UpstreamMetrics {
     bytes_out: PerRoute<Counter<u64, AtomicU64>>,
     /// Targets that refused a request before any byte was sent.
     fallbacks: Counter,
+    /// Streams whose upstream failed after bytes reached the client, by
+    /// what became of them (`request/migrate.rs`).
+    migrations: Family<OutcomeLabels, Counter>,
+    /// Tokens already generated when a stream migrated, carried to the next pod.
+    migrated_tokens: Counter,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
 }
 
 /// Pods ejected as outliers (`fleet/outlier.rs`).
@@ -313,6 +323,16 @@ impl Metrics {
             "fallbacks",
             "Targets that refused a request before any byte was sent (the plan's next fallback pod, if any, takes it)",
             upstream.fallbacks.clone(),
+        );
+        registry.register(
+            "migrations",
+            "Streams whose upstream failed after bytes reached the client, by outcome: migrated (continued on another pod), or why not (limit, deadline, unsupported, no_target, continuation_failed, ...)",
+            upstream.migrations.clone(),
+        );
+        registry.register(
+            "migrated_tokens",
+            "Tokens already generated when a stream migrated, carried to the next pod in its continuation",
+            upstream.migrated_tokens.clone(),
         );
         registry.register(
             "engine_ready",
@@ -445,13 +465,15 @@ impl RequestMetrics {
 
 impl UpstreamMetrics {
     /// The families, registered nowhere yet.
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             latency: route_histograms(),
             ttft: route_histograms(),
             itl: route_histograms(),
             bytes_out: route_counters(),
             fallbacks: Counter::default(),
+            migrations: Family::default(),
+            migrated_tokens: Counter::default(),
         }
     }
 
@@ -475,6 +497,29 @@ impl UpstreamMetrics {
     /// A target refused the request before any byte was sent.
     pub fn fallback(&self) {
         self.fallbacks.inc();
+    }
+
+    /// A stream's upstream failed after bytes reached the client: `outcome`
+    /// is `migrated` (it went on elsewhere) or why it could not.
+    pub fn migration(&self, outcome: &'static str) {
+        self.migrations
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    /// `n` tokens generated before a migration were carried to the next pod.
+    pub fn migrated_tokens(&self, n: u64) {
+        self.migrated_tokens.inc_by(n);
+    }
+
+    /// The migrations counted with `outcome`, and the tokens carried (tests).
+    #[cfg(test)]
+    pub(crate) fn migration_counts(&self, outcome: &'static str) -> (u64, u64) {
+        let n = self
+            .migrations
+            .get_or_create(&OutcomeLabels { outcome })
+            .get();
+        (n, self.migrated_tokens.get())
     }
 }
 

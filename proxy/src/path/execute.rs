@@ -25,6 +25,7 @@ use crate::fleet::Fleet;
 use crate::headers::UNSERVED;
 use crate::otel::Hop;
 use crate::pd::metrics::PdMetrics;
+use crate::request::migrate::{Migration, RerouteSource, Start};
 use crate::request::{
     leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Target, Upstream,
     Upstreams, FORWARD, MAX_ATTEMPTS,
@@ -45,6 +46,11 @@ pub struct Execute<'a> {
     pub pd: &'a PdMetrics,
     /// Set by the readiness probe once the local engine answers.
     pub engine_ready: &'a AtomicBool,
+    /// Whether and how far a stream may migrate.
+    pub migration: &'a crate::config::Migration,
+    /// Gives a stream its way to another pod; `None` for a continuation
+    /// itself (the first stream's relay migrates it again).
+    pub reroute: Option<&'a dyn RerouteSource>,
 }
 
 pub async fn execute(
@@ -114,6 +120,11 @@ pub async fn execute(
                 let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
                 ctx.access = access;
                 match r {
+                    Ok(resp) => {
+                        let all = tried_and_left(planned.as_deref(), &targets);
+                        let serving = whole_on_decode.clone();
+                        return Ok(migrating(h, ctx, &req, all, &serving, decode_name, resp));
+                    }
                     Err(e) if failed_before_any_byte(&e, &decode_name) => {
                         super::account::failed(h.books, &decode_upstream);
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
@@ -137,7 +148,9 @@ pub async fn execute(
             Ok(Forwarded::Served(resp)) => {
                 super::account::served(h.books, ctx, &upstream);
                 ctx.served_by = Some(upstream.served());
-                return Ok(resp);
+                let all = tried_and_left(planned.as_deref(), &targets);
+                let name = upstream.name(h.up.engine_url);
+                return Ok(migrating(h, ctx, &req, all, &target, name, resp));
             }
             Ok(Forwarded::Unserved(reply)) => {
                 super::account::failed(h.books, &upstream);
@@ -171,6 +184,78 @@ pub async fn execute(
         return Ok(relay(&h.up, ctx, name, resp, hop));
     }
     Err(last.unwrap_or_else(|| ProxyError::Internal("the plan had no target".to_owned())))
+}
+
+/// The plan's targets: those tried, then those left.
+fn tried_and_left(
+    planned: Option<&[Target]>,
+    left: &std::collections::VecDeque<Target>,
+) -> Vec<Target> {
+    planned
+        .unwrap_or_default()
+        .iter()
+        .chain(left.iter())
+        .cloned()
+        .collect()
+}
+
+/// `resp`, a stream `serving` began, able to go on on another pod if that
+/// one fails mid-way (`crate::request::migrate`): the client's own streamed
+/// completions and chat completions, answered `200` with an event stream,
+/// with migration on. Anything else is returned as it is.
+fn migrating(
+    h: Execute<'_>,
+    ctx: &RequestCtx,
+    req: &ClientRequest,
+    targets: Vec<Target>,
+    serving: &Target,
+    upstream: UpstreamName,
+    resp: Response<ResponseBody>,
+) -> Response<ResponseBody> {
+    let (Some(source), Some(view), ClientBody::Buffered(body)) = (h.reroute, &ctx.view, &req.body)
+    else {
+        return resp;
+    };
+    let sse = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let route_ok = matches!(
+        ctx.route,
+        crate::metrics::Route::Completions | crate::metrics::Route::ChatCompletions
+    );
+    if !h.migration.enabled()
+        || ctx.already_routed
+        || !view.stream
+        || !route_ok
+        || !sse
+        || resp.status() != http::StatusCode::OK
+    {
+        return resp;
+    }
+    let serving = match serving {
+        Target::Peer { sidecar_addr } => crate::request::Served::Peer(*sidecar_addr),
+        _ => crate::request::Served::LocalEngine,
+    };
+    let start = Start {
+        route: ctx.route,
+        model: view.model.clone(),
+        body: body.clone(),
+        method: req.head.method.clone(),
+        uri: req.head.uri.clone(),
+        headers: req.head.headers.clone(),
+        request_id: ctx.request_id.clone(),
+        started: ctx.started,
+        targets,
+        serving,
+        upstream,
+        attempts: ctx.attempts,
+        max_migrations: h.migration.max_migrations,
+        deadline: h.migration.deadline.get(),
+    };
+    let m = Migration::new(start, source.reroute(), std::sync::Arc::clone(h.up.metrics));
+    resp.map(|b| b.with_migration(Box::new(m)))
 }
 
 /// How one attempt ended, short of an error.

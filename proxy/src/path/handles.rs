@@ -2,8 +2,11 @@
 //! nothing cloned. The one file of the stages but `mod.rs` that names `App`;
 //! each stage sees only its handle.
 
+use std::sync::Arc;
+
 use crate::app::App;
-use crate::request::Upstreams;
+use crate::request::migrate::{Continuing, Job, Reroute, RerouteSource};
+use crate::request::{Served, Target, Upstreams};
 
 use super::account::Accounting;
 use super::classify::Classify;
@@ -45,6 +48,37 @@ pub fn execute(app: &App) -> Execute<'_> {
         books: accounting(app),
         pd: &app.pd_metrics,
         engine_ready: &app.engine_ready,
+        migration: &app.config.migration,
+        reroute: None,
+    }
+}
+
+/// The client's request: as [`execute`], and its streams may migrate.
+pub fn execute_migrating(app: &Arc<App>) -> Execute<'_> {
+    Execute {
+        reroute: Some(app),
+        ..execute(app)
+    }
+}
+
+impl RerouteSource for Arc<App> {
+    fn reroute(&self) -> Box<dyn Reroute> {
+        Box::new(Rerouter(Arc::clone(self)))
+    }
+}
+
+/// A migrating stream's own handle on the sidecar (`path/migrate.rs`): it
+/// builds the execute stage's handle when the stream needs it.
+struct Rerouter(Arc<App>);
+
+impl Reroute for Rerouter {
+    fn pick(&self, model: Option<&str>, avoid: &[Served], targets: &[Target]) -> Option<Served> {
+        super::migrate::pick(execute(&self.0), model, avoid, targets)
+    }
+
+    fn send(&self, to: Served, job: Job) -> Continuing {
+        let app = Arc::clone(&self.0);
+        Box::pin(async move { super::migrate::send_to(execute(&app), to, job).await })
     }
 }
 

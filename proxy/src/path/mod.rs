@@ -9,6 +9,7 @@
 //! | execute | `execute.rs` | walk the plan's targets, each call and relay through [`crate::request`], or run a P/D split (`crate::pd`) |
 //! | account | `account.rs` | called by execute as it goes: predictions, in-flight counts, outlier calls, mesh counters, the approximate index, the mesh publish |
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
+//! | (migrate) | `migrate.rs` | after execute: where a stream that failed mid-way goes on, and the call (`crate::request::migrate`) |
 //!
 //! The types every stage shares ([`RequestCtx`], [`RequestView`], [`Plan`])
 //! are the request core's, re-exported here.
@@ -17,6 +18,7 @@ pub mod account;
 pub mod classify;
 pub mod execute;
 pub mod handles;
+pub mod migrate;
 pub mod observe;
 pub mod prefix;
 pub mod schedule;
@@ -54,7 +56,7 @@ pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<Respo
         let req = classify::classify(handles::classify(&app), &mut ctx, req).await?;
         prefix::prefix(handles::prefix(&app), &mut ctx).await?;
         let plan = schedule::schedule(handles::schedule(&app), &mut ctx).await?;
-        execute::execute(handles::execute(&app), &mut ctx, plan, req).await
+        execute::execute(handles::execute_migrating(&app), &mut ctx, plan, req).await
     }
     .await;
     observe::observe(handles::observe(&app), ctx, result)

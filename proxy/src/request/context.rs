@@ -95,6 +95,32 @@ impl RequestCtx {
         }
     }
 
+    /// A migrating stream's continuation (`crate::request::migrate`), sent
+    /// long after the client's request passed the stages: only what a call
+    /// upstream reads (its id, route and arrival) is set.
+    pub fn continuation(request_id: HeaderValue, route: Route, started: Instant) -> Self {
+        Self {
+            request_id,
+            method: Method::POST,
+            route,
+            started,
+            in_flight: None,
+            view: None,
+            session: None,
+            already_routed: false,
+            epp_prefiller: None,
+            block_keys: Vec::new(),
+            prompt_tokens: None,
+            candidates: None,
+            route_reason: "migration",
+            served_by: None,
+            attempts: 0,
+            dp_rank: None,
+            access: None,
+            trace: None,
+        }
+    }
+
     /// The request id as text for logs.
     pub fn id(&self) -> &str {
         self.request_id.to_str().unwrap_or("-")

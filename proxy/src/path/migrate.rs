@@ -1,0 +1,116 @@
+//! Where a migrating stream goes on (`crate::request::migrate`): the pod a
+//! continuation is sent to, and the call. The relay of a stream whose
+//! upstream failed after bytes reached the client asks here, through the
+//! owned handle `handles::Rerouter`, long after the execute stage returned.
+//!
+//! The next pod is the first that has not failed this request, is not
+//! ejected, and can decode its model, in this order: the plan's targets
+//! (the scheduler's ranking when the request arrived), then the other pods
+//! the fleet knows, least loaded first, then the local engine. The
+//! continuation's prompt holds the whole output so far, so any such pod
+//! can serve it; most of its prefix is cached only on the pod that failed.
+
+use http::Response;
+use kvmesh_filters::sched::Role;
+use tokio::time::Instant;
+
+use crate::body::UpstreamBody;
+use crate::error::{ProxyError, UpstreamName};
+use crate::request::migrate::Job;
+use crate::request::{send, RequestCtx, Served, Target, Upstream, FORWARD};
+use crate::upstream::ReplyBody;
+
+use super::execute::Execute;
+
+/// The pod to continue on, if any is left (see the module docs).
+pub fn pick(
+    h: Execute<'_>,
+    model: Option<&str>,
+    avoid: &[Served],
+    targets: &[Target],
+) -> Option<Served> {
+    let now = Instant::now();
+    let fleet = h.books.fleet;
+    let serves = |models: &[String]| {
+        model.is_none_or(|m| models.is_empty() || models.iter().any(|s| s == m))
+    };
+    let local_ok = || {
+        let local = fleet.local_snapshot(now);
+        h.up.pod.role != Role::Prefill
+            && serves(&h.up.pod.models)
+            && h.engine_ready.load(std::sync::atomic::Ordering::Acquire)
+            && local.ejected_ms.is_none()
+    };
+    let usable = |s: &Served| {
+        !avoid.contains(s)
+            && match s {
+                Served::LocalEngine => local_ok(),
+                Served::Peer(a) => fleet.peer_id(*a).is_some_and(|id| !fleet.ejected(&id, now)),
+            }
+    };
+    let planned = targets.iter().map(|t| match t {
+        Target::LocalEngine => Served::LocalEngine,
+        Target::Peer { sidecar_addr } => Served::Peer(*sidecar_addr),
+        Target::Disaggregated { decode, .. } => match decode.whole() {
+            Target::Peer { sidecar_addr } => Served::Peer(sidecar_addr),
+            _ => Served::LocalEngine,
+        },
+    });
+    if let Some(s) = planned.into_iter().find(|s| usable(s)) {
+        return Some(s);
+    }
+    let mut others: Vec<_> = fleet
+        .snapshot(now)
+        .into_iter()
+        .filter(|p| p.healthy && p.ejected_ms.is_none() && p.info.role != Role::Prefill)
+        .filter(|p| serves(&p.info.models))
+        .filter_map(|p| {
+            let load = p.in_flight_local + p.in_flight_mesh;
+            Some((load, Served::Peer(p.info.sidecar_addr?)))
+        })
+        .filter(|(_, s)| !avoid.contains(s))
+        .collect();
+    others.sort_by_key(|(load, _)| *load);
+    if let Some((_, s)) = others.first() {
+        return Some(*s);
+    }
+    usable(&Served::LocalEngine).then_some(Served::LocalEngine)
+}
+
+/// Sends a continuation to `to`; anything but a `200` answer is an error.
+/// The pod's outlier books count the call as any other.
+pub async fn send_to(
+    h: Execute<'_>,
+    to: Served,
+    job: Job,
+) -> Result<(Response<ReplyBody>, UpstreamName), ProxyError> {
+    let mut ctx = RequestCtx::continuation(job.request_id, job.route, job.started);
+    ctx.attempts = job.attempt;
+    let upstream = match to {
+        Served::LocalEngine => Upstream::Engine,
+        Served::Peer(a) => Upstream::Peer(a),
+    };
+    let (mut head, ()) = http::Request::new(()).into_parts();
+    head.method = job.method;
+    head.uri = job.uri;
+    head.headers = job.headers;
+    let body = UpstreamBody::full(job.body);
+    let sent = send(&h.up, &ctx, &upstream, &head, body, FORWARD, job.attempt).await;
+    match sent {
+        Ok((resp, name, _hop)) if resp.status() == http::StatusCode::OK => {
+            super::account::served(h.books, &ctx, &upstream);
+            Ok((resp, name))
+        }
+        Ok((resp, name, _hop)) => {
+            super::account::failed(h.books, &upstream);
+            Err(ProxyError::UpstreamFailed {
+                upstream: name,
+                reason: format!("the continuation was answered {}", resp.status()),
+            })
+        }
+        Err(e) => {
+            super::account::failed(h.books, &upstream);
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,634 @@
+//! Request migration: a streamed completion whose upstream (the engine, or
+//! the peer sidecar serving it) fails after bytes reached the client goes on
+//! on another pod, in the same response (docs/migration.md).
+//!
+//! [`Migration`] is the relay's [`Migrate`]: it forwards whole SSE events
+//! only (a partial one waits for its end, so a failure never leaves half an
+//! event with the client), keeps what was generated so far (the text, the
+//! token ids when the engine returns them, the count), and on a failure
+//! builds the continuation: the client's body with the output so far added
+//! to the prompt and the token limits lowered by it, sent through the
+//! [`Reroute`] the execute stage gave it (the path owns the pods; this file
+//! names none). The continuation's events are rewritten as the first
+//! stream's (its `id` and `created`; chat's second role chunk dropped;
+//! `usage` counting the whole), so the client reads one stream.
+//!
+//! - Completions: a token-id prompt (the client's, or `prompt_token_ids`
+//!   from the first event) plus the generated `token_ids` when the stream
+//!   carries them (`return_token_ids`), exact; else the prompt text plus the
+//!   generated text (re-tokenized by the next engine; with greedy decoding
+//!   equal as long as the text re-tokenizes to the same ids).
+//! - Chat: the partial answer appended as an assistant message, rendered
+//!   open with `continue_final_message: true` and `add_generation_prompt:
+//!   false` (vLLM's continuation of a final message).
+//!
+//! A stream does not migrate (the reason is counted in
+//! `kvmesh_migrations_total{outcome}` and it ends with an error event, as
+//! without migration) past `migration.max_migrations` or
+//! `migration.deadline`, with several choices (`n`), tool calls or
+//! reasoning in its output, a token-id prompt whose output ids are unknown,
+//! or when no other pod is left. A client that goes away drops the relay
+//! and this with it: a cancelled request never migrates.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue, Method, Response, Uri};
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use super::context::Served;
+use super::plan::Target;
+use crate::body::{streamed, Migrate, Resuming};
+use crate::error::{ProxyError, UpstreamName};
+use crate::metrics::{Route, UpstreamMetrics};
+use crate::upstream::ReplyBody;
+
+/// Longest SSE event held while its end is awaited; a longer one ends the
+/// stream's chance to migrate (it is forwarded as it comes).
+const MAX_EVENT_BYTES: usize = 1024 * 1024;
+
+/// Most generated text kept for a continuation; past it the stream no longer
+/// migrates (and the text is dropped).
+const MAX_TRANSCRIPT_BYTES: usize = 16 * 1024 * 1024;
+
+/// How a continuation reaches another pod: implemented by the request path
+/// (`path/migrate.rs`), which knows the fleet.
+pub trait Reroute: Send + Sync {
+    /// The pod to continue on: none of `avoid` (the pods that failed this
+    /// request), the plan's `targets` first.
+    fn pick(&self, model: Option<&str>, avoid: &[Served], targets: &[Target]) -> Option<Served>;
+    /// Sends the continuation to `to`; a response other than a `200` stream
+    /// is an error.
+    fn send(&self, to: Served, job: Job) -> Continuing;
+}
+
+/// What the execute stage holds to give each migrating stream its own,
+/// owned [`Reroute`] (the stream outlives the stage).
+pub trait RerouteSource: Sync {
+    fn reroute(&self) -> Box<dyn Reroute>;
+}
+
+/// A continuation's call: its response and who answered.
+pub type Continuing =
+    Pin<Box<dyn Future<Output = Result<(Response<ReplyBody>, UpstreamName), ProxyError>> + Send>>;
+
+/// One continuation to send: the client's head and the rewritten body.
+pub struct Job {
+    pub request_id: HeaderValue,
+    pub route: Route,
+    /// When the client's request arrived (the overall deadline counts from here).
+    pub started: Instant,
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    /// The 1-based number of this call among the request's attempts.
+    pub attempt: u8,
+}
+
+/// What a migrating stream starts from (the execute stage fills it in).
+pub struct Start {
+    pub route: Route,
+    pub model: Option<String>,
+    /// The client's JSON body.
+    pub body: Bytes,
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+    pub request_id: HeaderValue,
+    pub started: Instant,
+    /// The plan's targets, in order (where a continuation goes first).
+    pub targets: Vec<Target>,
+    /// Who serves the stream now, and its name.
+    pub serving: Served,
+    pub upstream: UpstreamName,
+    pub attempts: u8,
+    pub max_migrations: u8,
+    pub deadline: Duration,
+}
+
+/// See the module docs.
+pub struct Migration {
+    start: Start,
+    reroute: Box<dyn Reroute>,
+    metrics: Arc<UpstreamMetrics>,
+    /// Pods that failed this request.
+    avoid: Vec<Served>,
+    migrations: u8,
+    /// Why it cannot migrate, once known.
+    unsupported: Option<&'static str>,
+    /// The start of an event whose end has not come yet.
+    pending: BytesMut,
+    out: Transcript,
+    /// The current upstream is a continuation: its events are rewritten.
+    rewrite: bool,
+    /// Tokens generated before the current continuation (its prompt holds them).
+    carried: u64,
+}
+
+/// What the stream said so far.
+#[derive(Debug, Default)]
+struct Transcript {
+    /// The first stream's `id` and `created`, which every event keeps.
+    id: Option<Value>,
+    created: Option<Value>,
+    text: String,
+    /// The generated ids, while every event carried them.
+    token_ids: Option<Vec<u64>>,
+    prompt_token_ids: Option<Vec<u64>>,
+    /// Tokens generated: exact with `token_ids`, else one per event with text.
+    generated: u64,
+    events: u64,
+    finished: bool,
+    done: bool,
+}
+
+/// The fields of a streamed chunk the transcript reads.
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+    #[serde(default, borrow)]
+    object: Option<&'a str>,
+    #[serde(default)]
+    choices: Vec<ChoiceChunk>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u64>>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceChunk {
+    #[serde(default)]
+    index: u64,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    token_ids: Option<Vec<u64>>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u64>>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    reasoning: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+}
+
+impl Migration {
+    pub fn new(start: Start, reroute: Box<dyn Reroute>, metrics: Arc<UpstreamMetrics>) -> Self {
+        let unsupported = unsupported_request(&start);
+        Self {
+            avoid: vec![start.serving],
+            start,
+            reroute,
+            metrics,
+            migrations: 0,
+            unsupported,
+            pending: BytesMut::new(),
+            out: Transcript::default(),
+            rewrite: false,
+            carried: 0,
+        }
+    }
+
+    /// One whole event (its separator included): what to forward.
+    fn event(&mut self, ev: Bytes) -> Result<Option<Bytes>, ProxyError> {
+        let Some(payload) = data_of(&ev) else {
+            return Ok(Some(ev)); // a comment or an empty event
+        };
+        if payload.trim_ascii() == b"[DONE]" {
+            self.out.done = true;
+            return Ok(Some(ev));
+        }
+        if self.rewrite {
+            return match self.rewritten(&payload)? {
+                Some(json) => {
+                    self.track(&json)?;
+                    Ok(Some(sse_event(&json)))
+                }
+                None => Ok(None),
+            };
+        }
+        self.track(&payload)?;
+        Ok(Some(ev))
+    }
+
+    /// Reads one event's JSON into the transcript; an error event is the
+    /// upstream's failure.
+    fn track(&mut self, payload: &[u8]) -> Result<(), ProxyError> {
+        let chunk: Chunk<'_> = match serde_json::from_slice(payload) {
+            Ok(c) => c,
+            Err(_) => {
+                self.unsupported.get_or_insert("unparsed_event");
+                return Ok(());
+            }
+        };
+        if chunk.error.is_some() || chunk.object == Some("error") {
+            return Err(ProxyError::UpstreamDied {
+                upstream: self.start.upstream.clone(),
+                reason: format!(
+                    "error event mid-stream: {}",
+                    String::from_utf8_lossy(payload)
+                ),
+            });
+        }
+        let t = &mut self.out;
+        if t.events == 0 && !self.rewrite {
+            if let Ok(v) = serde_json::from_slice::<Map<String, Value>>(payload) {
+                t.id = v.get("id").cloned();
+                t.created = v.get("created").cloned();
+            }
+            t.prompt_token_ids = chunk.prompt_token_ids.clone();
+        }
+        for c in chunk.choices {
+            if c.index != 0 {
+                self.unsupported.get_or_insert("several_choices");
+                continue;
+            }
+            if t.events == 0 && !self.rewrite && c.prompt_token_ids.is_some() {
+                t.prompt_token_ids = c.prompt_token_ids;
+            }
+            let text = match c.delta {
+                Some(d) => {
+                    let thinking = d.reasoning_content.or(d.reasoning);
+                    if thinking.is_some_and(|r| !r.is_empty()) {
+                        self.unsupported.get_or_insert("reasoning");
+                    }
+                    if d.tool_calls.is_some_and(|c| !c.is_empty()) {
+                        self.unsupported.get_or_insert("tool_calls");
+                    }
+                    d.content
+                }
+                None => c.text,
+            };
+            let text = text.unwrap_or_default();
+            match (c.token_ids, t.events == 0) {
+                (Some(ids), true) => t.token_ids = Some(ids),
+                (Some(ids), false) => {
+                    if let Some(all) = t.token_ids.as_mut() {
+                        all.extend_from_slice(&ids);
+                    }
+                }
+                (None, _) => t.token_ids = None,
+            }
+            t.generated += match &t.token_ids {
+                Some(_) => 0,
+                None => u64::from(!text.is_empty()),
+            };
+            if t.text.len() + text.len() > MAX_TRANSCRIPT_BYTES {
+                self.unsupported.get_or_insert("transcript_limit");
+                t.text = String::new();
+            } else {
+                t.text.push_str(&text);
+            }
+            if c.finish_reason.is_some() {
+                t.finished = true;
+            }
+        }
+        if let Some(ids) = &t.token_ids {
+            t.generated = ids.len() as u64;
+        }
+        t.events += 1;
+        Ok(())
+    }
+
+    /// A continuation's event as the first stream's: `None` to drop it.
+    fn rewritten(&mut self, payload: &[u8]) -> Result<Option<Vec<u8>>, ProxyError> {
+        let Ok(mut v) = serde_json::from_slice::<Map<String, Value>>(payload) else {
+            self.unsupported.get_or_insert("unparsed_event");
+            return Ok(Some(payload.to_vec()));
+        };
+        if v.contains_key("error") || v.get("object").and_then(Value::as_str) == Some("error") {
+            // Tracked as a failure (never forwarded).
+            return Ok(Some(payload.to_vec()));
+        }
+        for (k, keep) in [("id", &self.out.id), ("created", &self.out.created)] {
+            if let (Some(keep), Some(slot)) = (keep, v.get_mut(k)) {
+                slot.clone_from(keep);
+            }
+        }
+        // The client has the prompt's ids from the first stream already.
+        if v.get("prompt_token_ids").is_some_and(|p| !p.is_null()) {
+            v.insert("prompt_token_ids".to_owned(), Value::Null);
+        }
+        let mut role_only = false;
+        if let Some(Value::Array(choices)) = v.get_mut("choices") {
+            for c in choices.iter_mut().filter_map(Value::as_object_mut) {
+                if c.get("prompt_token_ids").is_some_and(|p| !p.is_null()) {
+                    c.insert("prompt_token_ids".to_owned(), Value::Null);
+                }
+                let no_finish = c.get("finish_reason").is_none_or(Value::is_null);
+                if let Some(Value::Object(d)) = c.get_mut("delta") {
+                    // Chat's opening chunk: the client had its own.
+                    if d.remove("role").is_some() {
+                        let empty = d.get("content").is_none_or(|t| t.as_str() == Some(""));
+                        role_only = empty && d.len() <= 1 && no_finish;
+                    }
+                }
+            }
+        }
+        if let Some(Value::Object(u)) = v.get_mut("usage") {
+            let n = self.carried;
+            let add = |u: &mut Map<String, Value>, k: &str, by: i128| {
+                if let Some(x) = u.get(k).and_then(Value::as_u64) {
+                    let y = (i128::from(x) + by).clamp(0, i128::from(u64::MAX));
+                    u.insert(k.to_owned(), Value::from(u64::try_from(y).unwrap_or(0)));
+                }
+            };
+            add(u, "prompt_tokens", -i128::from(n));
+            add(u, "completion_tokens", i128::from(n));
+        }
+        if role_only && v.get("usage").is_none_or(Value::is_null) {
+            return Ok(None);
+        }
+        serde_json::to_vec(&v)
+            .map(Some)
+            .map_err(|e| ProxyError::Internal(format!("continuation event: {e}")))
+    }
+
+    /// Why this stream cannot migrate now, if it cannot.
+    fn refusal(&self) -> Option<&'static str> {
+        if let Some(r) = self.unsupported {
+            return Some(r);
+        }
+        if self.out.finished {
+            return Some("finished");
+        }
+        if self.migrations >= self.start.max_migrations {
+            return Some("limit");
+        }
+        if self.start.started.elapsed() >= self.start.deadline {
+            return Some("deadline");
+        }
+        None
+    }
+}
+
+impl Migrate for Migration {
+    fn forward(&mut self, data: Bytes) -> (Bytes, Option<ProxyError>) {
+        // The common case: whole events in one frame, forwarded as they came.
+        if self.pending.is_empty() && !self.rewrite && ends_event(&data) {
+            let mut rest = data.clone();
+            let mut sent = 0;
+            while let Some(end) = event_end(&rest) {
+                let ev = rest.split_to(end);
+                if let Err(e) = self.event(ev) {
+                    return (data.slice(..sent), Some(e));
+                }
+                sent += end;
+            }
+            return (data, None);
+        }
+        let mut out = BytesMut::new();
+        self.pending.extend_from_slice(&data);
+        while let Some(end) = event_end(&self.pending) {
+            let ev = self.pending.split_to(end).freeze();
+            match self.event(ev) {
+                Ok(Some(b)) => out.extend_from_slice(&b),
+                Ok(None) => {}
+                Err(e) => return (out.freeze(), Some(e)),
+            }
+        }
+        if self.pending.len() > MAX_EVENT_BYTES {
+            self.unsupported.get_or_insert("event_too_large");
+            out.extend_from_slice(&self.pending.split());
+        }
+        (out.freeze(), None)
+    }
+
+    fn ended(&mut self) -> Result<(), ProxyError> {
+        if self.out.done || self.out.finished {
+            return Ok(());
+        }
+        Err(ProxyError::UpstreamDied {
+            upstream: self.start.upstream.clone(),
+            reason: "the stream ended before `data: [DONE]`".to_owned(),
+        })
+    }
+
+    fn resume(&mut self, err: &ProxyError) -> Option<Resuming> {
+        if let Some(reason) = self.refusal() {
+            self.metrics.migration(reason);
+            tracing::warn!(request_id = self.start.request_id.to_str().unwrap_or("-"), reason, error = %err, "stream not migrated");
+            return None;
+        }
+        let body = match continuation(&self.start, &self.out) {
+            Ok(b) => b,
+            Err(reason) => {
+                self.metrics.migration(reason);
+                return None;
+            }
+        };
+        let Some(to) = self.reroute.pick(
+            self.start.model.as_deref(),
+            &self.avoid,
+            &self.start.targets,
+        ) else {
+            self.metrics.migration("no_target");
+            return None;
+        };
+        self.migrations += 1;
+        self.start.attempts = self.start.attempts.saturating_add(1);
+        self.avoid.push(to);
+        self.pending.clear();
+        self.rewrite = true;
+        self.carried = self.out.generated;
+        let s = &self.start;
+        let job = Job {
+            request_id: s.request_id.clone(),
+            route: s.route,
+            started: s.started,
+            method: s.method.clone(),
+            uri: s.uri.clone(),
+            headers: s.headers.clone(),
+            body,
+            attempt: s.attempts,
+        };
+        let call = self.reroute.send(to, job);
+        let metrics = Arc::clone(&self.metrics);
+        let carried = self.carried;
+        Some(Box::pin(async move {
+            match call.await {
+                Ok((resp, name)) => {
+                    metrics.migration("migrated");
+                    metrics.migrated_tokens(carried);
+                    Ok((streamed(resp.into_body()), name))
+                }
+                Err(e) => {
+                    metrics.migration("continuation_failed");
+                    Err(e)
+                }
+            }
+        }))
+    }
+}
+
+/// Reasons known from the request alone.
+fn unsupported_request(s: &Start) -> Option<&'static str> {
+    if !matches!(s.route, Route::Completions | Route::ChatCompletions) {
+        return Some("route");
+    }
+    let Ok(v) = serde_json::from_slice::<Map<String, Value>>(&s.body) else {
+        return Some("unparsed_request");
+    };
+    let many = |k: &str| v.get(k).and_then(Value::as_u64).is_some_and(|n| n > 1);
+    if many("n") || many("best_of") {
+        return Some("several_choices");
+    }
+    None
+}
+
+/// The continuation's body: the client's, with the output so far added to
+/// the prompt and the token limits lowered by it; `Err` is why not.
+fn continuation(s: &Start, t: &Transcript) -> Result<Bytes, &'static str> {
+    let mut body: Map<String, Value> =
+        serde_json::from_slice(&s.body).map_err(|_| "unparsed_request")?;
+    let n = t.generated;
+    for k in ["max_tokens", "max_completion_tokens"] {
+        if let Some(slot) = body.get_mut(k) {
+            if let Some(max) = slot.as_u64() {
+                let left = max.saturating_sub(n);
+                if left == 0 {
+                    return Err("finished");
+                }
+                *slot = Value::from(left);
+            }
+        }
+    }
+    if let Some(slot) = body.get_mut("min_tokens") {
+        if let Some(min) = slot.as_u64() {
+            *slot = Value::from(min.saturating_sub(n));
+        }
+    }
+    match s.route {
+        Route::Completions => {
+            let prompt = body.get("prompt").ok_or("unparsed_request")?;
+            let ids = prompt_ids(prompt).or_else(|| t.prompt_token_ids.clone());
+            let next = match (ids, &t.token_ids) {
+                (Some(mut ids), Some(out)) => {
+                    ids.extend_from_slice(out);
+                    Value::from(ids)
+                }
+                _ => match prompt_text(prompt) {
+                    Some(p) => Value::from(format!("{p}{}", t.text)),
+                    None => return Err("token_ids_unknown"),
+                },
+            };
+            body.insert("prompt".to_owned(), next);
+            // The prompt was echoed at the start already.
+            if body.contains_key("echo") {
+                body.insert("echo".to_owned(), Value::Bool(false));
+            }
+        }
+        Route::ChatCompletions => {
+            let open = body
+                .get("continue_final_message")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let Some(Value::Array(messages)) = body.get_mut("messages") else {
+                return Err("unparsed_request");
+            };
+            if open {
+                // The client continues its own last message: extend it.
+                let last = messages
+                    .last_mut()
+                    .and_then(|m| m.get_mut("content"))
+                    .ok_or("unparsed_request")?;
+                let Some(so_far) = last.as_str() else {
+                    return Err("content_parts");
+                };
+                *last = Value::from(format!("{so_far}{}", t.text));
+            } else {
+                messages.push(serde_json::json!({"role": "assistant", "content": t.text}));
+            }
+            body.insert("continue_final_message".to_owned(), Value::Bool(true));
+            body.insert("add_generation_prompt".to_owned(), Value::Bool(false));
+        }
+        _ => return Err("route"),
+    }
+    serde_json::to_vec(&body)
+        .map(Bytes::from)
+        .map_err(|_| "unparsed_request")
+}
+
+/// A completions prompt given as token ids (one prompt).
+fn prompt_ids(p: &Value) -> Option<Vec<u64>> {
+    let ids = |a: &[Value]| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>();
+    match p.as_array()?.as_slice() {
+        [Value::Array(one)] => ids(one),
+        all if !all.is_empty() && all.iter().all(Value::is_number) => ids(all),
+        _ => None,
+    }
+}
+
+/// A completions prompt given as text (one prompt).
+fn prompt_text(p: &Value) -> Option<&str> {
+    match p {
+        Value::String(s) => Some(s),
+        Value::Array(a) if a.len() == 1 => a[0].as_str(),
+        _ => None,
+    }
+}
+
+/// The data of one SSE event (its `data:` lines joined), `None` if it has none.
+fn data_of(ev: &[u8]) -> Option<Vec<u8>> {
+    let mut out: Option<Vec<u8>> = None;
+    for line in ev.split(|b| *b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(rest) = line.strip_prefix(b"data:") else {
+            continue;
+        };
+        let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+        match out.as_mut() {
+            Some(o) => {
+                o.push(b'\n');
+                o.extend_from_slice(rest);
+            }
+            None => out = Some(rest.to_vec()),
+        }
+    }
+    out
+}
+
+/// `data: {json}` as one event.
+fn sse_event(json: &[u8]) -> Bytes {
+    let mut b = Vec::with_capacity(json.len() + 8);
+    b.extend_from_slice(b"data: ");
+    b.extend_from_slice(json);
+    b.extend_from_slice(b"\n\n");
+    Bytes::from(b)
+}
+
+/// Where the first event in `b` ends (just past its blank line).
+fn event_end(b: &[u8]) -> Option<usize> {
+    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+fn ends_event(b: &[u8]) -> bool {
+    b.ends_with(b"\n\n") || b.ends_with(b"\r\n\r\n")
+}
+
+#[cfg(test)]
+#[path = "migrate_tests.rs"]
+mod tests;

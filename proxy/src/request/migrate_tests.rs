@@ -1,0 +1,355 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Mutex;
+
+use serde_json::json;
+
+use super::*;
+use crate::body::Whole;
+
+const PEER: &str = "10.0.0.2:8000";
+
+/// A `Reroute` that offers one peer and records what it was sent.
+#[derive(Clone, Default)]
+struct Fake {
+    sent: Arc<Mutex<Vec<(Served, Bytes)>>>,
+    /// What the continuation answers (a whole SSE body).
+    answer: Bytes,
+}
+
+impl Reroute for Fake {
+    fn pick(&self, _: Option<&str>, avoid: &[Served], _: &[Target]) -> Option<Served> {
+        let peer = Served::Peer(PEER.parse::<SocketAddr>().unwrap());
+        (!avoid.contains(&peer)).then_some(peer)
+    }
+
+    fn send(&self, to: Served, job: Job) -> Continuing {
+        self.sent.lock().unwrap().push((to, job.body));
+        let answer = self.answer.clone();
+        Box::pin(async move {
+            let resp = Response::new(ReplyBody::Full(Whole::new(answer)));
+            Ok((resp, UpstreamName::Peer(PEER.to_owned())))
+        })
+    }
+}
+
+fn start(route: Route, body: serde_json::Value) -> Start {
+    Start {
+        route,
+        model: Some("m".to_owned()),
+        body: Bytes::from(body.to_string()),
+        method: Method::POST,
+        uri: Uri::from_static("/v1/completions"),
+        headers: HeaderMap::new(),
+        request_id: HeaderValue::from_static("r1"),
+        started: Instant::now(),
+        targets: vec![Target::LocalEngine],
+        serving: Served::LocalEngine,
+        upstream: UpstreamName::Engine("e".to_owned()),
+        attempts: 1,
+        max_migrations: 3,
+        deadline: Duration::from_secs(60),
+    }
+}
+
+fn migration(s: Start, fake: &Fake) -> (Migration, Arc<UpstreamMetrics>) {
+    let metrics = Arc::new(UpstreamMetrics::new());
+    let m = Migration::new(s, Box::new(fake.clone()), Arc::clone(&metrics));
+    (m, metrics)
+}
+
+fn counted(metrics: &UpstreamMetrics, outcome: &'static str) -> u64 {
+    metrics.migration_counts(outcome).0
+}
+
+trait Fwd {
+    /// `forward`, its failure an `Err` (and what came before it dropped).
+    fn _fwd(&mut self, data: Bytes) -> Result<Bytes, ProxyError>;
+}
+
+impl Fwd for Migration {
+    fn _fwd(&mut self, data: Bytes) -> Result<Bytes, ProxyError> {
+        match self.forward(data) {
+            (_, Some(e)) => Err(e),
+            (b, None) => Ok(b),
+        }
+    }
+}
+
+fn ev(v: serde_json::Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+fn cmpl(text: &str, ids: Option<&[u64]>, finish: Option<&str>) -> String {
+    ev(
+        json!({"id": "cmpl-1", "created": 7, "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]}),
+    )
+}
+
+fn died() -> ProxyError {
+    ProxyError::UpstreamDied {
+        upstream: UpstreamName::Engine("e".to_owned()),
+        reason: "reset".to_owned(),
+    }
+}
+
+/// Runs the continuation `m.resume` starts and returns its body's bytes.
+async fn resume(m: &mut Migration) -> Bytes {
+    use http_body_util::BodyExt;
+    let (body, _) = m.resume(&died()).expect("migrates").await.unwrap();
+    body.collect().await.unwrap().to_bytes()
+}
+
+fn sent_json(fake: &Fake) -> serde_json::Value {
+    let sent = fake.sent.lock().unwrap();
+    serde_json::from_slice(&sent.last().unwrap().1).unwrap()
+}
+
+#[test]
+fn a_partial_event_waits_for_its_end() {
+    let fake = Fake::default();
+    let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    let whole = cmpl(" a", None, None);
+    let (head, tail) = whole.split_at(10);
+    assert!(m._fwd(Bytes::from(head.to_owned())).unwrap().is_empty());
+    let out = m._fwd(Bytes::from(format!("{tail}{head}"))).unwrap();
+    assert_eq!(out, whole.as_bytes());
+    assert_eq!(m.out.text, " a");
+    let b = cmpl(" b", None, None);
+    let out = m._fwd(Bytes::from(format!("{}{b}", &whole[10..]))).unwrap();
+    assert_eq!(out, format!("{whole}{b}").as_bytes());
+    // Whole events in one frame go out as they came.
+    let c = cmpl(" c", None, None);
+    assert_eq!(m._fwd(Bytes::from(c.clone())).unwrap(), c.as_bytes());
+    assert_eq!(m.out.text, " a a b c");
+    assert_eq!(m.out.generated, 4);
+}
+
+#[test]
+fn an_error_event_is_a_failure_and_not_forwarded() {
+    let fake = Fake::default();
+    let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
+    let err = ev(json!({"error": {"message": "engine died", "code": 502}}));
+    // The events before the error go out; the error event does not.
+    let b = cmpl(" b", None, None);
+    let (out, failed) = m.forward(Bytes::from(format!("{b}{err}")));
+    assert_eq!(out, b.as_bytes());
+    assert!(failed.is_some());
+    let (out, failed) = m.forward(Bytes::from(format!("{b}{}", &err[..5])));
+    assert_eq!(out, b.as_bytes());
+    assert!(failed.is_none());
+    let (out, failed) = m.forward(Bytes::from(err[5..].to_owned()));
+    assert!(out.is_empty() && failed.is_some());
+    assert_eq!(m.out.text, " a b b");
+    // A stream that ends before `[DONE]` failed too.
+    assert!(m.ended().is_err());
+    m._fwd(Bytes::from_static(b"data: [DONE]\n\n")).unwrap();
+    assert!(m.ended().is_ok());
+}
+
+#[tokio::test]
+async fn completions_continue_with_text_and_the_rest_of_max_tokens() {
+    let fake = Fake {
+        answer: Bytes::from(format!(
+            "{}{}data: [DONE]\n\n",
+            ev(
+                json!({"id": "cmpl-2", "created": 9, "choices": [{"index": 0, "text": " c", "finish_reason": null}]})
+            ),
+            ev(
+                json!({"id": "cmpl-2", "created": 9, "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
+            ),
+        )),
+        ..Fake::default()
+    };
+    let body =
+        json!({"prompt": "say", "max_tokens": 5, "min_tokens": 1, "echo": true, "stream": true});
+    let (mut m, metrics) = migration(start(Route::Completions, body), &fake);
+    m._fwd(Bytes::from(
+        cmpl(" a", None, None) + &cmpl(" b", None, None),
+    ))
+    .unwrap();
+    let cont = resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(sent["prompt"], "say a b");
+    assert_eq!(sent["max_tokens"], 3);
+    assert_eq!(sent["min_tokens"], 0);
+    assert_eq!(sent["echo"], false);
+    // The continuation's events read as the first stream's.
+    let out = m._fwd(cont).unwrap();
+    let text = String::from_utf8(out.to_vec()).unwrap();
+    let events: Vec<serde_json::Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(events.len(), 2);
+    assert!(events
+        .iter()
+        .all(|e| e["id"] == "cmpl-1" && e["created"] == 7));
+    assert_eq!(events[1]["usage"]["prompt_tokens"], 10);
+    assert_eq!(events[1]["usage"]["completion_tokens"], 3);
+    assert_eq!(events[1]["usage"]["total_tokens"], 13);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    assert_eq!(m.out.text, " a b c");
+    assert!(m.ended().is_ok());
+    assert_eq!(metrics.migration_counts("migrated"), (1, 2));
+}
+
+#[tokio::test]
+async fn completions_continue_with_token_ids_when_the_stream_has_them() {
+    let fake = Fake::default();
+    let body = json!({"prompt": "say", "max_tokens": 8, "return_token_ids": true});
+    let (mut m, _) = migration(start(Route::Completions, body), &fake);
+    let first = ev(
+        json!({"id": "cmpl-1", "choices": [{"index": 0, "text": " a", "token_ids": [40],
+        "prompt_token_ids": [1, 30, 31]}]}),
+    );
+    m._fwd(Bytes::from(first + &cmpl(" b c", Some(&[41, 42]), None)))
+        .unwrap();
+    resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(sent["prompt"], json!([1, 30, 31, 40, 41, 42]));
+    assert_eq!(sent["max_tokens"], 5);
+}
+
+#[test]
+fn a_token_id_prompt_without_output_ids_does_not_migrate() {
+    let fake = Fake::default();
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 8});
+    let (mut m, metrics) = migration(start(Route::Completions, body), &fake);
+    m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
+    assert!(m.resume(&died()).is_none());
+    assert_eq!(counted(&metrics, "token_ids_unknown"), 1);
+}
+
+#[tokio::test]
+async fn chat_continues_the_partial_assistant_message() {
+    let role = ev(
+        json!({"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+    );
+    let fake = Fake {
+        answer: Bytes::from(format!(
+            "{role}{}data: [DONE]\n\n",
+            ev(
+                json!({"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {"content": " c"}, "finish_reason": "length"}]})
+            )
+        )),
+        ..Fake::default()
+    };
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "stream": true});
+    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+    let role1 = ev(
+        json!({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+    );
+    let a = ev(json!({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": " a"}}]}));
+    m._fwd(Bytes::from(role1 + &a)).unwrap();
+    let cont = resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(
+        sent["messages"],
+        json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " a"}])
+    );
+    assert_eq!(sent["continue_final_message"], true);
+    assert_eq!(sent["add_generation_prompt"], false);
+    assert_eq!(sent["max_completion_tokens"], 2);
+    // The second role chunk is dropped; the content goes on under the first id.
+    let out = String::from_utf8(m._fwd(cont).unwrap().to_vec()).unwrap();
+    assert!(!out.contains("\"role\""), "{out}");
+    assert!(
+        out.contains("chatcmpl-1") && !out.contains("chatcmpl-2"),
+        "{out}"
+    );
+    assert_eq!(m.out.text, " a c");
+}
+
+#[tokio::test]
+async fn chat_extends_a_message_the_client_left_open() {
+    let fake = Fake::default();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+        "continue_final_message": true, "add_generation_prompt": false});
+    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+    m._fwd(Bytes::from(ev(
+        json!({"id": "x", "choices": [{"index": 0, "delta": {"content": " yes"}}]}),
+    )))
+    .unwrap();
+    resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(sent["messages"][1]["content"], "Sure, yes");
+    assert_eq!(sent["messages"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn the_limit_and_the_pods_left_bound_migrations() {
+    let fake = Fake::default();
+    let mut s = start(Route::Completions, json!({"prompt": "p"}));
+    s.max_migrations = 1;
+    let (mut m, metrics) = migration(s, &fake);
+    m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
+    resume(&mut m).await;
+    assert!(m.resume(&died()).is_none());
+    assert_eq!(counted(&metrics, "limit"), 1);
+
+    // With room for more, the one peer (now failed too) is all there was.
+    let mut s = start(Route::Completions, json!({"prompt": "p"}));
+    s.max_migrations = 3;
+    let (mut m, metrics) = migration(s, &fake);
+    m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
+    resume(&mut m).await;
+    assert!(m.resume(&died()).is_none());
+    assert_eq!(counted(&metrics, "no_target"), 1);
+}
+
+#[test]
+fn what_cannot_migrate_says_why() {
+    let fake = Fake::default();
+    let cases = [
+        (
+            Route::Completions,
+            json!({"prompt": "p", "n": 2}),
+            None,
+            "several_choices",
+        ),
+        (Route::Embeddings, json!({"input": "p"}), None, "route"),
+        (
+            Route::ChatCompletions,
+            json!({"messages": []}),
+            Some(
+                json!({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}),
+            ),
+            "tool_calls",
+        ),
+        (
+            Route::ChatCompletions,
+            json!({"messages": []}),
+            Some(
+                json!({"id": "x", "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}),
+            ),
+            "reasoning",
+        ),
+        (
+            Route::Completions,
+            json!({"prompt": "p", "max_tokens": 1}),
+            Some(
+                json!({"id": "x", "choices": [{"index": 0, "text": " a", "finish_reason": "length"}]}),
+            ),
+            "finished",
+        ),
+    ];
+    for (route, body, event, why) in cases {
+        let (mut m, metrics) = migration(start(route, body), &fake);
+        if let Some(e) = event {
+            m._fwd(Bytes::from(ev(e))).unwrap();
+        }
+        assert!(m.resume(&died()).is_none(), "{why}");
+        assert_eq!(counted(&metrics, why), 1, "{why}");
+    }
+    let mut s = start(Route::Completions, json!({"prompt": "p"}));
+    s.deadline = Duration::ZERO;
+    let (mut m, metrics) = migration(s, &fake);
+    assert!(m.resume(&died()).is_none());
+    assert_eq!(counted(&metrics, "deadline"), 1);
+}
