@@ -177,7 +177,10 @@ struct Seq {
     first_token_v: Option<f64>,
     last_token_v: f64,
     transfer_done_v: Option<f64>,
-    seed: u64,
+    /// A hash of every token so far (prompt, then output): the next token
+    /// is a function of it alone, as greedy decoding is of the context
+    /// (`step::next_token`).
+    context: u64,
 }
 
 struct Held {
@@ -329,12 +332,7 @@ impl Core {
             }));
             return;
         }
-        let seed = req.hashes.last().copied().unwrap_or(0)
-            ^ (req.prompt.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ^ req
-                .prompt
-                .iter()
-                .fold(0u64, |h, t| h.rotate_left(5) ^ u64::from(*t));
+        let context = step::context_of(&req.prompt);
         let hashes = req.hashes.clone();
         self.waiting.push_back(Seq {
             req,
@@ -351,7 +349,7 @@ impl Core {
             first_token_v: None,
             last_token_v: 0.0,
             transfer_done_v: None,
-            seed,
+            context,
         });
     }
 

@@ -21,12 +21,28 @@ pub(super) struct Plan {
     prefill_tokens: usize,
 }
 
-/// Deterministic output token `i` of a sequence.
-fn sample(seed: u64, i: usize) -> u32 {
-    let mut z = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+/// The context hash after `tokens` (see [`next_token`]).
+pub(super) fn context_of(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0, |h, t| extend(h, *t))
+}
+
+/// The context hash with one more token.
+fn extend(context: u64, token: u32) -> u64 {
+    mix(context.rotate_left(7) ^ u64::from(token).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// The next output token after a context: a function of every token before
+/// it and nothing else, as greedy decoding is. A request whose prompt is
+/// another's prompt plus its first k output tokens (a migrated request, a
+/// preempted one recomputed) goes on with that one's token k+1.
+fn next_token(context: u64) -> u32 {
+    16 + (mix(context ^ 0x5bd1_e995) % 2032) as u32
+}
+
+fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    16 + ((z ^ (z >> 31)) % 2032) as u32
+    z ^ (z >> 31)
 }
 
 impl Seq {
@@ -222,7 +238,8 @@ impl Core {
             if s.computed < s.req.prompt.len() {
                 continue; // a chunk of a longer prefill
             }
-            let tok = sample(s.seed, s.output.len());
+            let tok = next_token(s.context);
+            s.context = extend(s.context, tok);
             s.output.push(tok);
             gen_tokens += 1;
             match s.first_token_v {

@@ -80,11 +80,25 @@ pub(crate) fn prompt_tokens(
     let tok = &shared.tokenizer;
     let terr = |e: kvmesh_filters::prefix::tokenize::TokenizeError| bad(e.to_string(), None);
     if chat {
-        let gen = body
-            .get("add_generation_prompt")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        return tok.encode_chat(&messages(body)?, gen).map_err(terr);
+        let flag = |k: &str| body.get(k).and_then(Value::as_bool);
+        let gen = flag("add_generation_prompt").unwrap_or(true);
+        let open = flag("continue_final_message").unwrap_or(false);
+        if !open {
+            return tok.encode_chat(&messages(body)?, gen).map_err(terr);
+        }
+        if gen {
+            return Err(bad(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                Some("continue_final_message"),
+            ));
+        }
+        // vLLM's continuation of the last message: rendered without what
+        // closes it, so the model writes on inside it.
+        let text = tok.render_chat(&messages(body)?, false).map_err(terr)?;
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        return tok
+            .encode(text, tok.chat_add_special_tokens(None))
+            .map_err(terr);
     }
     let special = body
         .get("add_special_tokens")
@@ -135,6 +149,8 @@ pub(crate) async fn serve(shared: Arc<Shared>, body: Bytes, chat: bool, verdict:
 
 struct Prepared {
     meta: Meta,
+    /// `return_token_ids`: the prompt's ids, to return with the output's.
+    return_ids: Option<Vec<u32>>,
     req: CoreRequest,
     rx: mpsc::UnboundedReceiver<CoreEvent>,
     include_usage: bool,
@@ -207,6 +223,11 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
         ));
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let return_ids = body
+        .get("return_token_ids")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+        .then(|| prompt.clone());
     let include_usage = body
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
@@ -301,6 +322,7 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
     };
     Ok(Prepared {
         meta,
+        return_ids,
         req,
         rx,
         include_usage,
@@ -336,7 +358,7 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
     // the prefill half answers once, after the rendezvous below.
     if stream && !matches!(p.sglang, Some(SglangHalf::Prefill(_))) {
         return sse_response(
-            stream_body(shared, p.meta, p.rx, p.include_usage, p.internal_id),
+            stream_body(shared, p.meta, p.rx, p.include_usage, p.return_ids),
             &verdict,
         );
     }
@@ -398,9 +420,12 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
         outcome.output.len(),
         outcome.cached_tokens,
     );
-    let body = p
+    let mut body = p
         .meta
         .full(&text, outcome.finish_reason.as_str(), usage, kv_params);
+    if let Some(prompt) = &p.return_ids {
+        shapes::with_token_ids(&mut body, p.meta.chat, &outcome.output, Some(prompt));
+    }
     if stream {
         // An SGLang P/D half asked for a stream: send the whole answer as one.
         let chunks = vec![p
@@ -437,9 +462,26 @@ struct StreamState {
     meta: Meta,
     rx: mpsc::UnboundedReceiver<CoreEvent>,
     include_usage: bool,
+    /// `return_token_ids`: the prompt's ids, sent with the first token.
+    return_ids: Option<Vec<u32>>,
     pending: Option<u32>,
     started: bool,
     done: bool,
+}
+
+impl StreamState {
+    /// One token's chunk, with its id (and, first, the prompt's) when the
+    /// request asked for them.
+    fn token_chunk(&mut self, id: u32, finish: Option<&str>, fingerprint: bool) -> Value {
+        let text = self.shared.tokenizer.decode_token(id);
+        let mut chunk = self.meta.token_chunk(&text, finish, fingerprint);
+        if let Some(prompt) = &mut self.return_ids {
+            let first = std::mem::take(prompt);
+            let prompt = (!first.is_empty()).then_some(first.as_slice());
+            shapes::with_token_ids(&mut chunk, self.meta.chat, &[id], prompt);
+        }
+        chunk
+    }
 }
 
 /// SSE chunks as the core produces tokens, each sent when its step ends (the
@@ -451,13 +493,14 @@ fn stream_body(
     meta: Meta,
     rx: mpsc::UnboundedReceiver<CoreEvent>,
     include_usage: bool,
-    _internal_id: String,
+    return_ids: Option<Vec<u32>>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let st = StreamState {
         shared,
         meta,
         rx,
         include_usage,
+        return_ids,
         pending: None,
         started: false,
         done: false,
@@ -475,19 +518,15 @@ fn stream_body(
             match st.rx.recv().await {
                 Some(CoreEvent::Token { id, last: true }) => st.pending = Some(id),
                 Some(CoreEvent::Token { id, last: false }) => {
-                    let text = st.shared.tokenizer.decode_token(id);
-                    out.push_str(&sse(&st.meta.token_chunk(&text, None, false)));
+                    out.push_str(&sse(&st.token_chunk(id, None, false)));
                     return Some((Ok(Bytes::from(out)), st));
                 }
                 Some(CoreEvent::Finished(o)) => {
                     record(&st.shared, &st.meta.id, &o);
                     if let Some(last) = st.pending.take() {
-                        let text = st.shared.tokenizer.decode_token(last);
-                        let chunk = st.meta.token_chunk(
-                            &text,
-                            Some(o.finish_reason.as_str()),
-                            !st.include_usage,
-                        );
+                        let fingerprint = !st.include_usage;
+                        let chunk =
+                            st.token_chunk(last, Some(o.finish_reason.as_str()), fingerprint);
                         out.push_str(&sse(&chunk));
                     }
                     if st.include_usage {

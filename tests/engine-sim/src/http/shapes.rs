@@ -24,6 +24,29 @@ pub fn stream_usage(prompt: usize, completion: usize, cached: usize) -> Value {
     })
 }
 
+/// `return_token_ids`: the output's ids in the (first) choice and, when
+/// given, the prompt's (in the choice for completions, beside the choices
+/// for chat), as vLLM returns them.
+pub fn with_token_ids(body: &mut Value, chat: bool, output: &[u32], prompt: Option<&[u32]>) {
+    let Some(choice) = body
+        .pointer_mut("/choices/0")
+        .and_then(Value::as_object_mut)
+    else {
+        return;
+    };
+    choice.insert("token_ids".into(), json!(output));
+    let Some(prompt) = prompt else {
+        return;
+    };
+    if chat {
+        if let Some(o) = body.as_object_mut() {
+            o.insert("prompt_token_ids".into(), json!(prompt));
+        }
+    } else {
+        choice.insert("prompt_token_ids".into(), json!(prompt));
+    }
+}
+
 /// Fields shared by every response of one request.
 #[derive(Debug, Clone)]
 pub struct Meta {
