@@ -145,6 +145,8 @@ struct Transcript {
     /// Tokens generated: exact with `token_ids`, else one per event with text.
     generated: u64,
     events: u64,
+    /// Chat: the opening chunk (`delta.role`) reached the client.
+    role_sent: bool,
     finished: bool,
     done: bool,
 }
@@ -180,6 +182,8 @@ struct ChoiceChunk {
 
 #[derive(Deserialize)]
 struct Delta {
+    #[serde(default)]
+    role: Option<IgnoredAny>,
     #[serde(default)]
     content: Option<String>,
     #[serde(default)]
@@ -266,6 +270,7 @@ impl Migration {
             }
             let text = match c.delta {
                 Some(d) => {
+                    t.role_sent |= d.role.is_some();
                     let thinking = d.reasoning_content.or(d.reasoning);
                     if thinking.is_some_and(|r| !r.is_empty()) {
                         self.unsupported.get_or_insert("reasoning");
@@ -335,8 +340,9 @@ impl Migration {
                 }
                 let no_finish = c.get("finish_reason").is_none_or(Value::is_null);
                 if let Some(Value::Object(d)) = c.get_mut("delta") {
-                    // Chat's opening chunk: the client had its own.
-                    if d.remove("role").is_some() {
+                    // Chat's opening chunk: the client had its own (unless
+                    // the first stream died before it was sent).
+                    if self.out.role_sent && d.remove("role").is_some() {
                         let empty = d.get("content").is_none_or(|t| t.as_str() == Some(""));
                         role_only = empty && d.len() <= 1 && no_finish;
                     }
