@@ -1,0 +1,335 @@
+//! Request migration (docs/migration.md): a stream whose engine, or whose
+//! peer sidecar, fails after bytes reached the client goes on on another
+//! pod, and the client reads one complete stream: one `id`, every token it
+//! asked for, `usage` counting them all, and at temperature 0 the text of a
+//! run that was not interrupted. A client that leaves is not migrated, and
+//! `migration.max_migrations` bounds the moves.
+//!
+//! The engines are simulated (`tests/engine-sim`): their output is a
+//! function of the context alone (greedy decoding), and the fault
+//! `die_after_chunks` closes a stream's connection after k chunks.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+
+use kvmesh_engine_sim::SimHandle;
+use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, next_chunk, post_json, send};
+use kvmesh_tests::route::{add_peer, config, eventually, filters_yaml, metric, sim, MODEL};
+use kvmesh_tests::sidecar::start;
+use serde_json::{json, Value};
+
+/// A stream as the client read it.
+struct Read {
+    events: Vec<Value>,
+    done: bool,
+}
+
+impl Read {
+    fn of(body: &[u8]) -> Self {
+        let text = String::from_utf8_lossy(body);
+        let mut events = Vec::new();
+        let mut done = false;
+        for e in text.split("\n\n").filter(|e| !e.is_empty()) {
+            let data = e.strip_prefix("data: ").expect("every event is data");
+            if data == "[DONE]" {
+                assert!(!done, "one [DONE]");
+                done = true;
+                continue;
+            }
+            assert!(!done, "nothing after [DONE]");
+            events.push(serde_json::from_str(data).expect("each event is JSON"));
+        }
+        Self { events, done }
+    }
+
+    fn errors(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.get("error").is_some())
+            .count()
+    }
+
+    /// The ids the events carry (the usage chunk's too).
+    fn ids(&self) -> Vec<&str> {
+        let mut ids: Vec<&str> = self
+            .events
+            .iter()
+            .filter_map(|e| e["id"].as_str())
+            .collect();
+        ids.dedup();
+        ids
+    }
+
+    fn text(&self) -> String {
+        self.events
+            .iter()
+            .filter_map(|e| {
+                let c = &e["choices"][0];
+                c["text"].as_str().or(c["delta"]["content"].as_str())
+            })
+            .collect()
+    }
+
+    fn token_ids(&self) -> Vec<u64> {
+        self.events
+            .iter()
+            .filter_map(|e| e["choices"][0]["token_ids"].as_array())
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect()
+    }
+
+    fn usage(&self) -> &Value {
+        self.events
+            .iter()
+            .rev()
+            .find(|e| e["usage"].is_object())
+            .map(|e| &e["usage"])
+            .expect("a usage chunk")
+    }
+}
+
+async fn stream(sidecar: &SidecarHandle, path: &str, body: &Value) -> Read {
+    let r = fetch(&http1(), post_json(sidecar.addr(), path, &body.to_string())).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    Read::of(&r.body)
+}
+
+fn completion(prompt: &str, max_tokens: u64) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "stream": true, "stream_options": {"include_usage": true}, "return_token_ids": true})
+}
+
+/// A filter file that keeps only the pods labelled `pod: <name>`.
+fn only(dir: &Path, name: &str) -> std::path::PathBuf {
+    let file = dir.join(format!("only-{name}.yaml"));
+    let plugins = format!(
+        "  - type: label-selector-filter\n    parameters:\n      matchLabels: {{pod: {name}}}\n  - type: queue-scorer\n"
+    );
+    std::fs::write(&file, filters_yaml(&plugins)).unwrap();
+    file
+}
+
+/// Sidecar `a` in front of engine `ea`, routing to itself only; sidecars of
+/// the other engines, which `a` knows as peers `b`, `c`, ...
+async fn fleet(
+    dir: &Path,
+    engines: &[&SimHandle],
+    route_to: &str,
+    tune: impl FnOnce(&mut kvmesh_proxy::config::Config),
+) -> Vec<SidecarHandle> {
+    let names = ["a", "b", "c"];
+    let mut c = config(engines[0], &[("pod", "a")], Some(&only(dir, route_to)));
+    tune(&mut c);
+    let mut sidecars = vec![start(c).await];
+    for (i, e) in engines.iter().enumerate().skip(1) {
+        sidecars.push(start(config(e, &[("pod", names[i])], None)).await);
+        add_peer(&sidecars[0], &sidecars[i], &[("pod", names[i])]);
+    }
+    sidecars
+}
+
+async fn migrations(s: &SidecarHandle, outcome: &str) -> f64 {
+    metric(
+        s,
+        &format!("kvmesh_migrations_total{{outcome=\"{outcome}\"}}"),
+    )
+    .await
+    .unwrap_or(0.0)
+}
+
+fn inference_requests(e: &SimHandle) -> Vec<Value> {
+    e.received_requests()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/v1/"))
+        .map(|r| serde_json::from_slice(&r.body).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn streams_whose_engine_dies_go_on_elsewhere_under_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    let s = fleet(dir.path(), &[&ea, &eb], "a", |_| {}).await;
+    const STREAMS: usize = 8;
+    const MAX: u64 = 24;
+    const DIE_AFTER: usize = 5;
+    let prompts: Vec<String> = (0..STREAMS)
+        .map(|i| format!("stream {i} tells a long story about the river"))
+        .collect();
+    // Uninterrupted runs first (on a's engine, the one that will die).
+    let mut whole = Vec::new();
+    for p in &prompts {
+        whole.push(stream(&s[0], "/v1/completions", &completion(p, MAX)).await);
+    }
+    assert!(inference_requests(&eb).is_empty());
+
+    ea.faults().die_after_chunks(Some(DIE_AFTER));
+    let bodies: Vec<Value> = prompts.iter().map(|p| completion(p, MAX)).collect();
+    let runs = bodies.iter().map(|b| stream(&s[0], "/v1/completions", b));
+    let migrated = futures_util::future::join_all(runs).await;
+    for (i, (got, want)) in migrated.iter().zip(&whole).enumerate() {
+        assert!(
+            got.done && got.errors() == 0,
+            "stream {i}: {:?}",
+            got.events
+        );
+        assert_eq!(got.ids().len(), 1, "stream {i}: one id, {:?}", got.ids());
+        assert_eq!(
+            got.text(),
+            want.text(),
+            "stream {i}: the uninterrupted text"
+        );
+        assert_eq!(got.token_ids(), want.token_ids(), "stream {i}");
+        assert_eq!(got.token_ids().len() as u64, MAX);
+        let (u, w) = (got.usage(), want.usage());
+        assert_eq!(u["completion_tokens"], MAX, "stream {i}: {u}");
+        assert_eq!(u["prompt_tokens"], w["prompt_tokens"], "stream {i}: {u}");
+        assert_eq!(u["total_tokens"], w["total_tokens"], "stream {i}: {u}");
+    }
+    // Each went on on b once, with its prompt's ids and those of the tokens
+    // the client had (at most 5: a killed engine's last unsent bytes are
+    // lost, as a real one's are), and the rest of max_tokens.
+    let prompt_len = whole[0].events[0]["choices"][0]["prompt_token_ids"]
+        .as_array()
+        .map(Vec::len)
+        .unwrap() as u64;
+    let continued = inference_requests(&eb);
+    assert_eq!(continued.len(), STREAMS);
+    let mut carried = 0;
+    for body in &continued {
+        let n = MAX - body["max_tokens"].as_u64().unwrap();
+        assert!(n <= DIE_AFTER as u64, "{body}");
+        if let Some(ids) = body["prompt"].as_array() {
+            assert_eq!(ids.len() as u64, prompt_len + n, "{body}");
+        } else {
+            assert_eq!(n, 0, "no id seen, nothing carried: {body}");
+        }
+        carried += n;
+    }
+    assert_eq!(migrations(&s[0], "migrated").await, STREAMS as f64);
+    let counted = metric(&s[0], "kvmesh_migrated_tokens_total").await;
+    assert_eq!(counted, Some(carried as f64));
+    for h in s {
+        h.shutdown().await;
+    }
+    ea.shutdown().await;
+    eb.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    // a forwards to b; b's engine dies mid-stream, and b's sidecar (which
+    // does not own the client) ends its stream with an error event.
+    let s = fleet(dir.path(), &[&ea, &eb], "b", |_| {}).await;
+    eb.faults().die_after_chunks(Some(4));
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me about rivers"}],
+        "max_completion_tokens": 16, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let got = stream(&s[0], "/v1/chat/completions", &body).await;
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    assert_eq!(got.ids().len(), 1, "{:?}", got.ids());
+    let roles = got
+        .events
+        .iter()
+        .filter(|e| e["choices"][0]["delta"].get("role").is_some())
+        .count();
+    assert_eq!(roles, 1, "one opening chunk");
+    assert_eq!(got.usage()["completion_tokens"], 16);
+    let words = got.text().split_whitespace().count();
+    assert_eq!(words, 16, "{}", got.text());
+    // The continuation ran on a's own engine, the answer the client had so
+    // far (at most 4 tokens: a killed engine's unsent bytes are lost) as an
+    // open assistant message.
+    let continued = inference_requests(&ea);
+    assert_eq!(continued.len(), 1);
+    let c = &continued[0];
+    assert_eq!(c["continue_final_message"], true);
+    assert_eq!(c["add_generation_prompt"], false);
+    assert_eq!(c["messages"][1]["role"], "assistant");
+    let partial = c["messages"][1]["content"].as_str().unwrap();
+    let k = partial.split_whitespace().count() as u64;
+    assert!(k <= 4 && got.text().starts_with(partial), "{partial:?}");
+    assert_eq!(c["max_completion_tokens"], 16 - k);
+    assert_eq!(migrations(&s[0], "migrated").await, 1.0);
+    for h in s {
+        h.shutdown().await;
+    }
+    ea.shutdown().await;
+    eb.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_limit_ends_a_stream_that_keeps_failing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb, ec) = (sim().await, sim().await, sim().await);
+    let s = fleet(dir.path(), &[&ea, &eb, &ec], "a", |c| {
+        c.migration.max_migrations = 1;
+    })
+    .await;
+    let body = completion("a story", 20);
+    let whole = stream(&s[0], "/v1/completions", &body).await;
+    for e in [&ea, &eb, &ec] {
+        e.faults().die_after_chunks(Some(3));
+    }
+    let got = stream(&s[0], "/v1/completions", &body).await;
+    // At most three tokens from a, three from the one pod it moved to,
+    // then the error event and the end, as without migration.
+    assert!(got.done);
+    assert_eq!(got.errors(), 1, "{:?}", got.events);
+    assert!(got.events.last().unwrap().get("error").is_some());
+    assert!(got.token_ids().len() <= 6, "{:?}", got.events);
+    assert!(whole.token_ids().starts_with(&got.token_ids()));
+    assert!(got.ids().len() <= 1, "{:?}", got.ids());
+    let moved = inference_requests(&eb).len() + inference_requests(&ec).len();
+    assert_eq!(moved, 1, "one migration");
+    assert_eq!(migrations(&s[0], "migrated").await, 1.0);
+    assert_eq!(migrations(&s[0], "limit").await, 1.0);
+    for h in s {
+        h.shutdown().await;
+    }
+    for e in [ea, eb, ec] {
+        e.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_is_not_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    let s = fleet(dir.path(), &[&ea, &eb], "a", |_| {}).await;
+    let body = completion("a very long story", 2000);
+    let resp = send(
+        &http1(),
+        post_json(s[0].addr(), "/v1/completions", &body.to_string()),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let mut b = resp.into_body();
+    for _ in 0..2 {
+        next_chunk(&mut b).await.expect("a chunk");
+    }
+    drop(b);
+    // The sidecar lets the request go (its relay, and the engine's stream,
+    // are dropped) ...
+    eventually("the request ends at a", || async {
+        let n = metric(&s[0], "kvmesh_requests_in_flight").await?;
+        (n == 0.0).then_some(())
+    })
+    .await;
+    eventually("the engine stops generating", || async {
+        (ea.stats().running == 0).then_some(())
+    })
+    .await;
+    // ... and nothing went on elsewhere.
+    assert!(inference_requests(&eb).is_empty());
+    assert_eq!(migrations(&s[0], "migrated").await, 0.0);
+    for h in s {
+        h.shutdown().await;
+    }
+    ea.shutdown().await;
+    eb.shutdown().await;
+}
