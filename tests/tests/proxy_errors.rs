@@ -195,24 +195,32 @@ async fn engine_silent_mid_stream_ends_with_an_error_event() {
 
 #[tokio::test]
 async fn engine_dying_mid_stream_ends_with_an_error_event() {
-    let (tx, engine) = streaming_engine().await;
-    let proxy = start_for(engine.addr()).await;
-    let resp = send(
-        &client::http1(),
-        post_json(proxy.addr(), "/v1/completions", STREAM_BODY),
-    )
-    .await;
-    let mut body = resp.into_body();
-    // Half an event, then the engine dies: the error must still parse on its own.
-    assert!(tx.send("data: {\"n\":1}\n\ndata: {\"trunc").await);
-    assert_eq!(
-        next_chunk(&mut body).await.unwrap(),
-        "data: {\"n\":1}\n\ndata: {\"trunc"
-    );
-    tx.fail().await;
-    let err = read_error_tail(&mut body).await;
-    assert_eq!(err["error"]["code"], "upstream_died");
-    proxy.shutdown().await;
+    // Without migration, bytes go out as they come: half an event, then the
+    // engine dies, and the error must still parse on its own. With it (the
+    // default), only whole events go out, and a stream with no other pod to
+    // go on on ends the same way (tests/migration.rs has the pods).
+    for max_migrations in [0, 3] {
+        let (tx, engine) = streaming_engine().await;
+        let mut config = test_config(engine.addr());
+        config.migration.max_migrations = max_migrations;
+        let proxy = start(config).await;
+        let resp = send(
+            &client::http1(),
+            post_json(proxy.addr(), "/v1/completions", STREAM_BODY),
+        )
+        .await;
+        let mut body = resp.into_body();
+        assert!(tx.send("data: {\"n\":1}\n\ndata: {\"trunc").await);
+        let first = next_chunk(&mut body).await.unwrap();
+        match max_migrations {
+            0 => assert_eq!(first, "data: {\"n\":1}\n\ndata: {\"trunc"),
+            _ => assert_eq!(first, "data: {\"n\":1}\n\n"),
+        }
+        tx.fail().await;
+        let err = read_error_tail(&mut body).await;
+        assert_eq!(err["error"]["code"], "upstream_died");
+        proxy.shutdown().await;
+    }
 }
 
 #[tokio::test]
