@@ -4,8 +4,10 @@
 //! 503 or 504 before any byte, or a peer sidecar that answers with the
 //! `x-kvmesh-unserved` mark (its own engine did one of these) hands the
 //! request to the next fallback, and after the plan's targets the local
-//! engine, once, as a last resort (`last_resort_is_local`); when none serves
-//! it, the last 5xx answer is relayed. Any later failure (a body that breaks, a deadline) is final,
+//! engine, once, as a last resort (`last_resort_is_local`), then, for the
+//! client's inference requests, other pods the fleet knows, up to
+//! `migration.max_migrations` (`elsewhere`); when none serves it, the last
+//! 5xx answer is relayed. Any later failure (a body that breaks, a deadline) is final,
 //! because the upstream may be working on it. So does a
 //! disaggregated target whose decode pod fails before any byte (refuses, or
 //! answers 5xx): the client has no byte yet, and the next fallback serves the
@@ -27,8 +29,8 @@ use crate::otel::Hop;
 use crate::pd::metrics::PdMetrics;
 use crate::request::migrate::{Migration, RerouteSource, Start};
 use crate::request::{
-    leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Target, Upstream,
-    Upstreams, FORWARD, MAX_ATTEMPTS,
+    leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Served, Target,
+    Upstream, Upstreams, FORWARD, MAX_ATTEMPTS,
 };
 use crate::upstream::ReplyBody;
 
@@ -68,7 +70,10 @@ pub async fn execute(
         .chain(plan.fallbacks)
         .take(MAX_ATTEMPTS)
         .collect();
-    let mut planned: Option<Vec<Target>> = None;
+    // Every target tried, in order.
+    let mut attempted: Vec<Target> = Vec::new();
+    // Pods tried past the plan (`elsewhere`).
+    let mut retried = 0;
     let mut last = None;
     let mut last_reply: Option<(Upstream, Unserved)> = None;
     // A decode pod that failed before any byte: not tried again whole.
@@ -77,13 +82,14 @@ pub async fn execute(
         let target = match targets.pop_front() {
             Some(t) => t,
             // Every target of the plan failed before any byte: the local
-            // engine is the last resort, once.
-            None => match planned.take() {
-                Some(tried) if last_resort_is_local(h, ctx, &tried) => Target::LocalEngine,
-                _ => break,
+            // engine is the last resort, once, then another pod.
+            None if last_resort_is_local(h, ctx, &attempted) => Target::LocalEngine,
+            None => match elsewhere(h, ctx, &req, &attempted, &mut retried) {
+                Some(t) => t,
+                None => break,
             },
         };
-        planned.get_or_insert_with(Vec::new).push(target.clone());
+        attempted.push(target.clone());
         if refused_decode.as_ref() == Some(&target) {
             continue;
         }
@@ -121,7 +127,7 @@ pub async fn execute(
                 ctx.access = access;
                 match r {
                     Ok(resp) => {
-                        let all = tried_and_left(planned.as_deref(), &targets);
+                        let all = tried_and_left(&attempted, &targets);
                         let serving = whole_on_decode.clone();
                         return Ok(migrating(h, ctx, &req, all, &serving, decode_name, resp));
                     }
@@ -148,7 +154,7 @@ pub async fn execute(
             Ok(Forwarded::Served(resp)) => {
                 super::account::served(h.books, ctx, &upstream);
                 ctx.served_by = Some(upstream.served());
-                let all = tried_and_left(planned.as_deref(), &targets);
+                let all = tried_and_left(&attempted, &targets);
                 let name = upstream.name(h.up.engine_url);
                 return Ok(migrating(h, ctx, &req, all, &target, name, resp));
             }
@@ -187,16 +193,8 @@ pub async fn execute(
 }
 
 /// The plan's targets: those tried, then those left.
-fn tried_and_left(
-    planned: Option<&[Target]>,
-    left: &std::collections::VecDeque<Target>,
-) -> Vec<Target> {
-    planned
-        .unwrap_or_default()
-        .iter()
-        .chain(left.iter())
-        .cloned()
-        .collect()
+fn tried_and_left(tried: &[Target], left: &std::collections::VecDeque<Target>) -> Vec<Target> {
+    tried.iter().chain(left.iter()).cloned().collect()
 }
 
 /// `resp`, a stream `serving` began, able to go on on another pod if that
@@ -234,10 +232,7 @@ fn migrating(
     {
         return resp;
     }
-    let serving = match serving {
-        Target::Peer { sidecar_addr } => crate::request::Served::Peer(*sidecar_addr),
-        _ => crate::request::Served::LocalEngine,
-    };
+    let serving = served_on(serving);
     let start = Start {
         route: ctx.route,
         model: view.model.clone(),
@@ -284,7 +279,7 @@ fn unserved_status(status: http::StatusCode) -> bool {
 /// failed before any byte: the plan's pods can leave the fleet between the
 /// scheduling and the attempt (a peer drained or restarted meanwhile), and a
 /// plan made from a sparse view (a sidecar that just started) may name few.
-/// Only when the local engine is not in the plan already, can take the
+/// Only when the local engine was not tried already, can take the
 /// request (not a prefill-only pod, serving its model, ready, not ejected),
 /// and the request was not routed here (it runs locally anyway).
 fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) -> bool {
@@ -308,6 +303,53 @@ fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) ->
             .books
             .fleet
             .ejected(h.books.fleet.local_id(), Instant::now())
+}
+
+/// After the plan and the last resort failed before any byte: another pod
+/// the fleet knows (as a migrating stream would go on, `path/migrate.rs`)
+/// takes the client's inference request whole, up to
+/// `migration.max_migrations` of them. A request a peer routed here is
+/// not (its sidecar tries its own next target), nor one whose body was
+/// streamed (it is gone).
+fn elsewhere(
+    h: Execute<'_>,
+    ctx: &RequestCtx,
+    req: &ClientRequest,
+    tried: &[Target],
+    retried: &mut u8,
+) -> Option<Target> {
+    let view = ctx.view.as_ref()?;
+    h.reroute?;
+    if ctx.already_routed
+        || !matches!(req.body, ClientBody::Buffered(_))
+        || *retried >= h.migration.max_migrations
+    {
+        return None;
+    }
+    let avoid: Vec<Served> = tried.iter().map(served_on).collect();
+    let next = super::migrate::pick(h, view.model.as_deref(), &avoid, &[])?;
+    *retried += 1;
+    tracing::info!(
+        request_id = ctx.id(),
+        ?next,
+        "every planned target failed before any byte; retrying on another pod"
+    );
+    Some(match next {
+        Served::LocalEngine => Target::LocalEngine,
+        Served::Peer(sidecar_addr) => Target::Peer { sidecar_addr },
+    })
+}
+
+/// The pod a target serves a whole request on (a split: its decode pod).
+fn served_on(t: &Target) -> Served {
+    match t {
+        Target::LocalEngine => Served::LocalEngine,
+        Target::Peer { sidecar_addr } => Served::Peer(*sidecar_addr),
+        Target::Disaggregated { decode, .. } => match decode.whole() {
+            Target::Peer { sidecar_addr } => Served::Peer(sidecar_addr),
+            _ => Served::LocalEngine,
+        },
+    }
 }
 
 /// Whether `e` is `upstream` failing before any byte reached the client, so
