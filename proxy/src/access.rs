@@ -60,6 +60,10 @@ struct Line {
     /// `disaggregated`, `recompute`, `fallback_aggregated`, `decode_refused`, `failed`.
     pd: Option<&'static str>,
     attempts: u8,
+    /// Times the stream went on on another pod after its upstream failed
+    /// mid-way (docs/migration.md), and the tokens it had then, in all.
+    migrations: u8,
+    migrated_tokens: u64,
     /// Arrival to the first response body byte (the first token on streams).
     ttft_ms: Option<f64>,
     /// Arrival to the end of the response body.
@@ -152,6 +156,12 @@ impl AccessLog {
         self.line.reason = reason;
         self.line.pod = pod;
         self.line.attempts = attempts;
+    }
+
+    /// The stream migrated: `migrations` times so far, carrying `tokens` in all.
+    pub fn migrated(&mut self, migrations: u8, tokens: u64) {
+        self.line.migrations = migrations;
+        self.line.migrated_tokens = tokens;
     }
 
     /// A body byte went out (the first one counts).

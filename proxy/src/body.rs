@@ -101,6 +101,8 @@ pub trait Migrate: Send + Sync {
     /// another pod, or `None` (why not is counted) and the stream ends with
     /// the error.
     fn resume(&mut self, err: &ProxyError) -> Option<Resuming>;
+    /// The tokens carried to other pods so far, in all.
+    fn carried(&self) -> u64;
 }
 
 /// A continuation being started: its body and who serves it.
@@ -144,6 +146,11 @@ pub struct Relay {
     resuming: Option<std::sync::Mutex<Resuming>>,
     /// A failure reported after the bytes just forwarded: handled next poll.
     failure: Option<ProxyError>,
+    /// Migrations started, and those the access line and spans have heard of.
+    migrations: u8,
+    reported: u8,
+    /// The last migration's cause, for its span event.
+    migrated_from: Option<String>,
 }
 
 /// The client's request body.
@@ -217,6 +224,9 @@ impl ResponseBody {
                 migrate: None,
                 resuming: None,
                 failure: None,
+                migrations: 0,
+                reported: 0,
+                migrated_from: None,
             })),
             _in_flight: None,
             access: None,
@@ -290,6 +300,28 @@ impl ResponseBody {
     }
 }
 
+impl ResponseBody {
+    /// A migration started since the last poll: the access line's count,
+    /// and an event on the request's span.
+    fn report_migration(&mut self) {
+        let Kind::Relay(r) = &mut self.kind else {
+            return;
+        };
+        r.reported = r.migrations;
+        let carried = r.migrate.as_ref().map_or(0, |m| m.carried());
+        if let Some(log) = self.access.as_mut().and_then(|a| a.log.as_mut()) {
+            log.migrated(r.migrations, carried);
+        }
+        if let Some(trace) = self.spans.as_ref().and_then(|s| s.trace.as_deref()) {
+            trace.migrated(
+                r.migrations,
+                carried,
+                r.migrated_from.take().unwrap_or_default(),
+            );
+        }
+    }
+}
+
 impl Drop for AccessGuard {
     fn drop(&mut self) {
         if let Some(log) = self.log.take() {
@@ -313,6 +345,9 @@ impl Body for ResponseBody {
         if self.access.is_some() {
             let sent = matches!(&polled, Poll::Ready(Some(Ok(f))) if f.data_ref().is_some_and(|d| !d.is_empty()));
             self.note(sent);
+        }
+        if matches!(&self.kind, Kind::Relay(r) if r.migrations != r.reported) {
+            self.report_migration();
         }
         polled
     }
@@ -448,6 +483,8 @@ impl Relay {
             // call (a hung engine stops working on it).
             self.inner = streamed(Whole::empty());
             self.resuming = Some(std::sync::Mutex::new(next));
+            self.migrations = self.migrations.saturating_add(1);
+            self.migrated_from = Some(err.to_string());
             return None;
         }
         Some(self.fail(err))

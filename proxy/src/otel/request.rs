@@ -117,6 +117,23 @@ impl RequestTrace {
         }
     }
 
+    /// The stream went on on another pod (docs/migration.md): an event on
+    /// the request span, with the count so far, the tokens carried in all
+    /// and what failed.
+    pub fn migrated(&self, count: u8, carried_tokens: u64, cause: String) {
+        self.request.span().add_event(
+            "kvmesh.migration",
+            vec![
+                KeyValue::new("kvmesh.migration.count", i64::from(count)),
+                KeyValue::new(
+                    "kvmesh.migration.carried_tokens",
+                    i64::try_from(carried_tokens).unwrap_or(i64::MAX),
+                ),
+                KeyValue::new("kvmesh.migration.cause", cause),
+            ],
+        );
+    }
+
     /// The execute span, when execution began.
     pub fn execute(&self) -> Stage {
         Stage {

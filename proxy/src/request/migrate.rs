@@ -129,6 +129,8 @@ pub struct Migration {
     /// The current upstream is a continuation: its events are rewritten.
     rewrite: bool,
     /// Tokens generated before the current continuation (its prompt holds them).
+    in_prompt: u64,
+    /// Tokens carried by every continuation, in all.
     carried: u64,
 }
 
@@ -207,6 +209,7 @@ impl Migration {
             pending: BytesMut::new(),
             out: Transcript::default(),
             rewrite: false,
+            in_prompt: 0,
             carried: 0,
         }
     }
@@ -350,7 +353,7 @@ impl Migration {
             }
         }
         if let Some(Value::Object(u)) = v.get_mut("usage") {
-            let n = self.carried;
+            let n = self.in_prompt;
             let add = |u: &mut Map<String, Value>, k: &str, by: i128| {
                 if let Some(x) = u.get(k).and_then(Value::as_u64) {
                     let y = (i128::from(x) + by).clamp(0, i128::from(u64::MAX));
@@ -387,6 +390,10 @@ impl Migration {
 }
 
 impl Migrate for Migration {
+    fn carried(&self) -> u64 {
+        self.carried
+    }
+
     fn forward(&mut self, data: Bytes) -> (Bytes, Option<ProxyError>) {
         // The common case: whole events in one frame, forwarded as they came.
         if self.pending.is_empty() && !self.rewrite && ends_event(&data) {
@@ -454,7 +461,8 @@ impl Migrate for Migration {
         self.avoid.push(to);
         self.pending.clear();
         self.rewrite = true;
-        self.carried = self.out.generated;
+        self.in_prompt = self.out.generated;
+        self.carried += self.in_prompt;
         let s = &self.start;
         let job = Job {
             request_id: s.request_id.clone(),
@@ -468,7 +476,7 @@ impl Migrate for Migration {
         };
         let call = self.reroute.send(to, job);
         let metrics = Arc::clone(&self.metrics);
-        let carried = self.carried;
+        let carried = self.in_prompt;
         Some(Box::pin(async move {
             match call.await {
                 Ok((resp, name)) => {
