@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use kvmesh_engine_sim::SimHandle;
 use kvmesh_proxy::SidecarHandle;
@@ -18,6 +19,39 @@ use kvmesh_tests::client::{fetch, http1, next_chunk, post_json, send};
 use kvmesh_tests::route::{add_peer, config, eventually, filters_yaml, metric, sim, MODEL};
 use kvmesh_tests::sidecar::start;
 use serde_json::{json, Value};
+use tracing_subscriber::layer::SubscriberExt;
+
+/// Access lines captured in memory (a test runs on one thread, so the
+/// thread's default subscriber sees the sidecar's events).
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let buf = self.0.clone();
+        let layer = kvmesh_proxy::logging::AccessLayer::new(move || Sink(buf.clone()));
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(layer))
+    }
+
+    fn all(&self) -> Vec<Value> {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
 
 /// A stream as the client read it.
 struct Read {
@@ -224,7 +258,12 @@ async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
     let (ea, eb) = (sim().await, sim().await);
     // a forwards to b; b's engine dies mid-stream, and b's sidecar (which
     // does not own the client) ends its stream with an error event.
-    let s = fleet(dir.path(), &[&ea, &eb], "b", |_| {}).await;
+    let lines = Lines::default();
+    let _guard = lines.capture();
+    let s = fleet(dir.path(), &[&ea, &eb], "b", |c| {
+        c.logging.access_log = true
+    })
+    .await;
     eb.faults().die_after_chunks(Some(4));
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me about rivers"}],
         "max_completion_tokens": 16, "temperature": 0, "stream": true,
@@ -254,6 +293,17 @@ async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
     let k = partial.split_whitespace().count() as u64;
     assert!(k <= 4 && got.text().starts_with(partial), "{partial:?}");
     assert_eq!(c["max_completion_tokens"], 16 - k);
+    // a's access line says so (b's, its own, ended with the error).
+    let line = eventually("a's access line", || async {
+        lines
+            .all()
+            .into_iter()
+            .find(|l| l["route"] == "/v1/chat/completions" && l["reason"] != "routed_by_peer")
+    })
+    .await;
+    assert_eq!(line["migrations"], 1, "{line}");
+    assert_eq!(line["migrated_tokens"], k, "{line}");
+    assert_eq!(line["end"], "complete", "{line}");
     assert_eq!(migrations(&s[0], "migrated").await, 1.0);
     for h in s {
         h.shutdown().await;
@@ -294,6 +344,43 @@ async fn the_limit_ends_a_stream_that_keeps_failing() {
     for e in [ea, eb, ec] {
         e.shutdown().await;
     }
+}
+
+#[tokio::test]
+async fn a_whole_answer_the_plan_could_not_get_is_tried_on_another_pod() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    // The plan names a alone; its engine fails every request before any
+    // byte (vLLM answers 500 when its engine core dies).
+    let s = fleet(dir.path(), &[&ea, &eb], "a", |_| {}).await;
+    ea.faults().fail_all(Some(500));
+    let body = json!({"model": MODEL, "prompt": "a short answer", "max_tokens": 6});
+    let r = fetch(
+        &http1(),
+        post_json(s[0].addr(), "/v1/completions", &body.to_string()),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 6);
+    let sent = inference_requests(&eb);
+    assert_eq!(sent, vec![body.clone()], "b got the request whole");
+    // With the retries off, the engine's answer is the client's.
+    let c = fleet(dir.path(), &[&ea, &eb], "a", |c| {
+        c.migration.max_migrations = 0
+    })
+    .await;
+    let r = fetch(
+        &http1(),
+        post_json(c[0].addr(), "/v1/completions", &body.to_string()),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    assert_eq!(inference_requests(&eb).len(), 1);
+    for h in s.into_iter().chain(c) {
+        h.shutdown().await;
+    }
+    ea.shutdown().await;
+    eb.shutdown().await;
 }
 
 #[tokio::test]
