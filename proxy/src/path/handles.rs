@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::app::App;
+use crate::error::UpstreamName;
 use crate::request::migrate::{Continuing, Job, Reroute, RerouteSource};
 use crate::request::{Served, Target, Upstreams};
 
@@ -72,8 +73,13 @@ impl RerouteSource for Arc<App> {
 struct Rerouter(Arc<App>);
 
 impl Reroute for Rerouter {
-    fn pick(&self, model: Option<&str>, avoid: &[Served], targets: &[Target]) -> Option<Served> {
-        super::migrate::pick(execute(&self.0), model, avoid, targets)
+    fn pick(
+        &self,
+        model: Option<&str>,
+        avoid: &[Served],
+        targets: &[Target],
+    ) -> Option<(Served, UpstreamName)> {
+        super::migrate::pick_named(execute(&self.0), model, avoid, targets)
     }
 
     fn send(&self, to: Served, job: Job) -> Continuing {

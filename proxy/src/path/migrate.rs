@@ -22,6 +22,24 @@ use crate::upstream::ReplyBody;
 
 use super::execute::Execute;
 
+/// [`pick`], with the name errors give the pod.
+pub fn pick_named(
+    h: Execute<'_>,
+    model: Option<&str>,
+    avoid: &[Served],
+    targets: &[Target],
+) -> Option<(Served, UpstreamName)> {
+    let s = pick(h, model, avoid, targets)?;
+    Some((s, upstream_of(s).name(h.up.engine_url)))
+}
+
+fn upstream_of(s: Served) -> Upstream {
+    match s {
+        Served::LocalEngine => Upstream::Engine,
+        Served::Peer(a) => Upstream::Peer(a),
+    }
+}
+
 /// The pod to continue on, if any is left (see the module docs).
 pub fn pick(
     h: Execute<'_>,
@@ -86,10 +104,7 @@ pub async fn send_to(
 ) -> Result<(Response<ReplyBody>, UpstreamName), ProxyError> {
     let mut ctx = RequestCtx::continuation(job.request_id, job.route, job.started);
     ctx.attempts = job.attempt;
-    let upstream = match to {
-        Served::LocalEngine => Upstream::Engine,
-        Served::Peer(a) => Upstream::Peer(a),
-    };
+    let upstream = upstream_of(to);
     let (mut head, ()) = http::Request::new(()).into_parts();
     head.method = job.method;
     head.uri = job.uri;

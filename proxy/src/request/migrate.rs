@@ -60,9 +60,14 @@ const MAX_TRANSCRIPT_BYTES: usize = 16 * 1024 * 1024;
 /// How a continuation reaches another pod: implemented by the request path
 /// (`path/migrate.rs`), which knows the fleet.
 pub trait Reroute: Send + Sync {
-    /// The pod to continue on: none of `avoid` (the pods that failed this
-    /// request), the plan's `targets` first.
-    fn pick(&self, model: Option<&str>, avoid: &[Served], targets: &[Target]) -> Option<Served>;
+    /// The pod to continue on, and its name for errors: none of `avoid`
+    /// (the pods that failed this request), the plan's `targets` first.
+    fn pick(
+        &self,
+        model: Option<&str>,
+        avoid: &[Served],
+        targets: &[Target],
+    ) -> Option<(Served, UpstreamName)>;
     /// Sends the continuation to `to`; a response other than a `200` stream
     /// is an error.
     fn send(&self, to: Served, job: Job) -> Continuing;
@@ -120,6 +125,8 @@ pub struct Migration {
     metrics: Arc<UpstreamMetrics>,
     /// Pods that failed this request.
     avoid: Vec<Served>,
+    /// Who serves the stream now (errors name it).
+    upstream: UpstreamName,
     migrations: u8,
     /// Why it cannot migrate, once known.
     unsupported: Option<&'static str>,
@@ -201,6 +208,7 @@ impl Migration {
         let unsupported = unsupported_request(&start);
         Self {
             avoid: vec![start.serving],
+            upstream: start.upstream.clone(),
             start,
             reroute,
             metrics,
@@ -239,21 +247,14 @@ impl Migration {
     /// Reads one event's JSON into the transcript; an error event is the
     /// upstream's failure.
     fn track(&mut self, payload: &[u8]) -> Result<(), ProxyError> {
-        let chunk: Chunk<'_> = match serde_json::from_slice(payload) {
-            Ok(c) => c,
-            Err(_) => {
-                self.unsupported.get_or_insert("unparsed_event");
-                return Ok(());
-            }
-        };
+        // Every event of a completions or chat stream but `[DONE]` is JSON;
+        // one that is not was cut (a peer sidecar whose engine died mid-event
+        // closes it with its error event): the upstream failed.
+        let chunk: Chunk<'_> = serde_json::from_slice(payload)
+            .map_err(|e| self.died(format!("an event that is not JSON ({e})")))?;
         if chunk.error.is_some() || chunk.object == Some("error") {
-            return Err(ProxyError::UpstreamDied {
-                upstream: self.start.upstream.clone(),
-                reason: format!(
-                    "error event mid-stream: {}",
-                    String::from_utf8_lossy(payload)
-                ),
-            });
+            let event = String::from_utf8_lossy(payload).into_owned();
+            return Err(self.died(format!("error event mid-stream: {event}")));
         }
         let t = &mut self.out;
         if t.events == 0 && !self.rewrite {
@@ -319,7 +320,7 @@ impl Migration {
     /// A continuation's event as the first stream's: `None` to drop it.
     fn rewritten(&mut self, payload: &[u8]) -> Result<Option<Vec<u8>>, ProxyError> {
         let Ok(mut v) = serde_json::from_slice::<Map<String, Value>>(payload) else {
-            self.unsupported.get_or_insert("unparsed_event");
+            // `track` fails it.
             return Ok(Some(payload.to_vec()));
         };
         if v.contains_key("error") || v.get("object").and_then(Value::as_str) == Some("error") {
@@ -369,6 +370,14 @@ impl Migration {
         serde_json::to_vec(&v)
             .map(Some)
             .map_err(|e| ProxyError::Internal(format!("continuation event: {e}")))
+    }
+
+    /// The current upstream failed as `reason` says.
+    fn died(&self, reason: String) -> ProxyError {
+        ProxyError::UpstreamDied {
+            upstream: self.upstream.clone(),
+            reason,
+        }
     }
 
     /// Why this stream cannot migrate now, if it cannot.
@@ -429,10 +438,7 @@ impl Migrate for Migration {
         if self.out.done || self.out.finished {
             return Ok(());
         }
-        Err(ProxyError::UpstreamDied {
-            upstream: self.start.upstream.clone(),
-            reason: "the stream ended before `data: [DONE]`".to_owned(),
-        })
+        Err(self.died("the stream ended before `data: [DONE]`".to_owned()))
     }
 
     fn resume(&mut self, err: &ProxyError) -> Option<Resuming> {
@@ -448,7 +454,7 @@ impl Migrate for Migration {
                 return None;
             }
         };
-        let Some(to) = self.reroute.pick(
+        let Some((to, name)) = self.reroute.pick(
             self.start.model.as_deref(),
             &self.avoid,
             &self.start.targets,
@@ -474,6 +480,7 @@ impl Migrate for Migration {
             body,
             attempt: s.attempts,
         };
+        self.upstream = name;
         let call = self.reroute.send(to, job);
         let metrics = Arc::clone(&self.metrics);
         let carried = self.in_prompt;

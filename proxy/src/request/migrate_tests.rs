@@ -19,9 +19,14 @@ struct Fake {
 }
 
 impl Reroute for Fake {
-    fn pick(&self, _: Option<&str>, avoid: &[Served], _: &[Target]) -> Option<Served> {
+    fn pick(
+        &self,
+        _: Option<&str>,
+        avoid: &[Served],
+        _: &[Target],
+    ) -> Option<(Served, UpstreamName)> {
         let peer = Served::Peer(PEER.parse::<SocketAddr>().unwrap());
-        (!avoid.contains(&peer)).then_some(peer)
+        (!avoid.contains(&peer)).then(|| (peer, UpstreamName::Peer(PEER.to_owned())))
     }
 
     fn send(&self, to: Served, job: Job) -> Continuing {
@@ -148,6 +153,24 @@ fn an_error_event_is_a_failure_and_not_forwarded() {
     assert!(m.ended().is_err());
     m._fwd(Bytes::from_static(b"data: [DONE]\n\n")).unwrap();
     assert!(m.ended().is_ok());
+}
+
+#[tokio::test]
+async fn an_event_a_peer_cut_is_a_failure_not_output() {
+    let fake = Fake::default();
+    let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    // A peer sidecar whose engine died mid-event closes it with its error.
+    let a = cmpl(" a", None, None);
+    let (out, failed) = m.forward(Bytes::from(format!("{a}data: {{\"choi")));
+    assert_eq!(out, a.as_bytes());
+    assert!(failed.is_none());
+    let tail = "\n\ndata: {\"error\":{\"code\":\"upstream_died\"}}\n\ndata: [DONE]\n\n";
+    let (out, failed) = m.forward(Bytes::from(tail));
+    assert!(out.is_empty());
+    assert!(failed.is_some());
+    assert_eq!(m.out.text, " a");
+    resume(&mut m).await;
+    assert_eq!(sent_json(&fake)["prompt"], "p a");
 }
 
 #[tokio::test]
