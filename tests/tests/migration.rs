@@ -347,6 +347,119 @@ async fn the_limit_ends_a_stream_that_keeps_failing() {
 }
 
 #[tokio::test]
+async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
+    use kvmesh_proxy::config::Duration as CfgDuration;
+    use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+    let dir = tempfile::tempdir().unwrap();
+    // a's engine sends one token and hangs; b is a simulated engine.
+    let (mut tx, reply) = Reply::sse();
+    let slot = Mutex::new(Some(reply));
+    let hung = FakeUpstream::builder()
+        .route("/v1/completions", move |_| {
+            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
+        })
+        .start()
+        .await;
+    let eb = sim().await;
+    let mut c = kvmesh_tests::sidecar::test_config(hung.addr());
+    c.pod.models = vec![MODEL.to_owned()];
+    c.pod.labels = kvmesh_tests::route::labels_of(&[("pod", "a")]);
+    c.scheduling.filters = Some(only(dir.path(), "a"));
+    c.timeouts.stream_idle = CfgDuration::from_millis(300);
+    let a = start(c).await;
+    let b = start(config(&eb, &[("pod", "b")], None)).await;
+    add_peer(&a, &b, &[("pod", "b")]);
+
+    let body = json!({"model": MODEL, "prompt": "tell me", "max_tokens": 8, "stream": true});
+    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
+    let client = http1();
+    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    let first = json!({"id": "cmpl-first", "object": "text_completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "text": " once", "finish_reason": null}]});
+    assert!(tx.send(format!("data: {first}\n\n")).await);
+    let r = pending.await.unwrap();
+    assert_eq!(r.status, 200);
+    let got = Read::of(&r.body);
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    assert_eq!(got.ids(), vec!["cmpl-first"]);
+    assert!(got.text().starts_with(" once"), "{}", got.text());
+    let tokens = got
+        .events
+        .iter()
+        .filter(|e| {
+            e["choices"][0]["text"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count();
+    assert_eq!(tokens, 8);
+    // The hung call was dropped, and b went on from the token a sent.
+    assert!(
+        tx.body_dropped(std::time::Duration::from_secs(5), b"data: {}\n\n")
+            .await
+    );
+    let continued = inference_requests(&eb);
+    assert_eq!(continued.len(), 1);
+    assert_eq!(continued[0]["prompt"], "tell me once");
+    assert_eq!(continued[0]["max_tokens"], 7);
+    a.shutdown().await;
+    b.shutdown().await;
+    eb.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_whose_decode_pod_dies_mid_stream_goes_on_aggregated_elsewhere() {
+    use kvmesh_engine_sim::Role as SimRole;
+    use kvmesh_tests::client::request;
+    use kvmesh_tests::route::pd_sim;
+    // llm-d's split: prefill on `prefill`, decode on this sidecar's engine,
+    // which dies mid-stream; `other` is an aggregated pod the fleet knows.
+    let (prefill, decode, other) = (
+        pd_sim(SimRole::Prefill).await,
+        pd_sim(SimRole::Decode).await,
+        sim().await,
+    );
+    let mut c = config(&decode, &[], None);
+    c.pd.allowed_prefillers = vec![prefill.addr().to_string()];
+    let d = start(c).await;
+    let o = start(config(&other, &[("pod", "o")], None)).await;
+    add_peer(&d, &o, &[("pod", "o")]);
+    decode.faults().die_after_chunks(Some(3));
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(40);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": true,
+        "stream_options": {"include_usage": true}, "return_token_ids": true});
+    let p = prefill.addr().to_string();
+    let req = request(
+        "POST",
+        d.addr(),
+        "/v1/completions",
+        body.to_string(),
+        &[
+            ("content-type", "application/json"),
+            ("x-prefiller-host-port", &p),
+        ],
+    );
+    let r = fetch(&http1(), req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got = Read::of(&r.body);
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    assert_eq!(got.ids().len(), 1);
+    assert_eq!(got.token_ids().len(), 12);
+    assert_eq!(got.usage()["completion_tokens"], 12);
+    // The continuation ran whole on the other pod, not split again.
+    let continued = inference_requests(&other);
+    assert_eq!(continued.len(), 1);
+    assert!(continued[0].get("kv_transfer_params").is_none());
+    assert_eq!(inference_requests(&prefill).len(), 1);
+    assert_eq!(migrations(&d, "migrated").await, 1.0);
+    d.shutdown().await;
+    o.shutdown().await;
+    for e in [prefill, decode, other] {
+        e.shutdown().await;
+    }
+}
+
+#[tokio::test]
 async fn a_whole_answer_the_plan_could_not_get_is_tried_on_another_pod() {
     let dir = tempfile::tempdir().unwrap();
     let (ea, eb) = (sim().await, sim().await);
