@@ -121,6 +121,42 @@ where
     body.map_err(Into::into).boxed()
 }
 
+/// A body that holds a count (the fleet's in-flight count towards the pod
+/// sending it) until it ends or is dropped.
+pub struct Counted {
+    inner: Streamed,
+    _count: Option<crate::metrics::CountGuard>,
+}
+
+impl Counted {
+    pub fn new(inner: Streamed, count: Option<crate::metrics::CountGuard>) -> Self {
+        Self {
+            inner,
+            _count: count,
+        }
+    }
+}
+
+impl Body for Counted {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// An upstream body being forwarded to the client.
 pub struct Relay {
     inner: Streamed,

@@ -10,15 +10,13 @@
 //! continuation's prompt holds the whole output so far, so any such pod
 //! can serve it; most of its prefix is cached only on the pod that failed.
 
-use http::Response;
 use kvmesh_filters::sched::Role;
 use tokio::time::Instant;
 
-use crate::body::UpstreamBody;
+use crate::body::{streamed, Counted, Streamed, UpstreamBody};
 use crate::error::{ProxyError, UpstreamName};
 use crate::request::migrate::Job;
 use crate::request::{send, RequestCtx, Served, Target, Upstream, FORWARD};
-use crate::upstream::ReplyBody;
 
 use super::execute::Execute;
 
@@ -96,12 +94,13 @@ pub fn pick(
 }
 
 /// Sends a continuation to `to`; anything but a `200` answer is an error.
-/// The pod's outlier books count the call as any other.
+/// The pod's outlier books count the call as any other, and its body
+/// counts towards the pod's requests in flight until it ends.
 pub async fn send_to(
     h: Execute<'_>,
     to: Served,
     job: Job,
-) -> Result<(Response<ReplyBody>, UpstreamName), ProxyError> {
+) -> Result<(Streamed, UpstreamName), ProxyError> {
     let mut ctx = RequestCtx::continuation(job.request_id, job.route, job.started);
     ctx.attempts = job.attempt;
     let upstream = upstream_of(to);
@@ -114,7 +113,11 @@ pub async fn send_to(
     match sent {
         Ok((resp, name, _hop)) if resp.status() == http::StatusCode::OK => {
             super::account::served(h.books, &ctx, &upstream);
-            Ok((resp, name))
+            let count = h.books.fleet.begin(&upstream.pod(h.books.fleet));
+            Ok((
+                streamed(Counted::new(streamed(resp.into_body()), count)),
+                name,
+            ))
         }
         Ok((resp, name, _hop)) => {
             super::account::failed(h.books, &upstream);

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, Response, Uri};
+use http::{HeaderMap, HeaderValue, Method, Uri};
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -44,10 +44,9 @@ use tokio::time::Instant;
 
 use super::context::Served;
 use super::plan::Target;
-use crate::body::{streamed, Migrate, Resuming};
+use crate::body::{Migrate, Resuming, Streamed};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
-use crate::upstream::ReplyBody;
 
 /// Longest SSE event held while its end is awaited; a longer one ends the
 /// stream's chance to migrate (it is forwarded as it comes).
@@ -79,9 +78,9 @@ pub trait RerouteSource: Sync {
     fn reroute(&self) -> Box<dyn Reroute>;
 }
 
-/// A continuation's call: its response and who answered.
+/// A continuation's call: its response body and who answered.
 pub type Continuing =
-    Pin<Box<dyn Future<Output = Result<(Response<ReplyBody>, UpstreamName), ProxyError>> + Send>>;
+    Pin<Box<dyn Future<Output = Result<(Streamed, UpstreamName), ProxyError>> + Send>>;
 
 /// One continuation to send: the client's head and the rewritten body.
 pub struct Job {
@@ -486,10 +485,10 @@ impl Migrate for Migration {
         let carried = self.in_prompt;
         Some(Box::pin(async move {
             match call.await {
-                Ok((resp, name)) => {
+                Ok((body, name)) => {
                     metrics.migration("migrated");
                     metrics.migrated_tokens(carried);
-                    Ok((streamed(resp.into_body()), name))
+                    Ok((body, name))
                 }
                 Err(e) => {
                     metrics.migration("continuation_failed");

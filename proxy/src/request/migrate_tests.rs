@@ -33,8 +33,8 @@ impl Reroute for Fake {
         self.sent.lock().unwrap().push((to, job.body));
         let answer = self.answer.clone();
         Box::pin(async move {
-            let resp = Response::new(ReplyBody::Full(Whole::new(answer)));
-            Ok((resp, UpstreamName::Peer(PEER.to_owned())))
+            let body = crate::body::streamed(Whole::new(answer));
+            Ok((body, UpstreamName::Peer(PEER.to_owned())))
         })
     }
 }
