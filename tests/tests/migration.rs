@@ -349,17 +349,9 @@ async fn the_limit_ends_a_stream_that_keeps_failing() {
 #[tokio::test]
 async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     use kvmesh_proxy::config::Duration as CfgDuration;
-    use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
     let dir = tempfile::tempdir().unwrap();
     // a's engine sends one token and hangs; b is a simulated engine.
-    let (mut tx, reply) = Reply::sse();
-    let slot = Mutex::new(Some(reply));
-    let hung = FakeUpstream::builder()
-        .route("/v1/completions", move |_| {
-            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
-        })
-        .start()
-        .await;
+    let (mut tx, hung) = scripted_engine().await;
     let eb = sim().await;
     let mut c = kvmesh_tests::sidecar::test_config(hung.addr());
     c.pod.models = vec![MODEL.to_owned()];
@@ -374,9 +366,7 @@ async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     let req = post_json(a.addr(), "/v1/completions", &body.to_string());
     let client = http1();
     let pending = tokio::spawn(async move { fetch(&client, req).await });
-    let first = json!({"id": "cmpl-first", "object": "text_completion", "created": 1, "model": MODEL,
-        "choices": [{"index": 0, "text": " once", "finish_reason": null}]});
-    assert!(tx.send(format!("data: {first}\n\n")).await);
+    assert!(tx.send(event("cmpl-first", " once", None)).await);
     let r = pending.await.unwrap();
     assert_eq!(r.status, 200);
     let got = Read::of(&r.body);
@@ -405,6 +395,82 @@ async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     a.shutdown().await;
     b.shutdown().await;
     eb.shutdown().await;
+}
+
+/// A fake engine whose one completions stream the test writes.
+async fn scripted_engine() -> (
+    kvmesh_tests::fake_upstream::StreamTx,
+    kvmesh_tests::fake_upstream::FakeUpstream,
+) {
+    use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+    let (tx, reply) = Reply::sse();
+    let slot = Mutex::new(Some(reply));
+    let engine = FakeUpstream::builder()
+        .route("/v1/completions", move |_| {
+            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
+        })
+        .start()
+        .await;
+    (tx, engine)
+}
+
+fn event(id: &str, text: &str, finish: Option<&str>) -> String {
+    let e = json!({"id": id, "object": "text_completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+    format!("data: {e}\n\n")
+}
+
+#[tokio::test]
+async fn the_pod_a_stream_moved_to_counts_it_in_flight() {
+    use kvmesh_proxy::config::Duration as CfgDuration;
+    let dir = tempfile::tempdir().unwrap();
+    let (tx_a, engine_a) = scripted_engine().await;
+    let (tx_b, engine_b) = scripted_engine().await;
+    let fake_config = |addr, name: &str| {
+        let mut c = kvmesh_tests::sidecar::test_config(addr);
+        c.pod.models = vec![MODEL.to_owned()];
+        c.pod.labels = kvmesh_tests::route::labels_of(&[("pod", name)]);
+        c.scheduling.filters = Some(only(dir.path(), name));
+        c.timeouts.stream_idle = CfgDuration::from_millis(300);
+        c
+    };
+    let a = start(fake_config(engine_a.addr(), "a")).await;
+    let b = start(fake_config(engine_b.addr(), "b")).await;
+    let b_id = add_peer(&a, &b, &[("pod", "b")]);
+    let in_flight_at_b = || {
+        let now = tokio::time::Instant::now();
+        let pods = a.fleet().snapshot(now);
+        pods.into_iter()
+            .find(|p| p.info.id == b_id)
+            .map(|p| p.in_flight_local)
+    };
+
+    let body = json!({"model": MODEL, "prompt": "p", "max_tokens": 3, "stream": true});
+    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
+    let client = http1();
+    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    assert!(tx_a.send(event("cmpl-a", " one", None)).await);
+    // a's engine hangs; past stream_idle the stream goes on on b, which
+    // counts it while it runs.
+    eventually("b counts the continuation", || async {
+        (in_flight_at_b() == Some(1)).then_some(())
+    })
+    .await;
+    assert!(tx_b.send(event("cmpl-b", " two", None)).await);
+    assert!(tx_b.send(event("cmpl-b", " three", Some("length"))).await);
+    assert!(tx_b.send("data: [DONE]\n\n").await);
+    tx_b.finish();
+    let got = Read::of(&pending.await.unwrap().body);
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    assert_eq!(got.ids(), vec!["cmpl-a"]);
+    assert_eq!(got.text(), " one two three");
+    eventually("b's count ends with the stream", || async {
+        (in_flight_at_b() == Some(0)).then_some(())
+    })
+    .await;
+    drop(tx_a);
+    a.shutdown().await;
+    b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
