@@ -200,7 +200,7 @@ pub struct UpstreamMetrics {
     /// Targets that refused a request before any byte was sent.
     fallbacks: Counter,
     /// Streams whose upstream failed after bytes reached the client, by
-    /// what became of them (`request/migrate.rs`).
+    /// what became of them (`request/migrate/`).
     migrations: Family<OutcomeLabels, Counter>,
     /// Tokens already generated when a stream migrated, carried to the next pod.
     migrated_tokens: Counter,

@@ -13,7 +13,7 @@
 //! | `client.rs` | [`ClientRequest`], the client's head and body after classify |
 //! | `plan.rs` | [`Plan`], [`Target`], [`Leg`]: what the scheduler decided |
 //! | `call.rs` | [`Upstream`], [`send`] (one call upstream under the first-byte deadline) and [`relay`] (the response back under the stream deadlines), through the narrow [`Upstreams`] handle |
-//! | `migrate.rs` | a stream that fails after bytes reached the client goes on on another pod: its transcript, the continuation's body, its events rewritten as the first stream's |
+//! | `migrate/` | a stream that fails after bytes reached the client goes on on another pod: its transcript, the continuation's body, its events rewritten as the first stream's |
 //! | `hops.rs` | the forwarding rules every call to a peer obeys (hop limit, discovered peers only) |
 //!
 //! Errors are [`crate::error`], itself a leaf.

@@ -2,6 +2,12 @@
 //! the peer sidecar serving it) fails after bytes reached the client goes on
 //! on another pod, in the same response (docs/migration.md).
 //!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | [`Migration`] (the transcript, the continuation's events rewritten), [`Reroute`] |
+//! | `continuation.rs` | the continuation's body, and what no continuation can carry |
+//! | `sse.rs` | SSE framing |
+//!
 //! [`Migration`] is the relay's [`Migrate`]: it forwards whole SSE events
 //! only (a partial one waits for its end, so a failure never leaves half an
 //! event with the client), keeps what was generated so far (the text, the
@@ -47,6 +53,11 @@ use super::plan::Target;
 use crate::body::{Migrate, Resuming, Streamed};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
+use continuation::{continuation, unsupported_request};
+use sse::{data_of, ends_event, event_end, sse_event};
+
+mod continuation;
+mod sse;
 
 /// Longest SSE event held while its end is awaited; a longer one ends the
 /// stream's chance to migrate (it is forwarded as it comes).
@@ -499,156 +510,5 @@ impl Migrate for Migration {
     }
 }
 
-/// Reasons known from the request alone.
-fn unsupported_request(s: &Start) -> Option<&'static str> {
-    if !matches!(s.route, Route::Completions | Route::ChatCompletions) {
-        return Some("route");
-    }
-    let Ok(v) = serde_json::from_slice::<Map<String, Value>>(&s.body) else {
-        return Some("unparsed_request");
-    };
-    let many = |k: &str| v.get(k).and_then(Value::as_u64).is_some_and(|n| n > 1);
-    if many("n") || many("best_of") {
-        return Some("several_choices");
-    }
-    None
-}
-
-/// The continuation's body: the client's, with the output so far added to
-/// the prompt and the token limits lowered by it; `Err` is why not.
-fn continuation(s: &Start, t: &Transcript) -> Result<Bytes, &'static str> {
-    let mut body: Map<String, Value> =
-        serde_json::from_slice(&s.body).map_err(|_| "unparsed_request")?;
-    let n = t.generated;
-    for k in ["max_tokens", "max_completion_tokens"] {
-        if let Some(slot) = body.get_mut(k) {
-            if let Some(max) = slot.as_u64() {
-                let left = max.saturating_sub(n);
-                if left == 0 {
-                    return Err("finished");
-                }
-                *slot = Value::from(left);
-            }
-        }
-    }
-    if let Some(slot) = body.get_mut("min_tokens") {
-        if let Some(min) = slot.as_u64() {
-            *slot = Value::from(min.saturating_sub(n));
-        }
-    }
-    match s.route {
-        Route::Completions => {
-            let prompt = body.get("prompt").ok_or("unparsed_request")?;
-            let ids = prompt_ids(prompt).or_else(|| t.prompt_token_ids.clone());
-            let next = match (ids, &t.token_ids) {
-                (Some(mut ids), Some(out)) => {
-                    ids.extend_from_slice(out);
-                    Value::from(ids)
-                }
-                _ => match prompt_text(prompt) {
-                    Some(p) => Value::from(format!("{p}{}", t.text)),
-                    None => return Err("token_ids_unknown"),
-                },
-            };
-            body.insert("prompt".to_owned(), next);
-            // The prompt was echoed at the start already.
-            if body.contains_key("echo") {
-                body.insert("echo".to_owned(), Value::Bool(false));
-            }
-        }
-        Route::ChatCompletions => {
-            let open = body
-                .get("continue_final_message")
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
-            let Some(Value::Array(messages)) = body.get_mut("messages") else {
-                return Err("unparsed_request");
-            };
-            if open {
-                // The client continues its own last message: extend it.
-                let last = messages
-                    .last_mut()
-                    .and_then(|m| m.get_mut("content"))
-                    .ok_or("unparsed_request")?;
-                let Some(so_far) = last.as_str() else {
-                    return Err("content_parts");
-                };
-                *last = Value::from(format!("{so_far}{}", t.text));
-            } else {
-                messages.push(serde_json::json!({"role": "assistant", "content": t.text}));
-            }
-            body.insert("continue_final_message".to_owned(), Value::Bool(true));
-            body.insert("add_generation_prompt".to_owned(), Value::Bool(false));
-        }
-        _ => return Err("route"),
-    }
-    serde_json::to_vec(&body)
-        .map(Bytes::from)
-        .map_err(|_| "unparsed_request")
-}
-
-/// A completions prompt given as token ids (one prompt).
-fn prompt_ids(p: &Value) -> Option<Vec<u64>> {
-    let ids = |a: &[Value]| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>();
-    match p.as_array()?.as_slice() {
-        [Value::Array(one)] => ids(one),
-        all if !all.is_empty() && all.iter().all(Value::is_number) => ids(all),
-        _ => None,
-    }
-}
-
-/// A completions prompt given as text (one prompt).
-fn prompt_text(p: &Value) -> Option<&str> {
-    match p {
-        Value::String(s) => Some(s),
-        Value::Array(a) if a.len() == 1 => a[0].as_str(),
-        _ => None,
-    }
-}
-
-/// The data of one SSE event (its `data:` lines joined), `None` if it has none.
-fn data_of(ev: &[u8]) -> Option<Vec<u8>> {
-    let mut out: Option<Vec<u8>> = None;
-    for line in ev.split(|b| *b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(rest) = line.strip_prefix(b"data:") else {
-            continue;
-        };
-        let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-        match out.as_mut() {
-            Some(o) => {
-                o.push(b'\n');
-                o.extend_from_slice(rest);
-            }
-            None => out = Some(rest.to_vec()),
-        }
-    }
-    out
-}
-
-/// `data: {json}` as one event.
-fn sse_event(json: &[u8]) -> Bytes {
-    let mut b = Vec::with_capacity(json.len() + 8);
-    b.extend_from_slice(b"data: ");
-    b.extend_from_slice(json);
-    b.extend_from_slice(b"\n\n");
-    Bytes::from(b)
-}
-
-/// Where the first event in `b` ends (just past its blank line).
-fn event_end(b: &[u8]) -> Option<usize> {
-    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
-    }
-}
-
-fn ends_event(b: &[u8]) -> bool {
-    b.ends_with(b"\n\n") || b.ends_with(b"\r\n\r\n")
-}
-
 #[cfg(test)]
-#[path = "migrate_tests.rs"]
 mod tests;
