@@ -48,9 +48,10 @@ pub trait Migrate: Send + Sync {
     /// failure the upstream reported in-band after them (an SSE error
     /// event), if it did.
     fn forward(&mut self, data: Bytes) -> (Bytes, Option<ProxyError>);
-    /// The upstream's body ended: `Ok` when the stream is complete, else the
-    /// failure (it stopped before its end).
-    fn ended(&mut self) -> Result<(), ProxyError>;
+    /// Whether the stream is complete already, so that a failure (or the
+    /// body's end) now cuts nothing the client needs: the bytes that end it
+    /// (`data: [DONE]` when only the finish came; none after `[DONE]`).
+    fn complete(&mut self) -> Option<Bytes>;
     /// The upstream failed with `err`: the call that continues the stream on
     /// another pod, or `None` (why not is counted) and the stream ends with
     /// the error.
@@ -187,13 +188,18 @@ impl Relay {
                         None => continue,
                     }
                 }
-                Poll::Ready(None) => {
-                    if let Some(Err(e)) = self.migrate.as_mut().map(|m| m.ended()) {
-                        match self.migrate_or_fail(e) {
-                            Some(r) => return Poll::Ready(Some(r)),
-                            None => continue,
-                        }
+                Poll::Ready(None) if self.migrate.is_some() => {
+                    // Complete, or stopped before its end: a failure.
+                    let err = ProxyError::UpstreamDied {
+                        upstream: self.p.upstream.clone(),
+                        reason: "the stream ended before `data: [DONE]`".to_owned(),
+                    };
+                    match self.migrate_or_fail(err) {
+                        Some(r) => return Poll::Ready(Some(r)),
+                        None => continue,
                     }
+                }
+                Poll::Ready(None) => {
                     self.done = true;
                     return Poll::Ready(None);
                 }
@@ -230,6 +236,17 @@ impl Relay {
     /// After an upstream failure: starts the continuation when the stream
     /// may migrate (and returns `None`: poll on), else ends the body.
     fn migrate_or_fail(&mut self, err: ProxyError) -> Option<Result<Frame<Bytes>, BoxError>> {
+        if let Some(tail) = self.migrate.as_mut().and_then(|m| m.complete()) {
+            // The stream had its end (or all of it but `[DONE]`): the
+            // failure cut nothing the client needs, and it ends cleanly.
+            self.done = true;
+            self.inner = streamed(Whole::empty());
+            if tail.is_empty() {
+                return None;
+            }
+            self.observe(&tail);
+            return Some(Ok(Frame::data(tail)));
+        }
         if let Some(next) = self.migrate.as_mut().and_then(|m| m.resume(&err)) {
             tracing::info!(request_id = %self.p.request_id, error = %err, "stream failed after it started; migrating");
             // The failed upstream's body goes now: dropping it cancels the

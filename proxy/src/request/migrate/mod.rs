@@ -395,9 +395,6 @@ impl Migration {
         if let Some(r) = self.unsupported {
             return Some(r);
         }
-        if self.out.finished {
-            return Some("finished");
-        }
         if self.migrations >= self.start.max_migrations {
             return Some("limit");
         }
@@ -444,11 +441,15 @@ impl Migrate for Migration {
         (out.freeze(), None)
     }
 
-    fn ended(&mut self) -> Result<(), ProxyError> {
-        if self.out.done || self.out.finished {
-            return Ok(());
+    fn complete(&mut self) -> Option<Bytes> {
+        match (self.out.done, self.out.finished) {
+            (true, _) => Some(Bytes::new()),
+            (false, true) => {
+                self.out.done = true;
+                Some(Bytes::from_static(b"data: [DONE]\n\n"))
+            }
+            (false, false) => None,
         }
-        Err(self.died("the stream ended before `data: [DONE]`".to_owned()))
     }
 
     fn resume(&mut self, err: &ProxyError) -> Option<Resuming> {

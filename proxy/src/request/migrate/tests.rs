@@ -149,10 +149,23 @@ fn an_error_event_is_a_failure_and_not_forwarded() {
     let (out, failed) = m.forward(Bytes::from(err[5..].to_owned()));
     assert!(out.is_empty() && failed.is_some());
     assert_eq!(m.out.text, " a b b");
-    // A stream that ends before `[DONE]` failed too.
-    assert!(m.ended().is_err());
+    // Not complete: a failure now (or the body's end) is one.
+    assert!(m.complete().is_none());
     m._fwd(Bytes::from_static(b"data: [DONE]\n\n")).unwrap();
-    assert!(m.ended().is_ok());
+    assert_eq!(m.complete(), Some(Bytes::new()));
+}
+
+#[test]
+fn a_finished_stream_cut_before_done_ends_cleanly() {
+    let fake = Fake::default();
+    let (mut m, metrics) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    m._fwd(Bytes::from(cmpl(" a", None, Some("length"))))
+        .unwrap();
+    // Its end is all the client misses: `[DONE]`, once, and no migration.
+    assert_eq!(m.complete(), Some(Bytes::from_static(b"data: [DONE]\n\n")));
+    assert_eq!(m.complete(), Some(Bytes::new()));
+    assert_eq!(metrics.migration_counts("migrated"), (0, 0));
+    assert!(fake.sent.lock().unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -218,7 +231,7 @@ async fn completions_continue_with_text_and_the_rest_of_max_tokens() {
     assert_eq!(events[1]["usage"]["total_tokens"], 13);
     assert!(text.ends_with("data: [DONE]\n\n"));
     assert_eq!(m.out.text, " a b c");
-    assert!(m.ended().is_ok());
+    assert_eq!(m.complete(), Some(Bytes::new()));
     assert_eq!(metrics.migration_counts("migrated"), (1, 2));
 }
 
@@ -352,14 +365,6 @@ fn what_cannot_migrate_says_why() {
                 json!({"id": "x", "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}),
             ),
             "reasoning",
-        ),
-        (
-            Route::Completions,
-            json!({"prompt": "p", "max_tokens": 1}),
-            Some(
-                json!({"id": "x", "choices": [{"index": 0, "text": " a", "finish_reason": "length"}]}),
-            ),
-            "finished",
         ),
     ];
     for (route, body, event, why) in cases {
