@@ -75,18 +75,24 @@ where
     body.map_err(Into::into).boxed()
 }
 
-/// A body that holds a count (the fleet's in-flight count towards the pod
-/// sending it) until it ends or is dropped.
+/// A body that holds what lasts as long as it does: the fleet's in-flight
+/// count towards the pod sending it, and the span of the call it answers.
 pub struct Counted {
     inner: Streamed,
     _count: Option<crate::metrics::CountGuard>,
+    _hop: crate::otel::Hop,
 }
 
 impl Counted {
-    pub fn new(inner: Streamed, count: Option<crate::metrics::CountGuard>) -> Self {
+    pub fn new(
+        inner: Streamed,
+        count: Option<crate::metrics::CountGuard>,
+        hop: crate::otel::Hop,
+    ) -> Self {
         Self {
             inner,
             _count: count,
+            _hop: hop,
         }
     }
 }
@@ -276,9 +282,11 @@ impl Body for ResponseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = match &mut self.kind {
+        let this = &mut *self;
+        let trace = this.spans.as_deref().and_then(|s| s.trace.as_deref());
+        let polled = match &mut this.kind {
             Kind::Full(b) => Pin::new(b).poll_frame(cx),
-            Kind::Relay(r) => r.poll_frame(cx),
+            Kind::Relay(r) => r.poll_frame(cx, trace),
         };
         if self.access.is_some() {
             let sent = matches!(&polled, Poll::Ready(Some(Ok(f))) if f.data_ref().is_some_and(|d| !d.is_empty()));

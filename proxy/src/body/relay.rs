@@ -23,6 +23,7 @@ use tokio::time::{Instant, Sleep};
 use super::{streamed, BoxError, Streamed, Whole};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
+use crate::otel::RequestTrace;
 use crate::respond::sse_error_tail;
 
 /// What a relay needs to know about its request.
@@ -55,7 +56,8 @@ pub trait Migrate: Send + Sync {
     /// The upstream failed with `err`: the call that continues the stream on
     /// another pod, or `None` (why not is counted) and the stream ends with
     /// the error.
-    fn resume(&mut self, err: &ProxyError) -> Option<Resuming>;
+    /// `trace`, the request's spans, parents the continuation's call.
+    fn resume(&mut self, err: &ProxyError, trace: Option<&RequestTrace>) -> Option<Resuming>;
     /// The tokens carried to other pods so far, in all.
     fn carried(&self) -> u64;
 }
@@ -124,13 +126,14 @@ impl Relay {
     pub(super) fn poll_frame(
         &mut self,
         cx: &mut Context<'_>,
+        trace: Option<&RequestTrace>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         loop {
             if self.done {
                 return Poll::Ready(None);
             }
             if let Some(e) = self.failure.take() {
-                if let Some(r) = self.migrate_or_fail(e) {
+                if let Some(r) = self.migrate_or_fail(e, trace) {
                     return Poll::Ready(Some(r));
                 }
             }
@@ -150,7 +153,7 @@ impl Relay {
                     }
                     Poll::Ready(Err(e)) => {
                         self.resuming = None;
-                        match self.migrate_or_fail(e) {
+                        match self.migrate_or_fail(e, trace) {
                             Some(r) => return Poll::Ready(Some(r)),
                             None => continue,
                         }
@@ -183,7 +186,7 @@ impl Relay {
                         upstream: self.p.upstream.clone(),
                         reason: e.to_string(),
                     };
-                    match self.migrate_or_fail(err) {
+                    match self.migrate_or_fail(err, trace) {
                         Some(r) => return Poll::Ready(Some(r)),
                         None => continue,
                     }
@@ -194,7 +197,7 @@ impl Relay {
                         upstream: self.p.upstream.clone(),
                         reason: "the stream ended before `data: [DONE]`".to_owned(),
                     };
-                    match self.migrate_or_fail(err) {
+                    match self.migrate_or_fail(err, trace) {
                         Some(r) => return Poll::Ready(Some(r)),
                         None => continue,
                     }
@@ -222,7 +225,7 @@ impl Relay {
                         if overall {
                             return Poll::Ready(Some(self.fail(err)));
                         }
-                        match self.migrate_or_fail(err) {
+                        match self.migrate_or_fail(err, trace) {
                             Some(r) => return Poll::Ready(Some(r)),
                             None => continue,
                         }
@@ -235,7 +238,11 @@ impl Relay {
 
     /// After an upstream failure: starts the continuation when the stream
     /// may migrate (and returns `None`: poll on), else ends the body.
-    fn migrate_or_fail(&mut self, err: ProxyError) -> Option<Result<Frame<Bytes>, BoxError>> {
+    fn migrate_or_fail(
+        &mut self,
+        err: ProxyError,
+        trace: Option<&RequestTrace>,
+    ) -> Option<Result<Frame<Bytes>, BoxError>> {
         if let Some(tail) = self.migrate.as_mut().and_then(|m| m.complete()) {
             // The stream had its end (or all of it but `[DONE]`): the
             // failure cut nothing the client needs, and it ends cleanly.
@@ -247,7 +254,7 @@ impl Relay {
             self.observe(&tail);
             return Some(Ok(Frame::data(tail)));
         }
-        if let Some(next) = self.migrate.as_mut().and_then(|m| m.resume(&err)) {
+        if let Some(next) = self.migrate.as_mut().and_then(|m| m.resume(&err, trace)) {
             tracing::info!(request_id = %self.p.request_id, error = %err, "stream failed after it started; migrating");
             // The failed upstream's body goes now: dropping it cancels the
             // call (a hung engine stops working on it).

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::body::{streamed, Counted, Streamed, UpstreamBody};
 use crate::error::{ProxyError, UpstreamName};
 use crate::request::migrate::Job;
-use crate::request::{send, RequestCtx, Served, Target, Upstream, FORWARD};
+use crate::request::{send_traced, RequestCtx, Served, Target, Upstream};
 
 use super::execute::Execute;
 
@@ -109,15 +109,13 @@ pub async fn send_to(
     head.uri = job.uri;
     head.headers = job.headers;
     let body = UpstreamBody::full(job.body);
-    let sent = send(&h.up, &ctx, &upstream, &head, body, FORWARD, job.attempt).await;
+    let sent = send_traced(&h.up, &ctx, &upstream, &head, body, job.hop).await;
     match sent {
-        Ok((resp, name, _hop)) if resp.status() == http::StatusCode::OK => {
+        Ok((resp, name, hop)) if resp.status() == http::StatusCode::OK => {
             super::account::served(h.books, &ctx, &upstream);
             let count = h.books.fleet.begin(&upstream.pod(h.books.fleet));
-            Ok((
-                streamed(Counted::new(streamed(resp.into_body()), count)),
-                name,
-            ))
+            let body = Counted::new(streamed(resp.into_body()), count, hop);
+            Ok((streamed(body), name))
         }
         Ok((resp, name, _hop)) => {
             super::account::failed(h.books, &upstream);

@@ -133,6 +133,32 @@ pub(crate) async fn send(
 ) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
     let (authority, name) = upstream.resolve(up.engine_url)?;
     let hop = Hop::of(ctx.trace.as_deref(), leg, &name, attempt);
+    send_on(up, ctx, upstream, (authority, name), head, body, hop).await
+}
+
+/// [`send`], its span (`hop`) made by the caller: a migrating stream's
+/// continuation, sent after the request's context is gone.
+pub(crate) async fn send_traced(
+    up: &Upstreams<'_>,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    head: &http::request::Parts,
+    body: UpstreamBody,
+    hop: Hop,
+) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
+    let to = upstream.resolve(up.engine_url)?;
+    send_on(up, ctx, upstream, to, head, body, hop).await
+}
+
+async fn send_on(
+    up: &Upstreams<'_>,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    (authority, name): (Authority, UpstreamName),
+    head: &http::request::Parts,
+    body: UpstreamBody,
+    hop: Hop,
+) -> Result<(Response<ReplyBody>, UpstreamName, Hop), ProxyError> {
     let r = send_as(up, ctx, upstream, authority, &name, head, body, &hop).await;
     match r {
         Ok(resp) => {

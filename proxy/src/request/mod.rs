@@ -39,7 +39,7 @@ pub trait Peers: Sync {
     /// nowhere else, so the sidecar is no open relay).
     fn is_peer_addr(&self, addr: std::net::SocketAddr) -> bool;
 }
-pub(crate) use call::{leg_upstream, relay, send, Upstream, FORWARD};
+pub(crate) use call::{leg_upstream, relay, send, send_traced, Upstream, FORWARD};
 pub use client::{ClientBody, ClientRequest};
 pub use context::{RequestCtx, Served};
 pub use plan::{Leg, Plan, Target, MAX_ATTEMPTS};

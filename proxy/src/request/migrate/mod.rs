@@ -53,6 +53,7 @@ use super::plan::Target;
 use crate::body::{Migrate, Resuming, Streamed};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
+use crate::otel::{Hop, RequestTrace};
 use continuation::{continuation, unsupported_request};
 use sse::{data_of, ends_event, event_end, sse_event};
 
@@ -105,6 +106,8 @@ pub struct Job {
     pub body: Bytes,
     /// The 1-based number of this call among the request's attempts.
     pub attempt: u8,
+    /// The call's span, under the request's (its context goes upstream).
+    pub hop: Hop,
 }
 
 /// What a migrating stream starts from (the execute stage fills it in).
@@ -452,7 +455,7 @@ impl Migrate for Migration {
         }
     }
 
-    fn resume(&mut self, err: &ProxyError) -> Option<Resuming> {
+    fn resume(&mut self, err: &ProxyError, trace: Option<&RequestTrace>) -> Option<Resuming> {
         if let Some(reason) = self.refusal() {
             self.metrics.migration(reason);
             tracing::warn!(request_id = self.start.request_id.to_str().unwrap_or("-"), reason, error = %err, "stream not migrated");
@@ -480,6 +483,7 @@ impl Migrate for Migration {
         self.rewrite = true;
         self.in_prompt = self.out.generated;
         self.carried += self.in_prompt;
+        let hop = Hop::of(trace, super::call::FORWARD, &name, self.start.attempts);
         let s = &self.start;
         let job = Job {
             request_id: s.request_id.clone(),
@@ -490,6 +494,7 @@ impl Migrate for Migration {
             headers: s.headers.clone(),
             body,
             attempt: s.attempts,
+            hop,
         };
         self.upstream = name;
         let call = self.reroute.send(to, job);

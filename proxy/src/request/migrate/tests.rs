@@ -103,7 +103,7 @@ fn died() -> ProxyError {
 /// Runs the continuation `m.resume` starts and returns its body's bytes.
 async fn resume(m: &mut Migration) -> Bytes {
     use http_body_util::BodyExt;
-    let (body, _) = m.resume(&died()).expect("migrates").await.unwrap();
+    let (body, _) = m.resume(&died(), None).expect("migrates").await.unwrap();
     body.collect().await.unwrap().to_bytes()
 }
 
@@ -258,7 +258,7 @@ fn a_token_id_prompt_without_output_ids_does_not_migrate() {
     let body = json!({"prompt": [1, 2, 3], "max_tokens": 8});
     let (mut m, metrics) = migration(start(Route::Completions, body), &fake);
     m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
-    assert!(m.resume(&died()).is_none());
+    assert!(m.resume(&died(), None).is_none());
     assert_eq!(counted(&metrics, "token_ids_unknown"), 1);
 }
 
@@ -326,7 +326,7 @@ async fn the_limit_and_the_pods_left_bound_migrations() {
     let (mut m, metrics) = migration(s, &fake);
     m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
     resume(&mut m).await;
-    assert!(m.resume(&died()).is_none());
+    assert!(m.resume(&died(), None).is_none());
     assert_eq!(counted(&metrics, "limit"), 1);
 
     // With room for more, the one peer (now failed too) is all there was.
@@ -335,7 +335,7 @@ async fn the_limit_and_the_pods_left_bound_migrations() {
     let (mut m, metrics) = migration(s, &fake);
     m._fwd(Bytes::from(cmpl(" a", None, None))).unwrap();
     resume(&mut m).await;
-    assert!(m.resume(&died()).is_none());
+    assert!(m.resume(&died(), None).is_none());
     assert_eq!(counted(&metrics, "no_target"), 1);
 }
 
@@ -372,12 +372,12 @@ fn what_cannot_migrate_says_why() {
         if let Some(e) = event {
             m._fwd(Bytes::from(ev(e))).unwrap();
         }
-        assert!(m.resume(&died()).is_none(), "{why}");
+        assert!(m.resume(&died(), None).is_none(), "{why}");
         assert_eq!(counted(&metrics, why), 1, "{why}");
     }
     let mut s = start(Route::Completions, json!({"prompt": "p"}));
     s.deadline = Duration::ZERO;
     let (mut m, metrics) = migration(s, &fake);
-    assert!(m.resume(&died()).is_none());
+    assert!(m.resume(&died(), None).is_none());
     assert_eq!(counted(&metrics, "deadline"), 1);
 }
