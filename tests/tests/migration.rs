@@ -253,6 +253,69 @@ async fn streams_whose_engine_dies_go_on_elsewhere_under_load() {
 }
 
 #[tokio::test]
+async fn a_continuation_is_a_forward_span_of_the_requests_trace() {
+    use kvmesh_proxy::config::{OtlpProtocol, Tracing};
+    use kvmesh_tests::otlp::Collector;
+    let collector = Collector::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    let s = fleet(dir.path(), &[&ea, &eb], "a", |c| {
+        c.tracing = Some(Tracing {
+            otlp_endpoint: collector.endpoint().parse().unwrap(),
+            protocol: OtlpProtocol::Http,
+            sample_ratio: 1.0,
+        });
+    })
+    .await;
+    ea.faults().die_after_chunks(Some(3));
+    let got = stream(&s[0], "/v1/completions", &completion("a traced story", 10)).await;
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    for h in s {
+        h.shutdown().await; // flushes the spans
+    }
+    let spans = collector.spans();
+    let request = spans
+        .iter()
+        .find(|s| s.name() == "kvmesh.request")
+        .expect("a's request span");
+    let migration = request
+        .span
+        .events
+        .iter()
+        .find(|e| e.name == "kvmesh.migration")
+        .expect("a migration event");
+    assert!(migration
+        .attributes
+        .iter()
+        .any(|kv| kv.key == "kvmesh.migration.cause"));
+    let mut hops: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name() == "kvmesh.forward" && s.trace_id() == request.trace_id())
+        .collect();
+    hops.sort_by_key(|s| s.attr("kvmesh.attempt"));
+    assert_eq!(hops.len(), 2, "the first call and the continuation");
+    assert_eq!(hops[0].attr("kvmesh.upstream").as_deref(), Some("engine"));
+    assert_eq!(hops[1].attr("kvmesh.upstream").as_deref(), Some("peer"));
+    assert_eq!(hops[1].attr("kvmesh.attempt").as_deref(), Some("2"));
+    assert_eq!(
+        hops[0].parent_id(),
+        hops[1].parent_id(),
+        "both under execute"
+    );
+    // b's engine got the continuation's context.
+    let tp = format!("00-{}-{}-01", hops[1].trace_id(), hops[1].span_id());
+    let received: Vec<_> = eb
+        .received_requests()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/v1/"))
+        .collect();
+    assert_eq!(received.len(), 1);
+    assert_eq!(received[0].header("traceparent"), Some(tp.as_str()));
+    ea.shutdown().await;
+    eb.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
     let dir = tempfile::tempdir().unwrap();
     let (ea, eb) = (sim().await, sim().await);
