@@ -247,7 +247,8 @@ fn migrating(
         upstream,
         attempts: ctx.attempts,
         max_migrations: h.migration.max_migrations,
-        deadline: h.migration.deadline.get(),
+        // Past the overall deadline the request is over, wherever it goes.
+        deadline: h.migration.deadline.get().min(h.up.timeouts.overall.get()),
     };
     let m = Migration::new(start, source.reroute(), std::sync::Arc::clone(h.up.metrics));
     resp.map(|b| b.with_migration(Box::new(m)))
