@@ -20,6 +20,11 @@ pub(super) fn unsupported_request(s: &Start) -> Option<&'static str> {
     if many("n") || many("best_of") {
         return Some("several_choices");
     }
+    // Completions' `echo` puts the prompt in the stream's first text, so
+    // the text is not the output alone.
+    if v.get("echo").and_then(Value::as_bool) == Some(true) {
+        return Some("echo");
+    }
     None
 }
 
@@ -60,10 +65,6 @@ pub(super) fn continuation(s: &Start, t: &Transcript) -> Result<Bytes, &'static 
                 },
             };
             body.insert("prompt".to_owned(), next);
-            // The prompt was echoed at the start already.
-            if body.contains_key("echo") {
-                body.insert("echo".to_owned(), Value::Bool(false));
-            }
         }
         Route::ChatCompletions => {
             let open = body

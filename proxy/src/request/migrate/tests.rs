@@ -200,8 +200,7 @@ async fn completions_continue_with_text_and_the_rest_of_max_tokens() {
         )),
         ..Fake::default()
     };
-    let body =
-        json!({"prompt": "say", "max_tokens": 5, "min_tokens": 1, "echo": true, "stream": true});
+    let body = json!({"prompt": "say", "max_tokens": 5, "min_tokens": 1, "stream": true});
     let (mut m, metrics) = migration(start(Route::Completions, body), &fake);
     m._fwd(Bytes::from(
         cmpl(" a", None, None) + &cmpl(" b", None, None),
@@ -212,7 +211,6 @@ async fn completions_continue_with_text_and_the_rest_of_max_tokens() {
     assert_eq!(sent["prompt"], "say a b");
     assert_eq!(sent["max_tokens"], 3);
     assert_eq!(sent["min_tokens"], 0);
-    assert_eq!(sent["echo"], false);
     // The continuation's events read as the first stream's.
     let out = m._fwd(cont).unwrap();
     let text = String::from_utf8(out.to_vec()).unwrap();
@@ -350,6 +348,12 @@ fn what_cannot_migrate_says_why() {
             "several_choices",
         ),
         (Route::Embeddings, json!({"input": "p"}), None, "route"),
+        (
+            Route::Completions,
+            json!({"prompt": "p", "echo": true}),
+            None,
+            "echo",
+        ),
         (
             Route::ChatCompletions,
             json!({"messages": []}),
