@@ -36,6 +36,7 @@
 //! or when no other pod is left. A client that goes away drops the relay
 //! and this with it: a cancelled request never migrates.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -179,39 +180,41 @@ struct Chunk<'a> {
     #[serde(default)]
     error: Option<IgnoredAny>,
     #[serde(default, borrow)]
-    object: Option<&'a str>,
-    #[serde(default)]
-    choices: Vec<ChoiceChunk>,
+    object: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    choices: Vec<ChoiceChunk<'a>>,
     #[serde(default)]
     prompt_token_ids: Option<Vec<u64>>,
 }
 
+/// One choice of a chunk; its text borrowed from the event where it can be
+/// (no escapes), so that reading an event allocates little.
 #[derive(Deserialize)]
-struct ChoiceChunk {
+struct ChoiceChunk<'a> {
     #[serde(default)]
     index: u64,
-    #[serde(default)]
-    text: Option<String>,
-    #[serde(default)]
-    delta: Option<Delta>,
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    delta: Option<Delta<'a>>,
     #[serde(default)]
     token_ids: Option<Vec<u64>>,
     #[serde(default)]
     prompt_token_ids: Option<Vec<u64>>,
     #[serde(default)]
-    finish_reason: Option<String>,
+    finish_reason: Option<IgnoredAny>,
 }
 
 #[derive(Deserialize)]
-struct Delta {
+struct Delta<'a> {
     #[serde(default)]
     role: Option<IgnoredAny>,
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    reasoning_content: Option<String>,
-    #[serde(default)]
-    reasoning: Option<String>,
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning: Option<Cow<'a, str>>,
     #[serde(default)]
     tool_calls: Option<Vec<IgnoredAny>>,
 }
@@ -265,7 +268,7 @@ impl Migration {
         // closes it with its error event): the upstream failed.
         let chunk: Chunk<'_> = serde_json::from_slice(payload)
             .map_err(|e| self.died(format!("an event that is not JSON ({e})")))?;
-        if chunk.error.is_some() || chunk.object == Some("error") {
+        if chunk.error.is_some() || chunk.object.as_deref() == Some("error") {
             let event = String::from_utf8_lossy(payload).into_owned();
             return Err(self.died(format!("error event mid-stream: {event}")));
         }

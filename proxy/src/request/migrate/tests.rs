@@ -133,6 +133,16 @@ fn a_partial_event_waits_for_its_end() {
 }
 
 #[test]
+fn escaped_text_is_read_as_text() {
+    let fake = Fake::default();
+    let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    let e = ev(json!({"id": "x", "object": "text_completion",
+        "choices": [{"index": 0, "text": "a \"q\"\n\u{e9}", "finish_reason": null}]}));
+    assert_eq!(m._fwd(Bytes::from(e.clone())).unwrap(), e.as_bytes());
+    assert_eq!(m.out.text, "a \"q\"\n\u{e9}");
+}
+
+#[test]
 fn an_error_event_is_a_failure_and_not_forwarded() {
     let fake = Fake::default();
     let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
@@ -384,4 +394,22 @@ fn what_cannot_migrate_says_why() {
     let (mut m, metrics) = migration(s, &fake);
     assert!(m.resume(&died(), None).is_none());
     assert_eq!(counted(&metrics, "deadline"), 1);
+}
+
+/// Not a test of behaviour: what reading one token's event costs
+/// (`cargo test --release -p kvmesh-proxy --lib migrate_cost -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn migrate_cost() {
+    let fake = Fake::default();
+    let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    let one = Bytes::from(cmpl(" token", None, None));
+    let n = 200_000;
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        let (out, failed) = m.forward(one.clone());
+        assert!(failed.is_none() && out.len() == one.len());
+    }
+    let per = t.elapsed() / n;
+    println!("forward: {per:?} per event of {} bytes", one.len());
 }
