@@ -263,11 +263,21 @@ impl Migration {
     /// Reads one event's JSON into the transcript; an error event is the
     /// upstream's failure.
     fn track(&mut self, payload: &[u8]) -> Result<(), ProxyError> {
-        // Every event of a completions or chat stream but `[DONE]` is JSON;
-        // one that is not was cut (a peer sidecar whose engine died mid-event
-        // closes it with its error event): the upstream failed.
-        let chunk: Chunk<'_> = serde_json::from_slice(payload)
-            .map_err(|e| self.died(format!("an event that is not JSON ({e})")))?;
+        let chunk: Chunk<'_> = match serde_json::from_slice(payload) {
+            Ok(c) => c,
+            // JSON that stops short was cut: a peer sidecar whose engine
+            // died mid-event closes it with its error event. The upstream
+            // failed, and the cut event never reaches the client.
+            Err(e) if e.is_eof() => {
+                return Err(self.died(format!("an event cut short ({e})")));
+            }
+            // Something else (not an OpenAI chunk): relayed as it came, but
+            // the stream cannot be continued from it.
+            Err(_) => {
+                self.unsupported.get_or_insert("unparsed_event");
+                return Ok(());
+            }
+        };
         if chunk.error.is_some() || chunk.object.as_deref() == Some("error") {
             let event = String::from_utf8_lossy(payload).into_owned();
             return Err(self.died(format!("error event mid-stream: {event}")));

@@ -143,6 +143,17 @@ fn escaped_text_is_read_as_text() {
 }
 
 #[test]
+fn an_event_that_is_no_chunk_goes_out_but_ends_the_chance_to_migrate() {
+    let fake = Fake::default();
+    let (mut m, metrics) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
+    for e in ["data: 1\n\n", "data: {\"choices\": 7}\n\n"] {
+        assert_eq!(m._fwd(Bytes::from(e)).unwrap(), e.as_bytes());
+    }
+    assert!(m.resume(&died(), None).is_none());
+    assert_eq!(counted(&metrics, "unparsed_event"), 1);
+}
+
+#[test]
 fn an_error_event_is_a_failure_and_not_forwarded() {
     let fake = Fake::default();
     let (mut m, _) = migration(start(Route::Completions, json!({"prompt": "p"})), &fake);
