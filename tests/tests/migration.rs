@@ -500,30 +500,43 @@ async fn the_pod_a_stream_moved_to_counts_it_in_flight() {
     let a = start(fake_config(engine_a.addr(), "a")).await;
     let b = start(fake_config(engine_b.addr(), "b")).await;
     let b_id = add_peer(&a, &b, &[("pod", "b")]);
-    let in_flight_at_b = || {
+    let a_id = a.fleet().local_id().to_owned();
+    let in_flight_at = |id: &str| {
         let now = tokio::time::Instant::now();
         let pods = a.fleet().snapshot(now);
         pods.into_iter()
-            .find(|p| p.info.id == b_id)
+            .find(|p| p.info.id == id)
             .map(|p| p.in_flight_local)
     };
+    let in_flight_at_b = || in_flight_at(&b_id);
 
     let body = json!({"model": MODEL, "prompt": "p", "max_tokens": 3, "stream": true});
-    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
-    let client = http1();
-    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    let resp = send(
+        &http1(),
+        post_json(a.addr(), "/v1/completions", &body.to_string()),
+    )
+    .await;
+    let mut stream_body = resp.into_body();
     assert!(tx_a.send(event("cmpl-a", " one", None)).await);
+    let mut read = next_chunk(&mut stream_body).await.unwrap().to_vec();
+    // The first event reached the client: a's pod counts the request (a
+    // stream_idle of 300 ms is still to run before anything moves).
+    assert_eq!(in_flight_at(&a_id), Some(1));
     // a's engine hangs; past stream_idle the stream goes on on b, which
-    // counts it while it runs.
+    // counts it while it runs, and a's pod no longer does.
     eventually("b counts the continuation", || async {
         (in_flight_at_b() == Some(1)).then_some(())
     })
     .await;
+    assert_eq!(in_flight_at(&a_id), Some(0));
     assert!(tx_b.send(event("cmpl-b", " two", None)).await);
     assert!(tx_b.send(event("cmpl-b", " three", Some("length"))).await);
     assert!(tx_b.send("data: [DONE]\n\n").await);
     tx_b.finish();
-    let got = Read::of(&pending.await.unwrap().body);
+    while let Some(c) = next_chunk(&mut stream_body).await {
+        read.extend_from_slice(&c);
+    }
+    let got = Read::of(&read);
     assert!(got.done && got.errors() == 0, "{:?}", got.events);
     assert_eq!(got.ids(), vec!["cmpl-a"]);
     assert_eq!(got.text(), " one two three");

@@ -245,13 +245,19 @@ impl ResponseBody {
 }
 
 impl ResponseBody {
-    /// A migration started since the last poll: the access line's count,
-    /// and an event on the request's span.
+    /// A migration started since the last poll: the failed pod's in-flight
+    /// count let go, the access line's count, and an event on the request's
+    /// span.
     fn report_migration(&mut self) {
         let Kind::Relay(r) = &mut self.kind else {
             return;
         };
         r.reported = r.migrations;
+        // The pod that failed no longer serves it (the continuation's body
+        // counts it at the next pod).
+        if let Some(g) = self._in_flight.as_mut() {
+            g.hold_target(None);
+        }
         let carried = r.migrate.as_ref().map_or(0, |m| m.carried());
         if let Some(log) = self.access.as_mut().and_then(|a| a.log.as_mut()) {
             log.migrated(r.migrations, carried);
