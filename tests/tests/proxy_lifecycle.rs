@@ -188,3 +188,59 @@ async fn serving_threads_share_a_listener_bound_by_the_caller() {
         .await
         .expect("every serving thread drains and stops");
 }
+
+/// The sidecar's `/ready` answer: status and reason.
+async fn readiness(h: &kvmesh_proxy::SidecarHandle) -> (u16, String) {
+    let r = admin_get(h.admin_addr(), "/ready").await;
+    let reason = r.json()["reason"].as_str().unwrap_or_default().to_owned();
+    (r.status.as_u16(), reason)
+}
+
+#[tokio::test]
+async fn ready_waits_for_the_mesh_peers_first_snapshot_but_not_for_a_dead_peer() {
+    let engine = kvmesh_tests::fake_vllm::start().await;
+    let mut pc = test_config(engine.addr());
+    pc.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
+    let peer = start(pc).await;
+    wait_ready(&peer).await;
+    let peer_mesh = peer.mesh_addr().unwrap().to_string();
+    let peer_id = peer.fleet().local_id().to_owned();
+
+    // Following the live peer only: once ready, it already routes among it.
+    let mut c = test_config(engine.addr());
+    c.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
+    c.mesh.peers = vec![peer_mesh.clone()];
+    let one = start(c).await;
+    wait_ready(&one).await;
+    let now = tokio::time::Instant::now();
+    assert!(
+        one.fleet()
+            .snapshot(now)
+            .iter()
+            .any(|p| p.info.id == peer_id),
+        "ready before the peer's snapshot"
+    );
+    one.shutdown().await;
+
+    // A dead address too: not ready while it is tried (the mesh says why),
+    // ready once twice connect_timeout has passed without it.
+    let mut c = test_config(engine.addr());
+    c.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
+    c.mesh.peers = vec![peer_mesh, refused_addr().await.to_string()];
+    c.mesh.connect_timeout = kvmesh_proxy::config::Duration::from_millis(1500);
+    let s = start(c).await;
+    let mut saw_mesh_reason = false;
+    for _ in 0..40 {
+        let (status, reason) = readiness(&s).await;
+        assert_ne!(status, 200, "ready while a peer was still connecting");
+        if reason.contains("mesh") {
+            saw_mesh_reason = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(saw_mesh_reason, "/ready never named the mesh");
+    wait_ready(&s).await;
+    s.shutdown().await;
+    peer.shutdown().await;
+}

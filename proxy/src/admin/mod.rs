@@ -43,22 +43,28 @@ impl Admin {
         match path {
             "/health" => reply(StatusCode::OK, "text/plain", Bytes::from_static(b"ok\n")),
             "/ready" => {
-                if self.app.engine_ready.load(Ordering::Acquire) {
-                    reply(
+                let reason = if !self.app.engine_ready.load(Ordering::Acquire) {
+                    Some(format!(
+                        "the engine at {} has not answered {}",
+                        self.app.config.engine.url, self.app.config.engine.health_path
+                    ))
+                } else {
+                    self.app.mesh.ready().err()
+                };
+                match reason {
+                    None => reply(
                         StatusCode::OK,
                         "application/json",
                         Bytes::from_static(b"{\"ready\":true}\n"),
-                    )
-                } else {
-                    let body = format!(
-                        "{{\"ready\":false,\"reason\":\"the engine at {} has not answered {}\"}}\n",
-                        self.app.config.engine.url, self.app.config.engine.health_path
-                    );
-                    reply(
+                    ),
+                    Some(reason) => reply(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "application/json",
-                        Bytes::from(body),
-                    )
+                        Bytes::from(format!(
+                            "{}\n",
+                            serde_json::json!({"ready": false, "reason": reason})
+                        )),
+                    ),
                 }
             }
             "/metrics" => {

@@ -65,6 +65,12 @@ pub struct Mesh {
     routes: client::MeshRoutes,
     /// Every followed address's stream state, refreshed by discovery.
     peers: Mutex<Vec<crate::stat::PeerEntry>>,
+    /// Whether any peer source is configured (`mesh.peers`, `dns`, `file`),
+    /// and whether discovery has listed the peers once.
+    follows: bool,
+    discovered: std::sync::atomic::AtomicBool,
+    /// Readiness waits for the peers' first snapshots until this instant.
+    ready_by: std::time::Instant,
     /// Peers, the state stream, forwarding.
     pub metrics: MeshMetrics,
 }
@@ -159,7 +165,32 @@ impl Mesh {
             tls,
             routes: client::MeshRoutes::default(),
             peers: Mutex::new(Vec::new()),
+            follows: !m.peers.is_empty() || m.dns.is_some() || m.file.is_some(),
+            discovered: std::sync::atomic::AtomicBool::new(false),
+            ready_by: std::time::Instant::now() + m.connect_timeout.get() * 2,
             metrics,
+        }
+    }
+
+    /// Whether the mesh lets this sidecar take traffic: it has every
+    /// followed peer's first snapshot, so it routes among the whole fleet
+    /// (a new pod of a P/D fleet that knew no decode pod yet would refuse
+    /// its first requests). A peer still connecting after twice
+    /// `mesh.connect_timeout` is not waited for (it may be gone); without a
+    /// peer source there is nothing to wait for. The reason when not.
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.follows || std::time::Instant::now() >= self.ready_by {
+            return Ok(());
+        }
+        if !self.discovered.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("mesh discovery has not listed the peers yet".to_owned());
+        }
+        match self.peers.lock().iter().find(|p| p.state == "connecting") {
+            Some(p) => Err(format!(
+                "waiting for the first snapshot of the mesh peer at {}",
+                p.mesh_addr
+            )),
+            None => Ok(()),
         }
     }
 
@@ -196,6 +227,8 @@ impl Mesh {
     /// Replaces the peers' stream states (the discovery loop's view).
     pub fn set_peers(&self, peers: Vec<crate::stat::PeerEntry>) {
         *self.peers.lock() = peers;
+        self.discovered
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Subscribers served now.
