@@ -88,7 +88,19 @@ pub struct Fleet {
     ranks: ranks::Ranks,
     /// Pods ejected for failing calls ([`outlier`]).
     outliers: outlier::Outliers,
+    /// The sidecar addresses of peers that left discovery lately, and when
+    /// ([`DEPARTED_GRACE`]).
+    departed: parking_lot::Mutex<std::collections::VecDeque<(SocketAddr, Instant)>>,
 }
+
+/// How long a peer that left discovery may still be forwarded to: a pod
+/// leaves the peer list (its endpoints) when its deletion starts, then
+/// drains, so a request scheduled to it a moment before still finds its
+/// sidecar serving. Past this its address is no longer trusted.
+pub const DEPARTED_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Departed addresses kept at most (a fleet-wide restart at once).
+const MAX_DEPARTED: usize = 1024;
 
 /// Counts one request in flight towards a pod until dropped.
 pub type InFlightGuard = crate::metrics::CountGuard;
@@ -115,6 +127,7 @@ impl Fleet {
             received: Arc::new(AtomicU32::new(0)),
             ranks: ranks::Ranks::default(),
             outliers: outlier::Outliers::default(),
+            departed: parking_lot::Mutex::new(std::collections::VecDeque::new()),
         }
     }
 
@@ -177,7 +190,17 @@ impl Fleet {
         }
         self.remote_in_flight.write().remove(id);
         self.outliers.forget(id);
-        self.pods.write().remove(id).is_some()
+        let Some(gone) = self.pods.write().remove(id) else {
+            return false;
+        };
+        if let Some(addr) = gone.info.sidecar_addr {
+            let mut d = self.departed.lock();
+            if d.len() >= MAX_DEPARTED {
+                d.pop_front();
+            }
+            d.push_back((addr, Instant::now()));
+        }
+        true
     }
 
     /// Records a pod's engine load, as scraped (local) or published (peers).
@@ -268,12 +291,29 @@ impl Fleet {
         self.pods.read().contains_key(id)
     }
 
-    /// Whether `addr` is a known peer's sidecar: only those may be forwarded to.
+    /// Whether `addr` is a known peer's sidecar, or one that left discovery
+    /// within [`DEPARTED_GRACE`] (it drains): only those may be forwarded to.
     pub fn is_peer_addr(&self, addr: SocketAddr) -> bool {
-        self.pods
+        self.is_peer_addr_at(addr, Instant::now())
+    }
+
+    fn is_peer_addr_at(&self, addr: SocketAddr, now: Instant) -> bool {
+        if self
+            .pods
             .read()
             .values()
             .any(|s| s.info.sidecar_addr == Some(addr))
+        {
+            return true;
+        }
+        let mut d = self.departed.lock();
+        while d
+            .front()
+            .is_some_and(|(_, at)| now.saturating_duration_since(*at) > DEPARTED_GRACE)
+        {
+            d.pop_front();
+        }
+        d.iter().any(|(a, _)| *a == addr)
     }
 
     /// The sidecar addresses of the peers at `ip` (at most two: enough to

@@ -36,7 +36,13 @@ fn only_known_peers_are_forwarding_targets() {
     assert!(f.is_peer_addr("10.0.0.2:8000".parse().unwrap()));
     assert!(!f.is_peer_addr("10.0.0.3:8000".parse().unwrap()));
     assert!(f.remove_peer("10.0.0.2:8000"));
-    assert!(!f.is_peer_addr("10.0.0.2:8000".parse().unwrap()));
+    // Left discovery: it drains, so a request scheduled to it a moment
+    // before may still go, for DEPARTED_GRACE and no longer.
+    let addr = "10.0.0.2:8000".parse().unwrap();
+    assert!(f.is_peer_addr(addr));
+    let later = Instant::now() + super::DEPARTED_GRACE + std::time::Duration::from_secs(1);
+    assert!(!f.is_peer_addr_at(addr, later));
+    assert!(!f.is_peer_addr(addr), "forgotten once past the grace");
 }
 
 #[test]
