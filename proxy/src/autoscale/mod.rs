@@ -11,16 +11,19 @@
 //!   pool grows by how far its queue and KV usage are above their targets.
 //! - **By SLO** (`autoscale.slo`): the pool runs the pods a queueing model
 //!   ([`slo`]) says meet TTFT p90 and ITL p99, at the arrival rate and
-//!   tokens per request measured over the last window ([`rates`]), on pods
+//!   tokens per request measured over the last window ([`rates`]; the last
+//!   three samples' rate when it is higher, so a burst counts at once), on pods
 //!   that cost what `autoscale.slo.pod` says. The queue rule stays as a
-//!   guard (a queue or a full KV cache still grows the pool), the pool never
-//!   drops below what its requests in flight hold, and it shrinks only to
-//!   the largest size asked for within `scale_down_window`.
+//!   guard (a queue or a full KV cache still grows the pool), and the pool
+//!   never drops below what its requests in flight hold.
 //!
 //! Every sidecar samples the fleet every `sample_interval` whether polled or
 //! not ([`run`]), so whichever sidecar a poller reaches answers from the
-//! same window. Each answer explains itself: `GET /autoscale` on the admin
-//! port (JSON) and `kvmesh_autoscale_*` in `/metrics`.
+//! same window; one that has watched less than a window keeps the pool's
+//! size. Slowing scale-down is the HPA's `behavior.scaleDown`
+//! (stabilisation over every answer it got, whichever sidecar gave it).
+//! Each answer explains itself: `GET /autoscale` on the admin port (JSON)
+//! and `kvmesh_autoscale_*` in `/metrics`.
 //!
 //! Pools span every model the sidecar follows: where several models share a
 //! mesh, run it with `mesh.follow: same-models` so each model's sidecars
@@ -30,7 +33,7 @@ mod queue;
 pub mod rates;
 pub mod slo;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -69,9 +72,10 @@ pub struct PoolAnswer {
     pub ratio: f64,
     /// What set `desired`: `waiting` or `kv_usage` (the queue rule), `no_load`
     /// (nothing measured: the pool keeps its size); with an SLO also `slo`
-    /// (the model), `in_flight` (the requests the pool holds), `stabilized`
-    /// (a larger size asked within `scale_down_window`) and `no_rate`
-    /// (nothing finished in the window yet: the queue rule answers).
+    /// (the model), `in_flight` (the requests the pool holds), `warming`
+    /// (this sidecar has watched less than a window: it keeps the pool's
+    /// size) and `no_rate` (nothing finished in the window yet: the queue
+    /// rule answers).
     pub signal: &'static str,
     /// How the SLO model sized the pool (with `autoscale.slo`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -95,8 +99,6 @@ pub struct SloAnswer {
     /// The queue rule's answer, which `desired` never goes below when it
     /// asks for more pods than the pool has.
     pub queue_desired: u32,
-    /// The largest size asked for within `scale_down_window`.
-    pub held: u32,
 }
 
 /// Every pool's answer, keyed by pool name (`prefill`, `decode`, `aggregated`),
@@ -115,8 +117,11 @@ fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
     pods.iter().filter(|p| p.info.role == role).collect()
 }
 
-/// The hook: the config, the samples of the last window, the sizes asked
-/// for within `scale_down_window`, and the metrics the answers set.
+/// Samples whose rate counts at once when it is above the window's.
+const RECENT_SAMPLES: usize = 3;
+
+/// The hook: the config, the samples of the last window, and the metrics
+/// the answers set.
 pub struct Hook {
     cfg: Autoscale,
     metrics: AutoscaleMetrics,
@@ -125,8 +130,6 @@ pub struct Hook {
 
 struct State {
     history: History,
-    /// Each sample's raw sizes (before stabilisation), in [`POOLS`] order.
-    asked: VecDeque<(Instant, [u32; 3])>,
     /// Each pool's last measured workload, used while a window sees nothing finish.
     last: [Option<Workload>; 3],
 }
@@ -143,15 +146,13 @@ impl Hook {
             metrics: AutoscaleMetrics::register(r),
             state: Mutex::new(State {
                 history: History::new(window),
-                asked: VecDeque::new(),
                 last: [None; 3],
             }),
         }
     }
 
-    /// Every pool's answer for `pods` at `now`. Records a sample (the
-    /// pods' counters and the sizes asked) when `sample_interval` has passed
-    /// since the last one.
+    /// Every pool's answer for `pods` at `now`. Records a sample of the
+    /// pods' counters when `sample_interval` has passed since the last one.
     pub fn answer(&self, pods: &[PodSnapshot], now: Instant) -> Answer {
         let Some(slo) = &self.cfg.slo else {
             let a = answer(&self.cfg, pods);
@@ -167,55 +168,58 @@ impl Hook {
         if due {
             st.history.record(now, pods);
         }
-        let hold_from = now.checked_sub(slo.scale_down_window.get());
-        while st
-            .asked
-            .front()
-            .is_some_and(|(t, _)| hold_from.is_some_and(|h| *t < h))
-        {
-            st.asked.pop_front();
-        }
-        let mut raw = [0u32; 3];
+        let warming = !st.history.is_full();
         let mut a = Answer::new();
         for (i, &(name, role)) in POOLS.iter().enumerate() {
-            let measured = st.history.workload(role);
+            let measured = st.history.workload(role).map(|mut w| {
+                // Up at once: a rate that jumped counts before the window's
+                // average catches up (the last three samples' rate).
+                if let Some(recent) = st.history.recent_rate(role, RECENT_SAMPLES) {
+                    w.arrival_rate = w.arrival_rate.max(recent);
+                }
+                w
+            });
             if measured.is_some() {
                 st.last[i] = measured;
             }
-            let held = st.asked.iter().map(|(_, r)| r[i]).max().unwrap_or(0);
-            let (pool, wanted) =
-                self.size_for_slo(slo, role, &members(pods, role), st.last[i], held);
-            raw[i] = wanted;
-            a.insert(name, pool);
-        }
-        if due {
-            st.asked.push_back((now, raw));
+            let members = members(pods, role);
+            a.insert(
+                name,
+                self.size_for_slo(slo, role, &members, st.last[i], warming),
+            );
         }
         drop(st);
         self.metrics.set(&a);
         a
     }
 
-    /// One pool's answer under the SLO, and the size asked before
-    /// stabilisation.
+    /// One pool's answer under the SLO. A sidecar `warming` (it has watched
+    /// less than a window: it just started) does not know the rate its
+    /// peers measured, so it never answers below the pool's size.
     fn size_for_slo(
         &self,
         slo: &crate::config::autoscale::Slo,
         role: Role,
         members: &[&PodSnapshot],
         workload: Option<Workload>,
-        held: u32,
-    ) -> (PoolAnswer, u32) {
+        warming: bool,
+    ) -> PoolAnswer {
         let cfg = &self.cfg;
         let by_queue = queue::size(cfg, role, members);
+        let keep = if warming { by_queue.pods } else { 0 };
         let Some(w) = workload.filter(|_| !members.is_empty()) else {
-            let signal = if members.is_empty() {
-                by_queue.signal
+            let (desired, signal) = if members.is_empty() {
+                (by_queue.desired, by_queue.signal)
+            } else if keep > by_queue.desired {
+                (keep, "warming")
             } else {
-                "no_rate"
+                (by_queue.desired, "no_rate")
             };
-            let desired = by_queue.desired;
-            return (PoolAnswer { signal, ..by_queue }, desired);
+            return PoolAnswer {
+                desired,
+                signal,
+                ..by_queue
+            };
         };
         let profile = match (role, &slo.decode_pod) {
             (Role::Decode, Some(p)) => p,
@@ -246,24 +250,19 @@ impl Hook {
         } else {
             0
         };
-        let (mut wanted, mut signal) = (needed, "slo");
-        if in_flight_floor > wanted {
-            (wanted, signal) = (in_flight_floor, "in_flight");
+        let (mut desired, mut signal) = (needed, "slo");
+        for (n, why) in [
+            (in_flight_floor, "in_flight"),
+            (queue_guard, by_queue.signal),
+            (keep, "warming"),
+        ] {
+            if n > desired {
+                (desired, signal) = (n, why);
+            }
         }
-        if queue_guard > wanted {
-            (wanted, signal) = (queue_guard, by_queue.signal);
-        }
-        let wanted = wanted.clamp(cfg.min_replicas, cfg.max_replicas);
-        let desired = if held > wanted {
-            signal = "stabilized";
-            held
-        } else {
-            wanted
-        };
-        let pods = by_queue.pods;
-        let answer = PoolAnswer {
-            desired,
-            ratio: f64::from(needed) / f64::from(pods.max(1)),
+        PoolAnswer {
+            desired: desired.clamp(cfg.min_replicas, cfg.max_replicas),
+            ratio: f64::from(needed) / f64::from(by_queue.pods.max(1)),
             signal,
             slo: Some(SloAnswer {
                 workload: w,
@@ -272,11 +271,9 @@ impl Hook {
                 rate_per_pod,
                 in_flight_floor,
                 queue_desired,
-                held: held.max(wanted),
             }),
             ..by_queue
-        };
-        (answer, wanted)
+        }
     }
 }
 
@@ -503,7 +500,7 @@ mod tests {
 
     fn slo_config() -> Autoscale {
         crate::config::from_yaml_str(
-            "autoscale:\n  max_replicas: 16\n  slo:\n    ttft_p90: 2s\n    itl_p99: 250ms\n    window: 20s\n    sample_interval: 5s\n    scale_down_window: 30s\n    pod: {step_base_ms: 26, prefill_ms_per_token: 0.1326, prefill_ms_per_token_kctx: 0.0042, decode_ms_per_seq: 0.1326, decode_ms_per_kctx: 0.0978, kv_cache_tokens: 29424}\n",
+            "autoscale:\n  max_replicas: 16\n  slo:\n    ttft_p90: 2s\n    itl_p99: 250ms\n    window: 20s\n    sample_interval: 5s\n    pod: {step_base_ms: 26, prefill_ms_per_token: 0.1326, prefill_ms_per_token_kctx: 0.0042, decode_ms_per_seq: 0.1326, decode_ms_per_kctx: 0.0978, kv_cache_tokens: 29424}\n",
             "proxy.yaml",
         )
         .unwrap()
@@ -526,15 +523,20 @@ mod tests {
     }
 
     #[test]
-    fn the_slo_hook_sizes_by_the_measured_rate_holds_its_size_down_and_explains_itself() {
+    fn the_slo_hook_sizes_by_the_measured_rate_and_explains_itself() {
         let r = &mut Registry::default();
         let hook = Hook::new(&slo_config(), r);
         let t0 = Instant::now();
         let s = |n: u64| t0 + std::time::Duration::from_secs(n);
-        // The first sample measures no rate: the queue rule answers.
+        // The first sample measures no rate: the queue rule answers, and a
+        // sidecar that has not watched a whole window keeps the pool's size.
         let a = &hook.answer(&[busy(1, 0, 2), busy(2, 0, 2)], s(0))["aggregated"];
-        assert_eq!((a.signal, a.slo.is_none()), ("no_rate", true), "{a:?}");
-        // 10 req/s for 10 s over two pods.
+        assert_eq!(
+            (a.signal, a.desired, a.slo.is_none()),
+            ("warming", 2, true),
+            "{a:?}"
+        );
+        // 10 req/s for 10 s over two pods: more than two pods' worth.
         let a = hook.answer(&[busy(1, 50, 2), busy(2, 50, 2)], s(10))["aggregated"].clone();
         let slo = a.slo.clone().unwrap();
         assert!((slo.workload.arrival_rate - 10.0).abs() < 1e-9, "{slo:?}");
@@ -550,35 +552,39 @@ mod tests {
             json["slo"]["predicted"]["ttft_p90_ms"].is_number(),
             "{json}"
         );
-        // The rate falls to 1 req/s: the model asks for fewer pods, but the
-        // pool holds its size within scale_down_window (30 s).
-        let high = a.desired;
+        // The rate falls to 0.4 req/s: once the window has passed the high
+        // rate, the model asks for one pod (slowing that is the HPA's job).
         let mut finished = 50;
         for n in [15, 20, 25, 30] {
-            finished += 2;
-            let pods = [busy(1, finished, 0), busy(2, finished, 0)];
-            let a = &hook.answer(&pods, s(n))["aggregated"];
-            assert_eq!(
-                (a.desired, a.signal),
-                (high, "stabilized"),
-                "at {n} s: {a:?}"
-            );
-            assert!(a.slo.as_ref().unwrap().needed < high);
-        }
-        for n in [35, 40, 45] {
-            finished += 2;
+            finished += 1;
             hook.answer(&[busy(1, finished, 0), busy(2, finished, 0)], s(n));
         }
-        let a = &hook.answer(&[busy(1, finished + 2, 0), busy(2, finished + 2, 0)], s(50))
+        let a = &hook.answer(&[busy(1, finished + 1, 0), busy(2, finished + 1, 0)], s(35))
             ["aggregated"];
-        assert!(a.desired < high, "{a:?}");
-        // Requests in flight floor the pool: 60 running need 60 / the batch
-        // a pod holds (0.75 of 29424 KV tokens over 1260.5 per sequence = 17).
+        assert_eq!((a.desired, a.signal), (1, "slo"), "{a:?}");
+        // Requests in flight floor the pool: 160 running need 160 / the
+        // batch a pod holds (0.75 of 29424 KV tokens over 1260.5 per
+        // sequence = 17.5), more than the rate they arrived at asks for.
         let a = &hook.answer(
-            &[busy(1, finished + 4, 30), busy(2, finished + 4, 30)],
-            s(55),
+            &[busy(1, finished + 2, 80), busy(2, finished + 2, 80)],
+            s(40),
         )["aggregated"];
-        assert_eq!(a.slo.as_ref().unwrap().in_flight_floor, 4, "{a:?}");
-        assert!(a.desired >= 4);
+        let slo = a.slo.as_ref().unwrap();
+        assert_eq!(slo.in_flight_floor, 10, "{a:?}");
+        assert!(slo.needed < 10, "{a:?}");
+        assert_eq!((a.desired, a.signal), (10, "in_flight"), "{a:?}");
+    }
+
+    #[test]
+    fn a_sidecar_that_just_started_does_not_shrink_the_pool() {
+        let hook = Hook::new(&slo_config(), &mut Registry::default());
+        let t0 = Instant::now();
+        let pods: Vec<PodSnapshot> = (1..=6).map(|i| busy(i, 0, 0)).collect();
+        hook.answer(&pods, t0);
+        // 0.6 req/s over 10 s: one pod would do, but 10 s is half a window.
+        let later: Vec<PodSnapshot> = (1..=6).map(|i| busy(i, 1, 0)).collect();
+        let a = &hook.answer(&later, t0 + std::time::Duration::from_secs(10))["aggregated"];
+        assert_eq!((a.desired, a.signal), (6, "warming"), "{a:?}");
+        assert_eq!(a.slo.as_ref().unwrap().needed, 1);
     }
 }

@@ -71,6 +71,15 @@ impl History {
         self.samples.back().map(|s| s.at)
     }
 
+    /// Whether the samples span the whole window yet (a sidecar that
+    /// started less than a window ago has not seen what its peers saw).
+    pub fn is_full(&self) -> bool {
+        match (self.samples.front(), self.samples.back()) {
+            (Some(a), Some(b)) => b.at.saturating_duration_since(a.at) >= self.window,
+            _ => false,
+        }
+    }
+
     /// Records the counters of every pod that reports them.
     pub fn record(&mut self, at: Instant, pods: &[PodSnapshot]) {
         let pods = pods
@@ -96,11 +105,23 @@ impl History {
         }
     }
 
-    /// The workload of the pods of `role`; `None` until two samples span
-    /// some time, or when no request of the pool finished in the window
-    /// (tokens per request are then unknown).
+    /// The workload of the pods of `role` over the window; `None` until two
+    /// samples span some time, or when no request of the pool finished in
+    /// the window (tokens per request are then unknown).
     pub fn workload(&self, role: Role) -> Option<Workload> {
-        let (first, last) = (self.samples.front()?, self.samples.back()?);
+        self.workload_over(role, self.samples.len())
+    }
+
+    /// The arrival rate of the pods of `role` over the last `samples`
+    /// samples only (at least two): what the window's average has not
+    /// caught up with yet when the rate jumps.
+    pub fn recent_rate(&self, role: Role, samples: usize) -> Option<f64> {
+        Some(self.workload_over(role, samples.max(2))?.arrival_rate)
+    }
+
+    fn workload_over(&self, role: Role, samples: usize) -> Option<Workload> {
+        let skip = self.samples.len().saturating_sub(samples);
+        let (first, last) = (self.samples.get(skip)?, self.samples.back()?);
         let span = last.at.saturating_duration_since(first.at).as_secs_f64();
         if span <= 0.0 {
             return None;
@@ -111,6 +132,7 @@ impl History {
             let Some(then) = self
                 .samples
                 .iter()
+                .skip(skip)
                 .find_map(|s| s.pods.iter().find(|p| p.id == now.id))
             else {
                 continue;
@@ -234,5 +256,14 @@ mod tests {
         let w = h.workload(Role::Prefill).unwrap();
         assert!((w.window_s - 10.0).abs() < 1e-9, "{w:?}");
         assert!((w.arrival_rate - 2.0).abs() < 1e-9);
+        // The rate jumps: 50 finished in the last 5 s.
+        h.record(
+            t0 + Duration::from_secs(25),
+            &[pod("a", Role::Prefill, 90, 0)],
+        );
+        let long = h.workload(Role::Prefill).unwrap().arrival_rate;
+        let recent = h.recent_rate(Role::Prefill, 2).unwrap();
+        assert!((recent - 10.0).abs() < 1e-9, "{recent}");
+        assert!((long - 6.0).abs() < 1e-9, "{long}"); // (90 - 30) / 10 s
     }
 }

@@ -37,17 +37,14 @@ pub struct Slo {
     pub ttft_p90: Duration,
     /// Inter-token latency that 99% of tokens should meet.
     pub itl_p99: Duration,
-    /// The arrival rate and tokens per request are measured over this window.
+    /// The arrival rate and tokens per request are measured over this window
+    /// (a rate measured over the last three samples counts at once when it
+    /// is higher: pools grow as soon as a burst shows).
     #[serde(default = "default_window")]
     pub window: Duration,
     /// How often every sidecar samples the fleet's counters, polled or not.
     #[serde(default = "default_sample_interval")]
     pub sample_interval: Duration,
-    /// A pool shrinks only to the largest size asked for within this window
-    /// (the HPA's scale-down stabilisation, here so that any sidecar answers
-    /// the same whichever the poller reaches).
-    #[serde(default = "default_scale_down_window")]
-    pub scale_down_window: Duration,
     /// One pod's costs (every pool's; the decode pool's too unless `decode_pod`).
     pub pod: PodProfile,
     /// The decode pool's pods, when their GPUs differ.
@@ -61,10 +58,6 @@ fn default_window() -> Duration {
 
 fn default_sample_interval() -> Duration {
     Duration::from_secs(5)
-}
-
-fn default_scale_down_window() -> Duration {
-    Duration::from_secs(300)
 }
 
 /// What one engine step costs and what one pod holds: the terms
