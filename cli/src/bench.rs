@@ -36,6 +36,43 @@ pub enum BenchCmd {
     /// the full mesh and on Valkey: its CPU, memory, decision latency and
     /// the index's freshness; what one Valkey core takes; the sizing rule.
     Scale(ScaleArgs),
+    /// The autoscaling hook in a closed loop: a fleet that starts and stops
+    /// simulated pods on each policy's answer under a trace-shaped rate;
+    /// fixed fleets, a queue HPA and kvmesh's hook side by side.
+    Autoscale(AutoscaleArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AutoscaleArgs {
+    /// The CI size: one seed, under 10 minutes on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// How many times faster than Kubernetes' and KEDA's clocks (pod start
+    /// 30 s, polling 15 s, scale-down window 300 s) the run goes, the trace
+    /// twice that (default 5; 1 is real clocks and takes hours).
+    #[arg(long)]
+    compression: Option<u32>,
+    /// Seeds (default 1,2,3; 1 with --quick).
+    #[arg(long, value_delimiter = ',')]
+    seeds: Vec<u64>,
+    /// Fleets: aggregated, pd (default both).
+    #[arg(long, value_delimiter = ',')]
+    fleets: Vec<String>,
+    /// Policies: fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo (default all).
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<String>,
+    /// Simulated seconds per wall second.
+    #[arg(long)]
+    time_scale: Option<f64>,
+    /// Requests per second at the trace's mean rate.
+    #[arg(long)]
+    base_rate: Option<f64>,
+    /// Write the report as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write pods and TTFT p90 against time as PNGs (NAME-FLEET-pods.png, NAME-FLEET-ttft.png).
+    #[arg(long)]
+    png: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -237,6 +274,7 @@ pub fn main(cmd: BenchCmd) -> Result<()> {
             BenchCmd::Soak(a) => soak_cmd(a).await,
             BenchCmd::Peers(a) => peers_cmd(a).await,
             BenchCmd::Scale(a) => scale_cmd(a).await,
+            BenchCmd::Autoscale(a) => autoscale_cmd(a).await,
         }
     })
 }
@@ -362,6 +400,69 @@ async fn scale_cmd(a: ScaleArgs) -> Result<()> {
     let report = scale::run(&opts).await?;
     print!("{}", report.text());
     eprintln!("configs and logs: {}", work_dir.display());
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| p.display().to_string())?;
+    }
+    if let Some(p) = &a.png {
+        for f in report.write_pngs(p)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    Ok(())
+}
+
+async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
+    use crate::autoscale::policy::ScalePolicy;
+    use crate::autoscale::{self, AutoscaleOpts, FleetKind};
+    let mut opts = AutoscaleOpts::new(a.quick);
+    opts.progress =
+        std::io::stderr().is_terminal() || std::env::var_os("KVMESH_PROGRESS").is_some();
+    if !a.seeds.is_empty() {
+        opts.seeds = a.seeds;
+    }
+    if !a.fleets.is_empty() {
+        opts.fleets = a
+            .fleets
+            .iter()
+            .map(|f| match f.as_str() {
+                "aggregated" => Ok(FleetKind::Aggregated),
+                "pd" => Ok(FleetKind::Pd),
+                other => bail!("unknown fleet {other:?} (expected aggregated or pd)"),
+            })
+            .collect::<Result<_>>()?;
+    }
+    if !a.policies.is_empty() {
+        opts.policies = a
+            .policies
+            .iter()
+            .map(|p| {
+                ScalePolicy::parse(p).with_context(|| {
+                    format!("unknown policy {p:?} (expected fixed-peak, fixed-mean, queue-hpa, kvmesh-queue or kvmesh-slo)")
+                })
+            })
+            .collect::<Result<_>>()?;
+    }
+    if let Some(k) = a.compression {
+        if k == 0 {
+            bail!("--compression must be at least 1");
+        }
+        opts.timing = autoscale::Timing::compressed(k);
+    }
+    if let Some(t) = a.time_scale {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--time-scale must be a positive number, not {t}");
+        }
+        opts.time_scale = t;
+    }
+    if let Some(r) = a.base_rate {
+        if !(r.is_finite() && r > 0.0) {
+            bail!("--base-rate must be a positive number, not {r}");
+        }
+        opts.base_rate = r;
+    }
+    let report = autoscale::run(&opts).await?;
+    print!("{}", report.text());
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_vec_pretty(&report)?)
             .with_context(|| p.display().to_string())?;

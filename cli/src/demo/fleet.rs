@@ -246,7 +246,8 @@ pub async fn start_with(
                 ip,
                 bootstrap_port: engine.addr().port(),
             };
-            let sidecar = start_sidecar(spec, policy, &engine, role, pod, &peers_file).await?;
+            let sidecar =
+                start_sidecar(spec, policy, &engine, role, pod, &peers_file, &|_| {}).await?;
             sidecar
                 .routing()
                 .install(filters)
@@ -334,9 +335,9 @@ pub fn sidecar_config(
 /// Where a pod listens: its address, and the port SGLang engines serve
 /// bootstrap on.
 #[derive(Debug, Clone, Copy)]
-struct PodNet {
-    ip: IpAddr,
-    bootstrap_port: u16,
+pub(crate) struct PodNet {
+    pub ip: IpAddr,
+    pub bootstrap_port: u16,
 }
 
 /// Each pod's address and its engine's bound listener. SGLang P/D needs every
@@ -390,13 +391,16 @@ fn pod_addrs(spec: &FleetSpec, policy: Policy) -> Result<Vec<(IpAddr, TcpListene
     })))
 }
 
-async fn start_sidecar(
+/// Starts the sidecar of `engine`, its config as [`sidecar_config`] makes
+/// it for a fleet meshed through `peers_file`, then changed by `edit`.
+pub(crate) async fn start_sidecar(
     spec: &FleetSpec,
     policy: Policy,
     engine: &SimHandle,
     role: Role,
     pod: PodNet,
     peers_file: &Path,
+    edit: &(dyn Fn(&mut Config) + Sync),
 ) -> Result<SidecarHandle, DemoError> {
     let mut c = sidecar_config(spec, policy, engine, role)?;
     if spec.flavor == Flavor::Sglang {
@@ -428,13 +432,14 @@ async fn start_sidecar(
         .map_err(DemoError::Io)?;
     c.listeners.client = client.local_addr().map_err(DemoError::Io)?;
     c.listeners.admin = admin.local_addr().map_err(DemoError::Io)?;
+    edit(&mut c);
     Sidecar::start(c, client, admin)
         .await
         .map_err(|e| DemoError::Sidecar(e.to_string()))
 }
 
 /// A fresh peers-file path in the temp directory.
-fn peers_file_path() -> PathBuf {
+pub(crate) fn peers_file_path() -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     std::env::temp_dir().join(format!(
         "kvmesh-demo-{}-{}.peers",
@@ -546,7 +551,7 @@ async fn sync_loop(fleets: Vec<Arc<Fleet>>, cancel: CancellationToken) {
 }
 
 /// Polls the sidecar's `/ready` until its engine answers, within a deadline.
-async fn wait_ready(admin: SocketAddr) -> Result<(), DemoError> {
+pub(crate) async fn wait_ready(admin: SocketAddr) -> Result<(), DemoError> {
     let client: HyperClient<_, Empty<Bytes>> =
         HyperClient::builder(TokioExecutor::new()).build_http();
     let uri: http::Uri = format!("http://{admin}/ready")
