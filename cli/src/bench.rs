@@ -400,12 +400,25 @@ async fn scale_cmd(a: ScaleArgs) -> Result<()> {
     let report = scale::run(&opts).await?;
     print!("{}", report.text());
     eprintln!("configs and logs: {}", work_dir.display());
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
+    write_outputs(&report, a.json.as_deref(), a.png.as_deref(), |p| {
+        report.write_pngs(p)
+    })
+}
+
+/// Writes `report` as JSON to `json` and its plots (`pngs`, given `png`)
+/// where they were asked for.
+fn write_outputs(
+    report: &impl serde::Serialize,
+    json: Option<&std::path::Path>,
+    png: Option<&std::path::Path>,
+    pngs: impl FnOnce(&std::path::Path) -> Result<Vec<PathBuf>>,
+) -> Result<()> {
+    if let Some(p) = json {
+        std::fs::write(p, serde_json::to_vec_pretty(report)?)
             .with_context(|| p.display().to_string())?;
     }
-    if let Some(p) = &a.png {
-        for f in report.write_pngs(p)? {
+    if let Some(p) = png {
+        for f in pngs(p)? {
             eprintln!("wrote {}", f.display());
         }
     }
@@ -463,16 +476,9 @@ async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
     }
     let report = autoscale::run(&opts).await?;
     print!("{}", report.text());
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| p.display().to_string())?;
-    }
-    if let Some(p) = &a.png {
-        for f in report.write_pngs(p)? {
-            eprintln!("wrote {}", f.display());
-        }
-    }
-    Ok(())
+    write_outputs(&report, a.json.as_deref(), a.png.as_deref(), |p| {
+        report.write_pngs(p)
+    })
 }
 
 async fn fake_cmd(a: FakeArgs) -> Result<()> {

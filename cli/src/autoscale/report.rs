@@ -184,6 +184,7 @@ impl AutoscaleReport {
             .unwrap_or("autoscale")
             .to_owned();
         let mut written = Vec::new();
+        let seed = self.setup.seeds.first().copied().unwrap_or_default();
         for f in &self.runs {
             let lines = |pick: fn(&(f64, u32, u32, f64)) -> f64| -> Vec<Series> {
                 f.policies
@@ -204,7 +205,11 @@ impl AutoscaleReport {
             };
             let pods = stem.with_file_name(format!("{base}-{}-pods.png", f.fleet.name()));
             sweep_plot::write_png(
-                &format!("{} fleet: pods asked for, against time", f.fleet.name()),
+                &format!(
+                    "{} fleet: pods asked for, against time (seed {})",
+                    f.fleet.name(),
+                    seed
+                ),
                 "simulated seconds",
                 &lines(|s| f64::from(s.1)),
                 &pods,
@@ -212,8 +217,9 @@ impl AutoscaleReport {
             let ttft = stem.with_file_name(format!("{base}-{}-ttft.png", f.fleet.name()));
             sweep_plot::write_png(
                 &format!(
-                    "{} fleet: TTFT p90 (ms) of each poll's requests, against time",
-                    f.fleet.name()
+                    "{} fleet: TTFT p90 (ms) of each poll's requests, against time (seed {})",
+                    f.fleet.name(),
+                    seed
                 ),
                 "simulated seconds",
                 &lines(|s| s.3),

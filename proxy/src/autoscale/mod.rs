@@ -383,7 +383,8 @@ mod tests {
     use super::*;
     use crate::fleet::{EngineLoad, PodInfo};
 
-    fn pod(role: Role, waiting: u32, kv_usage: f64, age_ms: Option<u64>) -> PodSnapshot {
+    /// A pod of `role` with this queue and KV usage, its load `age_ms` old.
+    pub(super) fn pod(role: Role, waiting: u32, kv_usage: f64, age_ms: Option<u64>) -> PodSnapshot {
         PodSnapshot {
             info: PodInfo {
                 id: format!("10.0.0.{waiting}:8000"),

@@ -164,35 +164,19 @@ impl History {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::fleet::{EngineLoad, PodInfo};
 
+    /// Pod `id` of `role` that has finished `finished` requests of 1000
+    /// prompt tokens (400 cached) and 200 generated, `in_system` waiting.
     fn pod(id: &str, role: Role, finished: u64, in_system: u32) -> PodSnapshot {
-        PodSnapshot {
-            info: PodInfo {
-                id: id.to_owned(),
-                sidecar_addr: None,
-                role,
-                models: vec![],
-                lora_adapters: vec![],
-                labels: Default::default(),
-            },
-            load: EngineLoad {
-                waiting: in_system,
-                work: Some(EngineWork {
-                    finished,
-                    prompt_tokens: finished * 1000,
-                    cached_tokens: finished * 400,
-                    generation_tokens: finished * 200,
-                }),
-                ..EngineLoad::default()
-            },
-            load_age_ms: Some(10),
-            healthy: true,
-            in_flight_local: 0,
-            in_flight_mesh: 0,
-            ejected_ms: None,
-            ejections: 0,
-        }
+        let mut p = crate::autoscale::tests::pod(role, in_system, 0.0, Some(10));
+        p.info.id = id.to_owned();
+        p.load.work = Some(EngineWork {
+            finished,
+            prompt_tokens: finished * 1000,
+            cached_tokens: finished * 400,
+            generation_tokens: finished * 200,
+        });
+        p
     }
 
     #[test]

@@ -236,6 +236,17 @@ mod tests {
     const VLLM: &str = include_str!("../../assets/tests/fixtures/metrics/vllm-0.32.txt");
     const SGLANG: &str = include_str!("../../assets/tests/fixtures/metrics/sglang-0.5.23.txt");
 
+    /// The work counters: finished, prompt, cached, generated.
+    fn work(load: &EngineLoad) -> (u64, u64, u64, u64) {
+        let w = load.work.expect("work counters");
+        (
+            w.finished,
+            w.prompt_tokens,
+            w.cached_tokens,
+            w.generation_tokens,
+        )
+    }
+
     #[test]
     fn reads_a_real_vllm_scrape() {
         let load = parse_engine_metrics(EngineKind::Vllm, VLLM).unwrap();
@@ -243,16 +254,7 @@ mod tests {
         assert_eq!(load.num_blocks, 4096);
         assert_eq!((load.waiting, load.running), (0, 0));
         // Summed over finish reasons; `_created` series are not counters.
-        let w = load.work.unwrap();
-        assert_eq!(
-            (
-                w.finished,
-                w.prompt_tokens,
-                w.cached_tokens,
-                w.generation_tokens
-            ),
-            (4, 56, 0, 21)
-        );
+        assert_eq!(work(&load), (4, 56, 0, 21));
     }
 
     #[test]
@@ -277,16 +279,7 @@ mod tests {
     fn reads_a_real_sglang_scrape() {
         let load = parse_engine_metrics(EngineKind::Sglang, SGLANG).unwrap();
         // Summed over streaming and non-streaming series.
-        let w = load.work.unwrap();
-        assert_eq!(
-            (
-                w.finished,
-                w.prompt_tokens,
-                w.cached_tokens,
-                w.generation_tokens
-            ),
-            (4, 30, 9, 19)
-        );
+        assert_eq!(work(&load), (4, 30, 9, 19));
         assert_eq!(load.block_size, 1);
         assert_eq!(load.num_blocks, 4096);
     }
