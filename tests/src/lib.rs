@@ -11,6 +11,7 @@
 //! what a test should do.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod access_lines;
 pub mod certs;
 pub mod client;
 pub mod fake_upstream;

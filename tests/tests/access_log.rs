@@ -5,67 +5,21 @@
 //! with the key off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
-use kvmesh_proxy::logging::AccessLayer;
+use kvmesh_tests::access_lines::AccessLines;
 use kvmesh_tests::client::{self, fetch, next_chunk, post_json, request, send};
 use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
 use kvmesh_tests::sidecar::{start, test_config};
 use serde_json::Value;
-use tracing_subscriber::layer::SubscriberExt;
-
-/// Access lines captured in memory (the tests run on one thread, so the
-/// thread's default subscriber sees every event of the sidecar's tasks).
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<u8>>>);
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Lines {
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let buf = self.0.clone();
-        let layer = AccessLayer::new(move || Sink(buf.clone()));
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(layer))
-    }
-
-    fn all(&self) -> Vec<Value> {
-        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-            .collect()
-    }
-
-    /// Waits (bounded) until `n` lines were written.
-    async fn wait_for(&self, n: usize) -> Vec<Value> {
-        for _ in 0..250 {
-            let lines = self.all();
-            if lines.len() >= n {
-                return lines;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("{n} access lines not written within 5 s: {:?}", self.all());
-    }
-}
 
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
 #[tokio::test]
 async fn a_request_writes_exactly_one_line_with_its_fields() {
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let engine = kvmesh_tests::fake_vllm::start().await;
     let mut config = test_config(engine.addr());
@@ -124,7 +78,7 @@ async fn a_request_writes_exactly_one_line_with_its_fields() {
 
 #[tokio::test]
 async fn a_stream_is_logged_when_its_body_ends_not_at_its_head() {
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let (tx, reply) = Reply::sse();
     let slot = Mutex::new(Some(reply));
@@ -164,7 +118,7 @@ async fn a_stream_is_logged_when_its_body_ends_not_at_its_head() {
 
 #[tokio::test]
 async fn off_by_default_no_line() {
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let engine = kvmesh_tests::fake_vllm::start().await;
     let proxy = start(test_config(engine.addr())).await;
@@ -185,7 +139,7 @@ async fn off_by_default_no_line() {
 #[tokio::test]
 async fn a_pd_split_logs_both_legs_and_its_outcome() {
     use kvmesh_engine_sim::{Flavor, Role as SimRole, SimConfig};
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let engine = |role| {
         kvmesh_tests::route::sim_with(
@@ -233,7 +187,7 @@ async fn a_pd_split_logs_both_legs_and_its_outcome() {
 async fn a_data_parallel_engine_logs_the_rank_the_request_was_sent_to() {
     use kvmesh_engine_sim::SimConfig;
     use kvmesh_tests::route::{config, sim_with, MODEL};
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let engine = sim_with(SimConfig::new(MODEL).with_data_parallel_size(2)).await;
     let mut c = config(&engine, &[], None);
@@ -281,7 +235,7 @@ async fn a_data_parallel_engine_logs_the_rank_the_request_was_sent_to() {
 
 #[tokio::test]
 async fn with_tracing_a_request_without_traceparent_logs_the_trace_the_sidecar_started() {
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let collector = kvmesh_tests::otlp::Collector::start().await;
     let engine = kvmesh_tests::fake_vllm::start().await;

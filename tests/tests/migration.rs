@@ -11,47 +11,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use kvmesh_engine_sim::SimHandle;
 use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::access_lines::AccessLines;
 use kvmesh_tests::client::{fetch, http1, next_chunk, post_json, send};
 use kvmesh_tests::route::{add_peer, config, eventually, filters_yaml, metric, sim, MODEL};
 use kvmesh_tests::sidecar::start;
 use serde_json::{json, Value};
-use tracing_subscriber::layer::SubscriberExt;
-
-/// Access lines captured in memory (a test runs on one thread, so the
-/// thread's default subscriber sees the sidecar's events).
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<u8>>>);
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Lines {
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let buf = self.0.clone();
-        let layer = kvmesh_proxy::logging::AccessLayer::new(move || Sink(buf.clone()));
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(layer))
-    }
-
-    fn all(&self) -> Vec<Value> {
-        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    }
-}
 
 /// A stream as the client read it.
 struct Read {
@@ -321,7 +289,7 @@ async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
     let (ea, eb) = (sim().await, sim().await);
     // a forwards to b; b's engine dies mid-stream, and b's sidecar (which
     // does not own the client) ends its stream with an error event.
-    let lines = Lines::default();
+    let lines = AccessLines::default();
     let _guard = lines.capture();
     let s = fleet(dir.path(), &[&ea, &eb], "b", |c| {
         c.logging.access_log = true
