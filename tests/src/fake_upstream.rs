@@ -247,6 +247,23 @@ impl FakeUpstream {
         FakeUpstreamBuilder::default()
     }
 
+    /// An engine whose first `/v1/completions` answer is an SSE stream the
+    /// test writes through the returned sender; later calls hang.
+    pub async fn scripted_stream() -> (StreamTx, FakeUpstream) {
+        let (tx, reply) = Reply::sse();
+        let slot = Mutex::new(Some(reply));
+        let engine = FakeUpstream::builder()
+            .route("/v1/completions", move |_| {
+                slot.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take()
+                    .unwrap_or(Reply::Hang)
+            })
+            .start()
+            .await;
+        (tx, engine)
+    }
+
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

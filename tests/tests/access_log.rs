@@ -5,13 +5,12 @@
 //! with the key off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use kvmesh_tests::access_lines::AccessLines;
 use kvmesh_tests::client::{self, fetch, next_chunk, post_json, request, send};
-use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+use kvmesh_tests::fake_upstream::FakeUpstream;
 use kvmesh_tests::sidecar::{start, test_config};
 use serde_json::Value;
 
@@ -80,14 +79,7 @@ async fn a_request_writes_exactly_one_line_with_its_fields() {
 async fn a_stream_is_logged_when_its_body_ends_not_at_its_head() {
     let lines = AccessLines::default();
     let _guard = lines.capture();
-    let (tx, reply) = Reply::sse();
-    let slot = Mutex::new(Some(reply));
-    let engine = FakeUpstream::builder()
-        .route("/v1/completions", move |_| {
-            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
-        })
-        .start()
-        .await;
+    let (tx, engine) = FakeUpstream::scripted_stream().await;
     let mut config = test_config(engine.addr());
     config.logging.access_log = true;
     let proxy = start(config).await;

@@ -11,7 +11,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
-use std::sync::Mutex;
 
 use kvmesh_engine_sim::SimHandle;
 use kvmesh_proxy::SidecarHandle;
@@ -382,7 +381,7 @@ async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     use kvmesh_proxy::config::Duration as CfgDuration;
     let dir = tempfile::tempdir().unwrap();
     // a's engine sends one token and hangs; b is a simulated engine.
-    let (mut tx, hung) = scripted_engine().await;
+    let (mut tx, hung) = kvmesh_tests::fake_upstream::FakeUpstream::scripted_stream().await;
     let eb = sim().await;
     let mut c = kvmesh_tests::sidecar::test_config(hung.addr());
     c.pod.models = vec![MODEL.to_owned()];
@@ -428,23 +427,6 @@ async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     eb.shutdown().await;
 }
 
-/// A fake engine whose one completions stream the test writes.
-async fn scripted_engine() -> (
-    kvmesh_tests::fake_upstream::StreamTx,
-    kvmesh_tests::fake_upstream::FakeUpstream,
-) {
-    use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
-    let (tx, reply) = Reply::sse();
-    let slot = Mutex::new(Some(reply));
-    let engine = FakeUpstream::builder()
-        .route("/v1/completions", move |_| {
-            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
-        })
-        .start()
-        .await;
-    (tx, engine)
-}
-
 fn event(id: &str, text: &str, finish: Option<&str>) -> String {
     let e = json!({"id": id, "object": "text_completion", "created": 1, "model": MODEL,
         "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
@@ -455,8 +437,8 @@ fn event(id: &str, text: &str, finish: Option<&str>) -> String {
 async fn the_pod_a_stream_moved_to_counts_it_in_flight() {
     use kvmesh_proxy::config::Duration as CfgDuration;
     let dir = tempfile::tempdir().unwrap();
-    let (tx_a, engine_a) = scripted_engine().await;
-    let (tx_b, engine_b) = scripted_engine().await;
+    let (tx_a, engine_a) = kvmesh_tests::fake_upstream::FakeUpstream::scripted_stream().await;
+    let (tx_b, engine_b) = kvmesh_tests::fake_upstream::FakeUpstream::scripted_stream().await;
     let fake_config = |addr, name: &str| {
         let mut c = kvmesh_tests::sidecar::test_config(addr);
         c.pod.models = vec![MODEL.to_owned()];

@@ -2,13 +2,12 @@
 //! stream has started, a final SSE error event and a clean end. Never a hang.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvmesh_proxy::config::{ByteSize, Duration as CfgDuration};
 use kvmesh_tests::client::{self, fetch, next_chunk, post_json, request, send, Whole};
-use kvmesh_tests::fake_upstream::{FakeUpstream, Reply, StreamTx};
+use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
 use kvmesh_tests::sidecar::{refused_addr, start, start_for, test_config};
 
 const STREAM_BODY: &str = r#"{"model":"m","prompt":"p","stream":true}"#;
@@ -20,19 +19,6 @@ fn assert_error(r: &Whole, status: u16, kind: &str, code: &str) {
     assert_eq!(v["error"]["type"], kind, "{v}");
     assert_eq!(v["error"]["code"], code, "{v}");
     assert!(!v["error"]["message"].as_str().unwrap().is_empty());
-}
-
-/// A fake engine whose one completion streams under the test's control.
-async fn streaming_engine() -> (StreamTx, FakeUpstream) {
-    let (tx, reply) = Reply::sse();
-    let slot = Mutex::new(Some(reply));
-    let engine = FakeUpstream::builder()
-        .route("/v1/completions", move |_| {
-            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
-        })
-        .start()
-        .await;
-    (tx, engine)
 }
 
 #[tokio::test]
@@ -174,7 +160,7 @@ async fn read_error_tail(body: &mut hyper::body::Incoming) -> serde_json::Value 
 
 #[tokio::test]
 async fn engine_silent_mid_stream_ends_with_an_error_event() {
-    let (tx, engine) = streaming_engine().await;
+    let (tx, engine) = FakeUpstream::scripted_stream().await;
     let mut config = test_config(engine.addr());
     config.timeouts.stream_idle = CfgDuration::from_millis(300);
     let proxy = start(config).await;
@@ -200,7 +186,7 @@ async fn engine_dying_mid_stream_ends_with_an_error_event() {
     // default), only whole events go out, and a stream with no other pod to
     // go on on ends the same way (tests/migration.rs has the pods).
     for max_migrations in [0, 3] {
-        let (tx, engine) = streaming_engine().await;
+        let (tx, engine) = FakeUpstream::scripted_stream().await;
         let mut config = test_config(engine.addr());
         config.migration.max_migrations = max_migrations;
         let proxy = start(config).await;
@@ -225,7 +211,7 @@ async fn engine_dying_mid_stream_ends_with_an_error_event() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_upstream_request() {
-    let (mut tx, engine) = streaming_engine().await;
+    let (mut tx, engine) = FakeUpstream::scripted_stream().await;
     let proxy = start_for(engine.addr()).await;
     let c = client::http1();
     let resp = send(&c, post_json(proxy.addr(), "/v1/completions", STREAM_BODY)).await;

@@ -1,24 +1,16 @@
 //! Start-up, readiness, the admin port, and graceful shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use kvmesh_proxy::Sidecar;
 use kvmesh_tests::client::{self, admin_get, next_chunk, post_json, send};
-use kvmesh_tests::fake_upstream::{FakeUpstream, Reply};
+use kvmesh_tests::fake_upstream::FakeUpstream;
 use kvmesh_tests::sidecar::{refused_addr, start, start_for, test_config, wait_ready};
 
 #[tokio::test]
 async fn graceful_shutdown_finishes_an_in_flight_stream() {
-    let (tx, reply) = Reply::sse();
-    let slot = Mutex::new(Some(reply));
-    let engine = FakeUpstream::builder()
-        .route("/v1/completions", move |_| {
-            slot.lock().unwrap().take().unwrap_or(Reply::Hang)
-        })
-        .start()
-        .await;
+    let (tx, engine) = FakeUpstream::scripted_stream().await;
     let proxy = start_for(engine.addr()).await;
     let addr = proxy.addr();
     let resp = send(
