@@ -360,20 +360,28 @@ fn modules_depend_one_way() {
 /// Files under `src/<module>` whose code (comments and strings aside) names
 /// one of `needles`.
 fn offenders(module: &str, needles: &[&str]) -> Vec<String> {
+    lines_where(module, |line| {
+        needles.iter().any(|needle| line.contains(needle))
+    })
+}
+
+/// `file:line: code` of every line of code (comments and strings aside)
+/// under `src/<module>` that `bad` picks.
+fn lines_where(module: &str, bad: impl Fn(&str) -> bool) -> Vec<String> {
     let root = src().join(module);
     let mut files = Vec::new();
     rust_files(&root, &mut files);
     assert!(!files.is_empty(), "no sources under {}", root.display());
-    let mut bad = Vec::new();
+    let mut found = Vec::new();
     for f in files {
         let code = code_only(&std::fs::read_to_string(&f).unwrap_or_default());
         for (n, line) in code.lines().enumerate() {
-            if needles.iter().any(|needle| line.contains(needle)) {
-                bad.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+            if bad(line) {
+                found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
             }
         }
     }
-    bad
+    found
 }
 
 #[test]
@@ -421,24 +429,12 @@ fn the_stages_sit_above_the_request_core() {
 /// (so `Metrics`, not `PdMetrics`).
 fn word_offenders(module: &str, word: &str) -> Vec<String> {
     let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let root = src().join(module);
-    let mut files = Vec::new();
-    rust_files(&root, &mut files);
-    assert!(!files.is_empty(), "no sources under {}", root.display());
-    let mut bad = Vec::new();
-    for f in files {
-        let code = code_only(&std::fs::read_to_string(&f).unwrap_or_default());
-        for (n, line) in code.lines().enumerate() {
-            let whole = line.match_indices(word).any(|(at, _)| {
-                !line[..at].chars().next_back().is_some_and(is_ident)
-                    && !line[at + word.len()..].chars().next().is_some_and(is_ident)
-            });
-            if whole {
-                bad.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
-            }
-        }
-    }
-    bad
+    lines_where(module, |line| {
+        line.match_indices(word).any(|(at, _)| {
+            !line[..at].chars().next_back().is_some_and(is_ident)
+                && !line[at + word.len()..].chars().next().is_some_and(is_ident)
+        })
+    })
 }
 
 #[test]
