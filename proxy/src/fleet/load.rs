@@ -108,6 +108,58 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     Some(load)
 }
 
+/// What vLLM's `vllm:lora_requests_info` says of the adapters its scheduler
+/// holds now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoraInfo {
+    /// Adapters of requests in the running batch.
+    pub running: Vec<String>,
+    /// Adapters of requests waiting for it.
+    pub waiting: Vec<String>,
+    /// The engine's `--max-loras` (0: not reported).
+    pub max_lora: u32,
+}
+
+/// Reads `vllm:lora_requests_info` (vLLM's `vllm/v1/metrics/loggers.py`):
+/// a gauge whose labels are the state, `running_lora_adapters` and
+/// `waiting_lora_adapters` (names joined by commas) and `max_lora`, and
+/// whose value is the Unix time the engine last set it. Every combination
+/// the engine ever set stays in the text, so the newest (the largest value)
+/// is the current one. `None` without the gauge (LoRA off, or not vLLM).
+pub fn parse_lora_info(text: &str) -> Option<LoraInfo> {
+    const NAME: &str = "vllm:lora_requests_info";
+    let mut newest: Option<(f64, &str)> = None;
+    for line in text.lines() {
+        if !line.starts_with(NAME) {
+            continue;
+        }
+        let Some((series, set_at)) = split_sample(line) else {
+            continue;
+        };
+        let Some(labels) = series.strip_prefix(NAME).filter(|l| l.starts_with('{')) else {
+            continue;
+        };
+        if newest.is_none_or(|(t, _)| set_at >= t) {
+            newest = Some((set_at, labels));
+        }
+    }
+    let (_, labels) = newest?;
+    let names = |key| -> Vec<String> {
+        label(labels, key)
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    Some(LoraInfo {
+        running: names("running_lora_adapters"),
+        waiting: names("waiting_lora_adapters"),
+        max_lora: label_u32(labels, "max_lora").unwrap_or(0),
+    })
+}
+
 /// Each data-parallel rank's load, from the series labelled `engine="<rank>"`
 /// (vLLM labels its per-engine series so), in rank order; empty when no
 /// series carries the label.
@@ -194,13 +246,18 @@ fn split_sample(line: &str) -> Option<(&str, f64)> {
 
 /// The value of `key="..."` inside a `{...}` label block, as a u32.
 fn label_u32(labels: &str, key: &str) -> Option<u32> {
+    label(labels, key)?.parse().ok()
+}
+
+/// The value of `key="..."` inside a `{...}` label block.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     let mut rest = labels.trim_start_matches('{');
     while let Some(eq) = rest.find("=\"") {
         let name = rest[..eq].trim_start_matches(',').trim();
         let after = &rest[eq + 2..];
         let close = after.find('"')?;
         if name == key {
-            return after[..close].parse().ok();
+            return Some(&after[..close]);
         }
         rest = &after[close + 1..];
     }
@@ -235,6 +292,10 @@ mod tests {
 
     const VLLM: &str = include_str!("../../assets/tests/fixtures/metrics/vllm-0.32.txt");
     const SGLANG: &str = include_str!("../../assets/tests/fixtures/metrics/sglang-0.5.23.txt");
+    /// vLLM 0.32 (CPU) with `--enable-lora --max-loras 2`, after requests
+    /// for an adapter loaded at run time finished (tests/fixtures/vllm-cpu/lora/).
+    const VLLM_LORA: &str =
+        include_str!("../../assets/tests/fixtures/vllm-cpu/lora/metrics-after-requests.txt");
 
     /// The work counters: finished, prompt, cached, generated.
     fn work(load: &EngineLoad) -> (u64, u64, u64, u64) {
@@ -306,6 +367,31 @@ mod tests {
         let odd = "vllm:num_requests_waiting{a=\"}\"} NaN\nvllm:num_requests_running 1e99\n{\n=\"";
         let load = parse_engine_metrics(EngineKind::Vllm, odd).unwrap();
         assert_eq!(load.running, u32::MAX);
+    }
+
+    #[test]
+    fn lora_info_is_the_newest_series() {
+        // The capture holds the busy series and, set later, the idle one.
+        let idle = parse_lora_info(VLLM_LORA).unwrap();
+        assert_eq!(
+            idle,
+            LoraInfo {
+                max_lora: 2,
+                ..LoraInfo::default()
+            }
+        );
+        let busy = VLLM_LORA.replace("1.7964747352936258e+09", "1.9e+09");
+        let busy = parse_lora_info(&busy).unwrap();
+        assert_eq!(busy.running, ["sql-lora"]);
+        assert_eq!(busy.waiting, ["sql-lora"]);
+        // Without LoRA the engine exports no series, only its help text.
+        assert_eq!(parse_lora_info(VLLM), None);
+        let two = "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"c\"} 7\n";
+        let two = parse_lora_info(two).unwrap();
+        assert_eq!(
+            (two.running.len(), two.waiting, two.max_lora),
+            (2, vec!["c".to_owned()], 4)
+        );
     }
 
     #[test]

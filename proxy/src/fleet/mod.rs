@@ -10,6 +10,7 @@
 //! The schedule stage turns the fleet into `kvmesh_filters` endpoint views with
 //! [`Fleet::endpoints`]; nothing here does I/O.
 
+pub mod adapters;
 mod load;
 pub mod outlier;
 pub mod ranks;
@@ -24,7 +25,9 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
 
-pub use load::{parse_engine_metrics, parse_rank_loads, EngineLoad, EngineWork};
+pub use load::{
+    parse_engine_metrics, parse_lora_info, parse_rank_loads, EngineLoad, EngineWork, LoraInfo,
+};
 
 /// Most pods one sidecar tracks (local included); further peers are refused.
 pub const MAX_PODS: usize = 4096;
@@ -208,6 +211,19 @@ impl Fleet {
         if let Some(state) = self.pods.write().get_mut(id) {
             state.load = load;
             state.load_at = Some(now);
+        }
+    }
+
+    /// Replaces the LoRA adapters a pod's engine has loaded (the local
+    /// engine's as its sidecar learns them, a peer's as it publishes them);
+    /// returns whether they changed.
+    pub fn set_lora_adapters(&self, id: &str, adapters: Vec<String>) -> bool {
+        match self.pods.write().get_mut(id) {
+            Some(state) if state.info.lora_adapters != adapters => {
+                state.info.lora_adapters = adapters;
+                true
+            }
+            _ => false,
         }
     }
 
