@@ -83,15 +83,27 @@ struct Hub {
     decisions: VecDeque<(String, Vec<u64>)>,
     last_load: Option<LoadMsg>,
     last_in_flight: Vec<(String, u32)>,
+    /// The local engine's LoRA adapters as last published: the snapshot's
+    /// `Hello` carries them, and a change goes out as `Adapters`.
+    adapters: Vec<String>,
     /// Shutting down: streams have ended and no new one starts.
     closed: bool,
 }
 
-/// One subscriber's queue, and whether it asked for `Stats` frames (a
-/// sidecar that predates them would end the stream on one).
+/// One subscriber's queue, and whether it asked for `Stats` and `Adapters`
+/// frames (a sidecar that predates them would end the stream on one).
 struct Sub {
     tx: mpsc::Sender<Bytes>,
     stats: bool,
+    adapters: bool,
+}
+
+/// Which subscribers a frame goes to.
+#[derive(Clone, Copy)]
+enum Audience {
+    All,
+    Stats,
+    Adapters,
 }
 
 /// A new subscriber's stream: the snapshot frames, then its queue.
@@ -152,6 +164,7 @@ impl Mesh {
                 decisions: VecDeque::new(),
                 last_load: None,
                 last_in_flight: Vec::new(),
+                adapters: p.lora_adapters.clone(),
                 closed: false,
             }),
             queue: m.subscriber_queue,
@@ -264,9 +277,10 @@ impl Mesh {
     /// Registers a subscriber: the snapshot as of now and a queue of every
     /// later delta, consistent because both are taken under the hub lock.
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
-    /// when the sidecar is shutting down. `stats`: the subscriber also takes
-    /// `Stats` frames (out of sequence, see [`Hub::publish_stats`]).
-    pub fn subscribe(&self, stats: bool) -> Option<Subscription> {
+    /// when the sidecar is shutting down. `stats`, `adapters`: the subscriber
+    /// also takes `Stats` and `Adapters` frames (out of sequence, see
+    /// [`Hub::publish_stats`]).
+    pub fn subscribe(&self, stats: bool, adapters: bool) -> Option<Subscription> {
         let metrics = &self.metrics;
         let mut hub = self.hub.lock();
         if hub.closed {
@@ -278,7 +292,11 @@ impl Mesh {
             return None;
         }
         let seq = hub.seq;
-        let mut snapshot = vec![wire::encode(seq, &Msg::Hello(self.announce.clone()))];
+        let hello = Announce {
+            lora_adapters: hub.adapters.clone(),
+            ..self.announce.clone()
+        };
+        let mut snapshot = vec![wire::encode(seq, &Msg::Hello(hello))];
         if let Some(l) = hub.last_load {
             snapshot.push(wire::encode(seq, &Msg::Load(l)));
         }
@@ -306,7 +324,11 @@ impl Mesh {
         }
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
-        hub.subs.push(Sub { tx, stats });
+        hub.subs.push(Sub {
+            tx,
+            stats,
+            adapters,
+        });
         metrics.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
@@ -354,14 +376,20 @@ impl Mesh {
             .snapshot(now)
             .into_iter()
             .find(|p| p.info.id == fleet.local_id());
-        let load = local.map(|p| LoadMsg {
+        let load = local.as_ref().map(|p| LoadMsg {
             load: p.load,
             age_ms: p.load_age_ms.unwrap_or(u64::MAX),
             healthy: p.healthy,
         });
         let mut in_flight: Vec<(String, u32)> = fleet.published_in_flight().into_iter().collect();
         in_flight.sort_unstable();
+        let adapters = local.map(|p| p.info.lora_adapters);
         let mut hub = self.hub.lock();
+        if let Some(a) = adapters.filter(|a| *a != hub.adapters) {
+            hub.adapters.clone_from(&a);
+            let frame = wire::encode(hub.seq, &Msg::Adapters(a));
+            hub.send(&self.metrics, &frame, Audience::Adapters);
+        }
         if let Some(l) = load {
             hub.last_load = Some(l);
             hub.publish(&self.metrics, &Msg::Load(l));
@@ -383,7 +411,7 @@ impl Hub {
             return;
         }
         let frame = wire::encode(self.seq, msg);
-        self.send(metrics, &frame, false);
+        self.send(metrics, &frame, Audience::All);
     }
 
     /// Queues the local pod's counters to the subscribers that asked for
@@ -392,18 +420,23 @@ impl Hub {
     fn publish_stats(&mut self, metrics: &MeshMetrics, stats: crate::stat::PodStats) {
         if self.subs.iter().any(|s| s.stats) {
             let frame = wire::encode(self.seq, &Msg::Stats(stats));
-            self.send(metrics, &frame, true);
+            self.send(metrics, &frame, Audience::Stats);
         }
     }
 
-    /// Queues `frame` to every subscriber (`stats_only`: to those that take
-    /// `Stats`); a full queue drops its subscriber.
-    fn send(&mut self, metrics: &MeshMetrics, frame: &Bytes, stats_only: bool) {
+    /// Queues `frame` to every subscriber of `to`; a full queue drops its
+    /// subscriber.
+    fn send(&mut self, metrics: &MeshMetrics, frame: &Bytes, to: Audience) {
         let before = self.subs.len();
         let mut slow = 0;
         let mut sent = 0u64;
         self.subs.retain(|s| {
-            if stats_only && !s.stats {
+            let takes = match to {
+                Audience::All => true,
+                Audience::Stats => s.stats,
+                Audience::Adapters => s.adapters,
+            };
+            if !takes {
                 return true;
             }
             match s.tx.try_send(frame.clone()) {

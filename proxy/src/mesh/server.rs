@@ -46,6 +46,10 @@ pub const FOLLOW_MODELS: &str = "x-kvmesh-follow-models";
 /// A subscriber that takes `Stats` frames (kind 7, out of sequence) sends
 /// this header; older sidecars do not, and get none.
 pub const TAKES_STATS: &str = "x-kvmesh-stats";
+/// A subscriber that takes `Adapters` frames (kind 8, out of sequence) sends
+/// this header; older sidecars do not, and learn a peer's adapters from its
+/// `Hello` alone.
+pub const TAKES_ADAPTERS: &str = "x-kvmesh-adapters";
 /// Most mesh connections served at once (peers plus a margin).
 const MAX_CONNECTIONS: usize = 8192;
 
@@ -232,7 +236,8 @@ fn handle(shared: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
         }
     }
     let stats = req.headers().contains_key(TAKES_STATS);
-    match shared.mesh.subscribe(stats) {
+    let adapters = req.headers().contains_key(TAKES_ADAPTERS);
+    match shared.mesh.subscribe(stats, adapters) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_STATS};
+use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_ADAPTERS, TAKES_STATS};
 use super::wire::{self, Announce, Msg, WireError};
 use super::Tasks;
 use crate::backoff::Backoff;
@@ -232,7 +232,9 @@ async fn follow(
     };
     tokio::pin!(conn);
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}")).header(TAKES_STATS, "1");
+    let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}"))
+        .header(TAKES_STATS, "1")
+        .header(TAKES_ADAPTERS, "1");
     if cfg.follow == Follow::SameModels {
         // The peer checks them first and answers 409 instead of a snapshot.
         if let Ok(models) = serde_json::to_string(&shared.config.pod.models) {
@@ -344,6 +346,12 @@ impl Reader<'_> {
             shared.fleet.update_stats(&peer, |s| *s = stats);
             return Ok(());
         }
+        // Out of sequence too: the whole set, replacing the last.
+        if let Msg::Adapters(mut names) = msg {
+            names.truncate(crate::fleet::adapters::MAX_ADAPTERS);
+            shared.fleet.set_lora_adapters(&peer, names);
+            return Ok(());
+        }
         match self.next_seq {
             // Snapshot frames all carry the snapshot's sequence.
             None => {}
@@ -376,7 +384,7 @@ impl Reader<'_> {
             Msg::Kv { model, batch } => {
                 shared.prefix.apply(&peer, &model, &batch);
             }
-            Msg::Stats(_) => {}
+            Msg::Stats(_) | Msg::Adapters(_) => {}
             Msg::Decision { pod, keys } => {
                 if shared.prefix.mode() == crate::prefix::Mode::Approximate {
                     shared.prefix.approx().record(&pod, &keys);

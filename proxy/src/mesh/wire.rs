@@ -71,6 +71,14 @@ pub enum Msg {
     /// The sender pod's cumulative counters (requests served, P/D, prefix
     /// cache), for `kvmesh stat`; sent with each load tick.
     Stats(crate::stat::PodStats),
+    /// The LoRA adapters the sender's engine has loaded now, replacing the
+    /// list of its `Hello` and of any earlier `Adapters` (docs/mesh.md):
+    /// sent when the set changes, out of sequence, to subscribers that take it.
+    Adapters(Vec<String>),
+    /// The prompt tokens the sender has sent per target pod that wait to be
+    /// prefilled (replaces the last one): sent with each load tick, out of
+    /// sequence, to subscribers that take it.
+    Prefill(Vec<(String, u64)>),
 }
 
 /// A frame header.
@@ -104,6 +112,8 @@ mod kind {
     pub const KV: u8 = 5;
     pub const DECISION: u8 = 6;
     pub const STATS: u8 = 7;
+    pub const ADAPTERS: u8 = 8;
+    pub const PREFILL: u8 = 9;
 }
 
 const EV_STORED: u8 = 1;
@@ -188,6 +198,14 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
             put_len(&mut b, keys.len());
             for k in keys {
                 b.put_u64(*k);
+            }
+        }
+        Msg::Adapters(names) => put_strs(&mut b, names),
+        Msg::Prefill(tokens) => {
+            put_len(&mut b, tokens.len());
+            for (t, n) in tokens {
+                put_str(&mut b, t);
+                b.put_u64(*n);
             }
         }
     }
@@ -317,6 +335,15 @@ pub fn decode(kind: u8, payload: &[u8]) -> Result<Msg, WireError> {
             prefix_queries: r.u64()?,
             prefix_hits: r.u64()?,
         }),
+        kind::ADAPTERS => Msg::Adapters(r.strs()?),
+        kind::PREFILL => {
+            let n = r.len(12)?;
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                v.push((r.str()?, r.u64()?));
+            }
+            Msg::Prefill(v)
+        }
         k => return Err(WireError::Kind(k)),
     };
     if !r.0.is_empty() {
@@ -334,6 +361,8 @@ fn kind_of(msg: &Msg) -> u8 {
         Msg::Kv { .. } => kind::KV,
         Msg::Decision { .. } => kind::DECISION,
         Msg::Stats(_) => kind::STATS,
+        Msg::Adapters(_) => kind::ADAPTERS,
+        Msg::Prefill(_) => kind::PREFILL,
     }
 }
 
@@ -598,6 +627,10 @@ mod tests {
                 pod: "p".into(),
                 keys: vec![1, 2, u64::MAX],
             },
+            Msg::Adapters(vec!["sql-lora".into(), "chat-lora".into()]),
+            Msg::Adapters(vec![]),
+            Msg::Prefill(vec![("p".into(), 4096), ("q".into(), u64::MAX)]),
+            Msg::Prefill(vec![]),
             Msg::Kv {
                 model: "m".into(),
                 batch: EventBatch {
