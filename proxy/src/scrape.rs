@@ -4,6 +4,11 @@
 //! read in the fleet ([`crate::fleet::Fleet::set_load`]). Also learns the engine's
 //! KV block size, which the prefix stage and the scheduler need.
 //!
+//! Every `engine.models_interval` it also reads the engine's `/v1/models`
+//! (under the same deadline) and, with the metrics' `vllm:lora_requests_info`,
+//! keeps the local pod's live LoRA adapters in the fleet
+//! ([`crate::fleet::adapters`]); the mesh and the Valkey record publish them.
+//!
 //! What each outcome means for the local pod:
 //! * load read: fresh load, healthy;
 //! * the engine answered without load series (metrics disabled, another
@@ -25,7 +30,9 @@ use tokio::time::Instant;
 
 use crate::body::UpstreamBody;
 use crate::config::Config;
-use crate::fleet::{parse_engine_metrics, parse_rank_loads, EngineLoad, Fleet};
+use crate::fleet::{
+    adapters, parse_engine_metrics, parse_lora_info, parse_rank_loads, EngineLoad, Fleet, LoraInfo,
+};
 use crate::routing::Routing;
 use crate::shutdown::Shutdown;
 use crate::upstream::UpstreamClient;
@@ -45,9 +52,12 @@ pub struct Scrape {
 pub const UNHEALTHY_AFTER: Duration = Duration::from_secs(2);
 /// Largest metrics text read (a vLLM scrape is ~100 KiB; histograms grow with labels).
 const MAX_METRICS_BYTES: usize = 8 * 1024 * 1024;
+/// Largest `/v1/models` answer read (a card is ~500 bytes).
+const MAX_MODELS_BYTES: usize = 1024 * 1024;
 
 enum Outcome {
-    Load(EngineLoad),
+    /// The load, and what the LoRA gauge says (`None`: no gauge).
+    Load(EngineLoad, Option<LoraInfo>),
     /// The engine answered but said nothing about its load.
     NoLoad(&'static str),
     /// The scrape took longer than its deadline.
@@ -69,8 +79,14 @@ pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
             return;
         }
     };
+    let models_uri = format!("{}/v1/models", engine.url).parse::<Uri>().ok();
     let local = app.fleet.local_id().to_owned();
     app.fleet.ranks().set_size(engine.data_parallel_size);
+    // What the engine said last: `/v1/models`' adapters and the LoRA gauge;
+    // a failed read keeps them.
+    let mut listed: Vec<String> = Vec::new();
+    let mut lora: Option<LoraInfo> = None;
+    let mut models_due = Instant::now();
     let mut last = EngineLoad::default();
     let mut unreachable_since: Option<Instant> = None;
     let mut warned_no_load = false;
@@ -80,9 +96,26 @@ pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
             _ = shutdown.triggered() => return,
             o = scrape_once(&app, &uri, deadline) => o,
         };
+        if let (Some(uri), true) = (&models_uri, Instant::now() >= models_due) {
+            models_due = Instant::now() + engine.models_interval.get();
+            let read = tokio::select! {
+                _ = shutdown.triggered() => return,
+                l = read_models(&app, uri, deadline) => l,
+            };
+            if let Some(l) = read {
+                listed = l;
+            }
+        }
+        if let Outcome::Load(_, info) = &outcome {
+            lora.clone_from(info);
+        }
+        let live = adapters::live_set(&app.config.pod.lora_adapters, &listed, lora.as_ref());
+        if app.fleet.set_lora_adapters(&local, live.clone()) {
+            tracing::info!(adapters = ?live, "the engine's LoRA adapters changed");
+        }
         let now = Instant::now();
         match outcome {
-            Outcome::Load(load) => {
+            Outcome::Load(load, _) => {
                 if load.block_size > 0 {
                     app.engine_block_size
                         .store(load.block_size, Ordering::Relaxed);
@@ -155,11 +188,35 @@ async fn scrape_once(app: &Scrape, uri: &Uri, deadline: Duration) -> Outcome {
             app.fleet.ranks().set_loads(&ranks);
         }
         match parse_engine_metrics(app.config.engine.kind, &text) {
-            Some(load) => Outcome::Load(load),
+            Some(load) => Outcome::Load(load, parse_lora_info(&text)),
             None => Outcome::NoLoad("parse"),
         }
     };
     tokio::time::timeout(deadline, fetch)
         .await
         .unwrap_or(Outcome::Timeout)
+}
+
+/// The adapters the engine's `/v1/models` lists; `None` when it did not
+/// answer a model list within `deadline`.
+async fn read_models(app: &Scrape, uri: &Uri, deadline: Duration) -> Option<Vec<String>> {
+    let mut req = Request::new(UpstreamBody::empty());
+    *req.uri_mut() = uri.clone();
+    let fetch = async {
+        let resp = app.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = Limited::new(resp.into_body(), MAX_MODELS_BYTES)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        adapters::parse_models(&body)
+    };
+    let found = tokio::time::timeout(deadline, fetch).await.ok().flatten();
+    if found.is_none() {
+        tracing::debug!(url = %uri, "the engine's /v1/models did not answer a model list");
+    }
+    found
 }

@@ -108,6 +108,9 @@ pub struct Engine {
     /// Deadline of one scrape (vLLM's `/metrics` can stall for seconds); a
     /// scrape that misses it is skipped, and the load data ages.
     pub metrics_timeout: Duration,
+    /// How often the engine's `/v1/models` is read for the LoRA adapters it
+    /// has loaded at run time (each read bounded by `metrics_timeout`).
+    pub models_interval: Duration,
     /// The engine's KV cache event sockets; absent: no events (approximate
     /// prefix routing, or the engine's `/tokenize` with an empty index).
     pub kv_events: Option<KvEvents>,
@@ -137,7 +140,8 @@ pub struct Pod {
     /// Model names the engine serves (vLLM's `--served-model-name`); empty
     /// means unknown, and `model-filter` then passes this pod by default.
     pub models: Vec<String>,
-    /// LoRA adapters the engine has loaded.
+    /// LoRA adapters the engine always has loaded; those it loads at run
+    /// time are learned from it (`engine.models_interval`, docs/filters.md).
     pub lora_adapters: Vec<String>,
     /// Labels for `label-selector-filter`.
     pub labels: std::collections::BTreeMap<String, String>,
@@ -259,6 +263,7 @@ impl Default for Engine {
             metrics_path: "/metrics".to_owned(),
             metrics_interval: Duration::from_millis(250),
             metrics_timeout: Duration::from_millis(1000),
+            models_interval: Duration::from_millis(2000),
             kv_events: None,
             data_parallel_size: 1,
         }

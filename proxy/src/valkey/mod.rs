@@ -333,7 +333,8 @@ fn record_fn(t: &Tasks) -> writer::RecordFn {
                 .unwrap_or_default(),
             role: p.role,
             models: p.models.clone(),
-            adapters: p.lora_adapters.clone(),
+            // The live set (static, then those the engine loaded at run time).
+            adapters: me.info.lora_adapters.clone(),
             labels: p.labels.clone(),
             waiting: me.load.waiting,
             running: me.load.running,

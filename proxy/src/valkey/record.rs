@@ -27,6 +27,9 @@ pub struct PodRecord {
     pub role: Role,
     #[serde(default)]
     pub models: Vec<String>,
+    /// The LoRA adapters the engine has loaded as of the write: the configured
+    /// ones and those it loaded at run time (`fleet::adapters`), so a lookup
+    /// sees a load or unload within one `lease_interval`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapters: Vec<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
