@@ -146,6 +146,10 @@ pub struct SimConfig {
     pub kvagent: Option<KvagentConfig>,
     /// Seed of the latency model's spread (the profile's `*_std*` fields).
     pub seed: u64,
+    /// vLLM `--max-loras` with `--enable-lora` and runtime updating on
+    /// (`crate::http::lora`); 0 (the default): no LoRA, no adapter routes and
+    /// no `vllm:lora_requests_info`.
+    pub max_loras: usize,
 }
 
 impl Default for SimConfig {
@@ -183,6 +187,7 @@ impl SimConfig {
             data_parallel_size: 1,
             kvagent: None,
             seed: 0,
+            max_loras: 0,
         }
     }
 
@@ -256,6 +261,12 @@ impl SimConfig {
     /// See [`SimConfig::pd_in_process`].
     pub fn with_pd_in_process(mut self, on: bool) -> Self {
         self.pd_in_process = on;
+        self
+    }
+
+    /// See [`SimConfig::max_loras`].
+    pub fn with_max_loras(mut self, n: usize) -> Self {
+        self.max_loras = n;
         self
     }
 

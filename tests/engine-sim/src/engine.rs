@@ -68,6 +68,7 @@ impl Engine {
         let mut tasks = Vec::new();
         let mut ranks = Vec::with_capacity(config.data_parallel_size);
         let mut kv_all = Vec::with_capacity(config.data_parallel_size);
+        let adapters = Arc::new(crate::http::lora::Adapters::default());
         for rank in 0..config.data_parallel_size {
             let mut c = config.clone();
             c.dp_rank = u32::try_from(rank).unwrap_or(u32::MAX);
@@ -78,8 +79,15 @@ impl Engine {
                     .as_deref()
                     .map(|e| crate::http::dp::offset_port(e, rank));
             }
-            let (shared, kv) =
-                start_rank(c, &engine_id, tokenizer.clone(), &cancel, &mut tasks).await?;
+            let (shared, kv) = start_rank(
+                c,
+                &engine_id,
+                tokenizer.clone(),
+                adapters.clone(),
+                &cancel,
+                &mut tasks,
+            )
+            .await?;
             ranks.push(shared);
             kv_all.extend(kv);
         }
@@ -115,6 +123,7 @@ async fn start_rank(
     config: SimConfig,
     engine_id: &str,
     tokenizer: Arc<dyn Tokenizer>,
+    adapters: Arc<crate::http::lora::Adapters>,
     cancel: &CancellationToken,
     tasks: &mut Vec<JoinHandle<()>>,
 ) -> Result<(Arc<Shared>, Option<KvEndpoints>), SimError> {
@@ -146,6 +155,7 @@ async fn start_rank(
     }
     let shared = Arc::new(Shared {
         kvagent,
+        adapters,
         cfg: config,
         engine_id: engine_id.to_owned(),
         tokenizer,

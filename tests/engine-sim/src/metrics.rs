@@ -91,9 +91,16 @@ pub struct EngineMetrics {
     pub request_generation_tokens: Histogram,
     pub request_max_tokens: Histogram,
     pub iteration_tokens: Histogram,
+    /// `vllm:lora_requests_info`: every (running, waiting) pair of adapter
+    /// lists the core has set, with the Unix time it last did; vLLM keeps
+    /// every label set it ever set, the simulator the last [`MAX_LORA_SERIES`].
+    pub lora_series: Vec<(String, String, f64)>,
     block_size: usize,
     num_blocks: usize,
 }
+
+/// Label sets of `vllm:lora_requests_info` kept.
+const MAX_LORA_SERIES: usize = 64;
 
 const REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
 
@@ -132,9 +139,27 @@ impl EngineMetrics {
             request_generation_tokens: Histogram::new(TOKENS),
             request_max_tokens: Histogram::new(TOKENS),
             iteration_tokens: Histogram::new(TOKENS),
+            lora_series: Vec::new(),
             block_size: cfg.block_size,
             num_blocks: cfg.num_blocks,
         }
+    }
+
+    /// Sets the LoRA gauge's series for these adapter lists (comma-joined)
+    /// to `at`, the Unix time, as vLLM's `set_to_current_time` does.
+    pub fn set_lora(&mut self, running: String, waiting: String, at: f64) {
+        if let Some(s) = self
+            .lora_series
+            .iter_mut()
+            .find(|(r, w, _)| *r == running && *w == waiting)
+        {
+            s.2 = at;
+            return;
+        }
+        if self.lora_series.len() >= MAX_LORA_SERIES {
+            self.lora_series.remove(0);
+        }
+        self.lora_series.push((running, waiting, at));
     }
 
     pub fn finished(&mut self, reason: &str) {
@@ -342,6 +367,19 @@ impl EngineMetrics {
             &l,
             &self.decode_time,
         );
+        if cfg.max_loras > 0 {
+            let _ = writeln!(o, "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge");
+            for (running, waiting, at) in &self.lora_series {
+                let _ = writeln!(
+                    o,
+                    "vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {}",
+                    cfg.max_loras,
+                    esc(running),
+                    esc(waiting),
+                    go_float(*at)
+                );
+            }
+        }
         let _ = writeln!(o, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge");
         let _ = writeln!(
             o,
@@ -505,6 +543,19 @@ fn esc(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// A float as Python's prometheus_client writes it (`floatToGoString`): a
+/// Unix time is `1.7964747352936258e+09`.
+fn go_float(v: f64) -> String {
+    let s = format!("{v}");
+    match s.find('.') {
+        Some(dot) if v > 0.0 && dot > 6 => {
+            let digits = format!("{}.{}{}", &s[..1], &s[1..dot], &s[dot + 1..]);
+            format!("{}e+0{}", digits.trim_end_matches(['0', '.']), dot - 1)
+        }
+        _ => num(v),
+    }
 }
 
 fn num(v: f64) -> String {

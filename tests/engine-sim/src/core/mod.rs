@@ -418,5 +418,19 @@ impl Core {
         m.used_blocks = self.pool.num_blocks() - self.pool.num_free();
         m.held_transfers = self.held.len();
         m.cached_blocks = self.pool.num_cached();
+        if self.cfg.max_loras > 0 {
+            let names = |seqs: &mut dyn Iterator<Item = &Seq>| {
+                let set: std::collections::BTreeSet<&str> = seqs
+                    .filter_map(|s| s.req.extras.lora_name.as_deref())
+                    .collect();
+                set.into_iter().collect::<Vec<_>>().join(",")
+            };
+            let running = names(&mut self.running.iter());
+            let waiting = names(&mut self.waiting.iter());
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            m.set_lora(running, waiting, at);
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! P/D side channels `/kvmesh-sim/*` other engines call (`crate::pd`).
 
 pub(crate) mod dp;
+pub(crate) mod lora;
 mod openai;
 pub(crate) mod shapes;
 
@@ -50,6 +51,8 @@ pub(crate) struct Shared {
     pub fingerprint: String,
     /// The node agent, when the engine speaks the kvmesh KV connector.
     pub kvagent: Option<Arc<crate::pd::kvagent::Link>>,
+    /// LoRA adapters loaded at run time (one set for every rank).
+    pub adapters: Arc<lora::Adapters>,
 }
 
 /// Accepts connections until `cancel`; each connection is a task in a set
@@ -241,16 +244,28 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
                 crate::config::Flavor::Vllm => "vllm",
                 crate::config::Flavor::Sglang => "sglang",
             };
-            let v = shapes::models(
+            let mut v = shapes::models(
                 &shared.cfg.model,
                 owner,
                 shared.created,
                 shared.cfg.max_model_len,
                 &perm,
             );
+            let cards = shared
+                .adapters
+                .cards(&shared.cfg.model, shared.created, &perm);
+            if let Some(data) = v.get_mut("data").and_then(Value::as_array_mut) {
+                data.extend(cards);
+            }
             json_response(200, &v, &none)
         }
         (Method::POST, "/tokenize") => tokenize(&shared, &body),
+        (Method::POST, "/v1/load_lora_adapter") if shared.cfg.max_loras > 0 => {
+            lora_answer(shared.adapters.load(&shared.cfg.model, &body))
+        }
+        (Method::POST, "/v1/unload_lora_adapter") if shared.cfg.max_loras > 0 => {
+            lora_answer(shared.adapters.unload(&body))
+        }
         (Method::GET, "/metrics") => {
             let text = shared.metrics.lock().render(&shared.cfg);
             plain(
@@ -295,6 +310,14 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
             | bootstrap::BOOTSTRAP_PATH,
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
+    }
+}
+
+/// vLLM answers a done adapter call with bare text (no content type).
+fn lora_answer(a: lora::Answer) -> Reply {
+    match a {
+        lora::Answer::Done(text) => Response::new(full(text)),
+        lora::Answer::Error(code, body) => json_response(code, &body, &Verdict::default()),
     }
 }
 

@@ -178,8 +178,14 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
     let cfg = &shared.cfg;
     let body: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}"), None))?;
+    // A loaded adapter runs as its own model (`crate::http::lora`).
+    let lora_name = body
+        .get("model")
+        .and_then(Value::as_str)
+        .filter(|m| *m != cfg.model && cfg.max_loras > 0 && shared.adapters.has(m))
+        .map(str::to_owned);
     if let Some(m) = body.get("model").and_then(Value::as_str) {
-        if m != cfg.model {
+        if m != cfg.model && lora_name.is_none() {
             return Err(ApiError {
                 status: 404,
                 message: format!("The model `{m}` does not exist."),
@@ -237,7 +243,7 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
             .get("cache_salt")
             .and_then(Value::as_str)
             .map(str::to_string),
-        lora_name: None,
+        lora_name: lora_name.clone(),
     };
     let hashes = hash::block_hashes(&prompt, cfg.block_size, &extras);
     let prefix = if chat { "chatcmpl-" } else { "cmpl-" };
@@ -305,7 +311,7 @@ async fn prepare(shared: &Shared, body: &[u8], chat: bool) -> Result<Prepared, A
     let meta = Meta {
         id,
         created: unix_now(),
-        model: cfg.model.clone(),
+        model: lora_name.unwrap_or_else(|| cfg.model.clone()),
         fingerprint: shared.fingerprint.clone(),
         chat,
     };

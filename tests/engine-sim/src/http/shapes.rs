@@ -172,13 +172,18 @@ pub fn models(
         "data": [{
             "id": model, "object": "model", "created": created, "owned_by": owned_by, "root": model,
             "parent": null, "max_model_len": max_model_len,
-            "permission": [{
-                "id": perm_id, "object": "model_permission", "created": created,
-                "allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
-                "allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
-                "organization": "*", "group": null, "is_blocking": false,
-            }],
+            "permission": [permission(perm_id, created)],
         }],
+    })
+}
+
+/// A model card's `permission` entry.
+pub fn permission(perm_id: &str, created: u64) -> Value {
+    json!({
+        "id": perm_id, "object": "model_permission", "created": created,
+        "allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
+        "allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
+        "organization": "*", "group": null, "is_blocking": false,
     })
 }
 
