@@ -1,0 +1,170 @@
+//! LoRA adapters loaded at run time, end to end: two simulated vLLM engines
+//! with LoRA on (`--max-loras 2`, runtime updating), one sidecar each, meshed
+//! through a peers file. An adapter loaded on engine B while everything runs
+//! reaches sidecar A through B's `/v1/models` and the mesh's `Adapters`
+//! frame; requests for it sent to A are then served by B; unloaded, it
+//! leaves A's view of B within a poll, and a request for it is a 404 again.
+//! A sidecar that joins later learns the adapter from B's `Hello`.
+//! (docs/filters.md, "LoRA adapters loaded at run time".)
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+
+use kvmesh_engine_sim::{KvEventsConfig, SimConfig, SimHandle};
+use kvmesh_proxy::config::Duration as CfgDuration;
+use kvmesh_proxy::SidecarHandle;
+use kvmesh_tests::client::{fetch, http1, post_json};
+use kvmesh_tests::mesh::{mesh_config, start_on, write_peers};
+use kvmesh_tests::route::{eventually, sim_with, MODEL};
+
+const ADAPTER: &str = "sql-lora";
+
+/// A simulated engine serving [`MODEL`] with LoRA on, publishing KV events.
+async fn lora_sim() -> SimHandle {
+    let mut kv = KvEventsConfig::new("tcp://127.0.0.1:0");
+    kv.bind = Some(true);
+    kv.topic = format!("kv@sim@{MODEL}");
+    sim_with(
+        SimConfig::new(MODEL)
+            .with_time_scale(20.0)
+            .with_block_size(16)
+            .with_kv_events(kv)
+            .with_max_loras(2),
+    )
+    .await
+}
+
+/// A meshed sidecar in front of `engine` that reads `/v1/models` every 100 ms.
+async fn sidecar(engine: &SimHandle, peers: &std::path::Path) -> SidecarHandle {
+    let mut c = mesh_config(engine, peers);
+    c.engine.models_interval = CfgDuration::from_millis(100);
+    start_on(c, None).await
+}
+
+/// An engine-side adapter call (`load_lora_adapter` or `unload_lora_adapter`).
+async fn adapter_call(engine: &SimHandle, op: &str, body: serde_json::Value) {
+    let path = format!("/v1/{op}_lora_adapter");
+    let r = fetch(&http1(), post_json(engine.addr(), &path, &body.to_string())).await;
+    assert_eq!(r.status, 200, "{op}: {}", r.text());
+}
+
+/// The adapters `on` knows pod `pod` to have loaded.
+fn adapters_of(on: &SidecarHandle, pod: &SidecarHandle) -> Vec<String> {
+    let id = pod.addr().to_string();
+    on.fleet()
+        .snapshot(tokio::time::Instant::now())
+        .into_iter()
+        .find(|p| p.info.id == id)
+        .map(|p| p.info.lora_adapters)
+        .unwrap_or_default()
+}
+
+/// Waits until `on` sees `pod` with the adapter loaded (`loaded`) or not.
+async fn wait_adapter(on: &SidecarHandle, pod: &SidecarHandle, loaded: bool) {
+    eventually("the adapter's state reached the sidecar", || async {
+        (adapters_of(on, pod).iter().any(|a| a == ADAPTER) == loaded).then_some(())
+    })
+    .await;
+}
+
+/// One completion for `model` through the sidecar at `addr`: its status and
+/// the model the engine answered with.
+async fn complete(addr: SocketAddr, model: &str) -> (u16, String) {
+    let body = serde_json::json!({"model": model, "prompt": "select the rows where id is seven", "max_tokens": 2});
+    let r = fetch(
+        &http1(),
+        post_json(addr, "/v1/completions", &body.to_string()),
+    )
+    .await;
+    let answered = r.json()["model"].as_str().unwrap_or_default().to_owned();
+    (r.status.as_u16(), answered)
+}
+
+/// Completion calls an engine received for `model`.
+fn calls_for(engine: &SimHandle, model: &str) -> usize {
+    engine
+        .received_requests()
+        .iter()
+        .filter(|r| r.path == "/v1/completions")
+        .filter(|r| {
+            serde_json::from_slice::<serde_json::Value>(&r.body)
+                .is_ok_and(|b| b["model"].as_str() == Some(model))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_loaded_at_run_time_is_routed_to_until_unloaded() {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let (ea, eb) = (lora_sim().await, lora_sim().await);
+    let (a, b) = (
+        sidecar(&ea, peers.path()).await,
+        sidecar(&eb, peers.path()).await,
+    );
+    write_peers(
+        peers.path(),
+        &[a.mesh_addr().unwrap(), b.mesh_addr().unwrap()],
+    );
+    eventually("A and B know each other", || async {
+        let now = tokio::time::Instant::now();
+        (a.fleet().snapshot(now).len() == 2 && b.fleet().snapshot(now).len() == 2).then_some(())
+    })
+    .await;
+
+    // Nothing serves the adapter yet: the sidecar's own 404.
+    assert_eq!(complete(a.addr(), ADAPTER).await.0, 404);
+
+    let path = std::env::temp_dir().to_string_lossy().into_owned();
+    adapter_call(
+        &eb,
+        "load",
+        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
+    )
+    .await;
+    wait_adapter(&b, &b, true).await;
+    wait_adapter(&a, &b, true).await;
+    assert!(adapters_of(&a, &a).is_empty(), "A's engine loaded nothing");
+
+    for _ in 0..6 {
+        assert_eq!(
+            complete(a.addr(), ADAPTER).await,
+            (200, ADAPTER.to_owned()),
+            "a request for the adapter, sent to A, is served"
+        );
+    }
+    assert_eq!(
+        calls_for(&eb, ADAPTER),
+        6,
+        "every one ran on B, which has it"
+    );
+    assert_eq!(calls_for(&ea, ADAPTER), 0);
+    // The base model still goes anywhere.
+    assert_eq!(complete(a.addr(), MODEL).await.0, 200);
+
+    // A sidecar that joins now learns the adapter from B's snapshot.
+    let ec = lora_sim().await;
+    let c = sidecar(&ec, peers.path()).await;
+    let all = [
+        a.mesh_addr().unwrap(),
+        b.mesh_addr().unwrap(),
+        c.mesh_addr().unwrap(),
+    ];
+    write_peers(peers.path(), &all);
+    wait_adapter(&c, &b, true).await;
+
+    adapter_call(&eb, "unload", serde_json::json!({"lora_name": ADAPTER})).await;
+    wait_adapter(&a, &b, false).await;
+    wait_adapter(&c, &b, false).await;
+    assert_eq!(
+        complete(a.addr(), ADAPTER).await.0,
+        404,
+        "unloaded everywhere: no pod serves it"
+    );
+
+    for s in [a, b, c] {
+        s.shutdown().await;
+    }
+    for e in [ea, eb, ec] {
+        e.shutdown().await;
+    }
+}
