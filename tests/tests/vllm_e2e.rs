@@ -24,8 +24,8 @@ use vllm::recorder::{self, Recorder};
 use vllm::report::Timings;
 use vllm::sidecar::SidecarUnderTest;
 use vllm::{
-    case_dp, case_faults, case_fidelity, case_hashes, case_mesh, case_openai, case_pd, case_shapes,
-    engines_lock,
+    case_dp, case_faults, case_fidelity, case_hashes, case_lora, case_mesh, case_openai, case_pd,
+    case_shapes, engines_lock,
 };
 
 /// KV-cache size of the single engine, in 32-token blocks (tiny-llama: 64 KiB per block).
@@ -436,6 +436,72 @@ fn vllm_dp_group() -> Result<()> {
         || rt.block_on(case_dp::check(&http, &engines[0], &sidecar)),
     )?;
     rt.block_on(sidecar.shutdown());
+    Ok(())
+}
+
+/// Group "lora": one engine with LoRA on and runtime adapter updates (`--enable-lora`,
+/// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), sidecar B in front of it, sidecar A in front of a
+/// simulated engine serving the same base model, the two meshed.
+///
+/// * case 9: an adapter written for tiny-llama, loaded on vLLM while everything runs, reaches A (B's
+///   `/v1/models`, the mesh's `Adapters` frame); A's requests for it are served by vLLM (its greedy
+///   text the base model's: `lora_B` is zero) and vLLM's `vllm:lora_requests_info` names it;
+///   unloaded, it leaves A's view of B and A answers 404 for it.
+#[test]
+fn vllm_lora_group() -> Result<()> {
+    let _one_group_at_a_time = engines_lock();
+    let mut t = Timings::new("lora");
+    let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
+    let work = work_dir();
+    let adapter = t.step("write a LoRA adapter for tiny-llama", || {
+        case_lora::write_adapter(&venv, work.path())
+    })?;
+    let spec = EngineSpec {
+        extra_args: case_lora::engine_args(),
+        env: case_lora::engine_env(),
+        ..EngineSpec::new("lora", 0)
+    };
+    let engines = t.step("start vLLM --enable-lora (runtime updates on)", || {
+        Engine::start_all(&venv, work.path(), std::slice::from_ref(&spec))
+    })?;
+    let rt = runtime();
+    let http = Http::default();
+    let peers = [work.path().join("peers-a"), work.path().join("peers-b")];
+    let (sim, a, b) = t.step(
+        "start a simulated engine and the two sidecars, meshed",
+        || {
+            rt.block_on(async {
+                let sim = kvmesh_engine_sim::Engine::start_local(
+                    kvmesh_engine_sim::SimConfig::new(vllm::MODEL).with_time_scale(10.0),
+                )
+                .await?;
+                for p in &peers {
+                    std::fs::write(p, "")?;
+                }
+                let sim_url = format!("http://{}", sim.addr());
+                let a = SidecarUnderTest::from_yaml(case_lora::sidecar_yaml(&sim_url, &peers[0]))
+                    .await?;
+                let b = SidecarUnderTest::from_yaml(case_lora::sidecar_yaml(
+                    &engines[0].base_url,
+                    &peers[1],
+                ))
+                .await?;
+                wait_ready(&http, &a.admin_url).await?;
+                wait_ready(&http, &b.admin_url).await?;
+                case_mesh::join([&a, &b], [&peers[0], &peers[1]]).await?;
+                anyhow::Ok((sim, a, b))
+            })
+        },
+    )?;
+    t.step(
+        "case 9: a LoRA adapter loaded and unloaded at run time, routed to through the mesh",
+        || rt.block_on(case_lora::run(&http, &engines[0], &a, &b, &adapter)),
+    )?;
+    rt.block_on(async {
+        a.shutdown().await;
+        b.shutdown().await;
+        sim.shutdown().await;
+    });
     Ok(())
 }
 

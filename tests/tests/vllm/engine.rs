@@ -102,6 +102,8 @@ pub struct EngineSpec {
     pub kv_transfer: Option<(serde_json::Value, Vec<(String, String)>)>,
     /// More `vllm serve` arguments (e.g. `--chat-template PATH`).
     pub extra_args: Vec<String>,
+    /// More environment for the engine (e.g. `VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+    pub env: Vec<(String, String)>,
 }
 
 impl EngineSpec {
@@ -119,6 +121,7 @@ impl EngineSpec {
             nixl: None,
             kv_transfer: None,
             extra_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -248,6 +251,7 @@ impl Engine {
             cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         }
         cmd.args(&spec.extra_args);
+        cmd.envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         if spec.data_parallel > 1 {
             cmd.args(["--data-parallel-size", &spec.data_parallel.to_string()]);
         }

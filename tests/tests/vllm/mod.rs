@@ -19,6 +19,7 @@ pub mod case_dp;
 pub mod case_faults;
 pub mod case_fidelity;
 pub mod case_hashes;
+pub mod case_lora;
 pub mod case_mesh;
 pub mod case_openai;
 pub mod case_pd;
