@@ -368,6 +368,7 @@ fn msg() -> impl Strategy<Value = Msg> {
             prefix_queries: s[3],
             prefix_hits: s[4],
         })),
+        proptest::collection::vec(short(), 0..5).prop_map(Msg::Adapters),
     ]
 }
 

@@ -92,6 +92,11 @@ pub struct Args {
     /// it, the least loaded; rank r publishes KV events on the endpoint's port + r.
     #[arg(long, default_value_t = 1)]
     data_parallel_size: usize,
+    /// vLLM's `--enable-lora --max-loras N` with runtime updates on: serves
+    /// `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` and exports
+    /// `vllm:lora_requests_info`; 0, the default, is LoRA off.
+    #[arg(long, default_value_t = 0)]
+    max_loras: usize,
     /// Speak the kvmesh KV connector through the node agent at this socket
     /// (`kvmesh-kvagent run --socket`): prefill sends real bytes to the agent
     /// the proxy names, decode takes them from this one.
@@ -145,6 +150,7 @@ impl Args {
             .with_max_num_seqs(max_num_seqs)
             .with_max_model_len(self.max_model_len)
             .with_data_parallel_size(self.data_parallel_size)
+            .with_max_loras(self.max_loras)
             .with_profile(profile)
             .with_time_scale(self.time_scale)
             .with_seed(self.seed)
