@@ -4,11 +4,20 @@
 //! reaches sidecar A through B's `/v1/models` and the mesh's `Adapters`
 //! frame; requests for it sent to A are then served by B; unloaded, it
 //! leaves A's view of B within a poll, and a request for it is a 404 again.
-//! A sidecar that joins later learns the adapter from B's `Hello`.
+//! A sidecar that joins later learns the adapter from B's `Hello`. A
+//! subscriber that does not ask for `Adapters` frames (an older sidecar) gets
+//! none and keeps its stream.
 //! (docs/filters.md, "LoRA adapters loaded at run time".)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvmesh_proxy::mesh::subscriber::split_frames;
+use kvmesh_proxy::mesh::wire::Msg;
 
 use kvmesh_engine_sim::{KvEventsConfig, SimConfig, SimHandle};
 use kvmesh_proxy::config::Duration as CfgDuration;
@@ -167,4 +176,123 @@ async fn an_adapter_loaded_at_run_time_is_routed_to_until_unloaded() {
     for e in [ea, eb, ec] {
         e.shutdown().await;
     }
+}
+
+/// Every frame of one hand-read mesh stream, as it arrives: `(seq, msg)`.
+type Frames = Arc<Mutex<Vec<(u64, Msg)>>>;
+
+/// Subscribes to `s`'s state stream by hand, with the `x-kvmesh-adapters`
+/// header or (as an older sidecar) without; frames are collected in the
+/// background until the task is aborted.
+async fn read_stream(s: &SidecarHandle, adapters: bool) -> (Frames, tokio::task::JoinHandle<()>) {
+    let addr = s.mesh_addr().unwrap();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake::<_, Empty<Bytes>>(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let mut req = http::Request::get(format!("http://{addr}/mesh/v1/stream"));
+    if adapters {
+        req = req.header(kvmesh_proxy::mesh::server::TAKES_ADAPTERS, "1");
+    }
+    let frames: Frames = Arc::default();
+    let sink = frames.clone();
+    let task = tokio::spawn(async move {
+        let driver = tokio::spawn(conn);
+        let resp = send
+            .send_request(req.body(Empty::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut buf = BytesMut::new();
+        while let Some(Ok(f)) = body.frame().await {
+            if let Ok(data) = f.into_data() {
+                buf.extend_from_slice(&data);
+                sink.lock().unwrap().extend(split_frames(&mut buf).unwrap());
+            }
+        }
+        driver.abort();
+    });
+    (frames, task)
+}
+
+/// The adapter lists of the `Adapters` frames received so far, each with its `seq`.
+fn adapter_frames(frames: &Frames) -> Vec<(u64, Vec<String>)> {
+    frames
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(seq, m)| match m {
+            Msg::Adapters(a) => Some((*seq, a.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_subscribers_that_ask_get_adapters_frames_and_snapshots_carry_the_set() {
+    let peers = tempfile::NamedTempFile::new().unwrap();
+    let e = lora_sim().await;
+    let s = sidecar(&e, peers.path()).await;
+    let (old, old_task) = read_stream(&s, false).await;
+    let (new, new_task) = read_stream(&s, true).await;
+    eventually("both streams subscribed", || async {
+        (s.mesh().subscribers() == 2).then_some(())
+    })
+    .await;
+
+    let path = std::env::temp_dir().to_string_lossy().into_owned();
+    adapter_call(
+        &e,
+        "load",
+        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
+    )
+    .await;
+    let seq = eventually("the new subscriber gets the set", || async {
+        adapter_frames(&new)
+            .into_iter()
+            .find(|(_, a)| a == &[ADAPTER])
+            .map(|(seq, _)| seq)
+    })
+    .await;
+    // A later delta reached the old subscriber: the tick that sent the set is behind it.
+    eventually("the old subscriber is past that tick", || async {
+        old.lock()
+            .unwrap()
+            .iter()
+            .any(|(q, _)| *q > seq)
+            .then_some(())
+    })
+    .await;
+    assert!(
+        adapter_frames(&old).is_empty(),
+        "an older sidecar would end its stream on one"
+    );
+    assert_eq!(s.mesh().subscribers(), 2, "both streams stay");
+
+    // A fresh snapshot's Hello carries the live set.
+    let (fresh, fresh_task) = read_stream(&s, false).await;
+    let hello = eventually("the fresh snapshot's hello", || async {
+        fresh.lock().unwrap().iter().find_map(|(_, m)| match m {
+            Msg::Hello(a) => Some(a.lora_adapters.clone()),
+            _ => None,
+        })
+    })
+    .await;
+    assert_eq!(hello, [ADAPTER]);
+
+    adapter_call(&e, "unload", serde_json::json!({"lora_name": ADAPTER})).await;
+    eventually("the new subscriber gets the empty set", || async {
+        adapter_frames(&new)
+            .last()
+            .filter(|(_, a)| a.is_empty())
+            .map(|_| ())
+    })
+    .await;
+    for t in [old_task, new_task, fresh_task] {
+        t.abort();
+    }
+    s.shutdown().await;
+    e.shutdown().await;
 }
