@@ -6,7 +6,9 @@
 //! leaves A's view of B within a poll, and a request for it is a 404 again.
 //! A sidecar that joins later learns the adapter from B's `Hello`. A
 //! subscriber that does not ask for `Adapters` frames (an older sidecar) gets
-//! none and keeps its stream.
+//! none and keeps its stream. On the Valkey backend, the pod's record carries
+//! the live set and the pod registers under a new adapter, so a lookup for it
+//! finds the pod before it has stored a block of it.
 //! (docs/filters.md, "LoRA adapters loaded at run time".)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -20,6 +22,8 @@ use kvmesh_proxy::mesh::subscriber::split_frames;
 use kvmesh_proxy::mesh::wire::Msg;
 
 use kvmesh_engine_sim::{KvEventsConfig, SimConfig, SimHandle};
+use kvmesh_loadgen::valkey::ValkeyServer;
+use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
 use kvmesh_proxy::config::Duration as CfgDuration;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, post_json};
@@ -87,6 +91,18 @@ async fn complete(addr: SocketAddr, model: &str) -> (u16, String) {
     .await;
     let answered = r.json()["model"].as_str().unwrap_or_default().to_owned();
     (r.status.as_u16(), answered)
+}
+
+/// Whether a request for the adapter through `addr` is the sidecar's own 404
+/// (no pod serves it), not an engine's.
+async fn own_404(addr: SocketAddr) -> bool {
+    let body = serde_json::json!({"model": ADAPTER, "prompt": "a", "max_tokens": 1});
+    let r = fetch(
+        &http1(),
+        post_json(addr, "/v1/completions", &body.to_string()),
+    )
+    .await;
+    r.status == 404 && r.json()["error"]["code"] == "model_not_found"
 }
 
 /// Completion calls an engine received for `model`.
@@ -295,4 +311,71 @@ async fn only_subscribers_that_ask_get_adapters_frames_and_snapshots_carry_the_s
     }
     s.shutdown().await;
     e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_valkey_a_pod_is_found_by_an_adapter_it_loaded_at_run_time() {
+    let server = ValkeyServer::start().await.unwrap();
+    let valkey = ValkeyConfig {
+        urls: vec![server.url()],
+        lookup_deadline: CfgDuration::from_millis(200),
+        cache_ttl: CfgDuration::from_millis(20),
+        lease_interval: CfgDuration::from_millis(100),
+        lease_ttl: CfgDuration::from_millis(600),
+        flush_interval: CfgDuration::from_millis(5),
+        ..ValkeyConfig::default()
+    };
+    let no_peers = std::env::temp_dir().join("kvmesh-lora-valkey-no-peers");
+    let (ea, eb) = (lora_sim().await, lora_sim().await);
+    let mut sidecars = Vec::new();
+    for e in [&ea, &eb] {
+        let mut c = mesh_config(e, &no_peers);
+        c.mesh.file = None;
+        c.mesh.listen = None;
+        c.engine.models_interval = CfgDuration::from_millis(100);
+        c.index.backend = Backend::Valkey;
+        c.index.valkey = valkey.clone();
+        let s = start_on(c, None).await;
+        eventually("registered in valkey", || async {
+            s.index()?.status().writer.registered.then_some(())
+        })
+        .await;
+        sidecars.push(s);
+    }
+    let a = &sidecars[0];
+    let path = std::env::temp_dir().to_string_lossy().into_owned();
+    adapter_call(
+        &eb,
+        "load",
+        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
+    )
+    .await;
+    // B has served nothing for the adapter: only its registration under it
+    // makes A's lookup name it.
+    eventually("A finds B by the adapter", || async {
+        (complete(a.addr(), ADAPTER).await.0 == 200).then_some(())
+    })
+    .await;
+    for _ in 0..4 {
+        assert_eq!(complete(a.addr(), ADAPTER).await, (200, ADAPTER.to_owned()));
+    }
+    assert_eq!(calls_for(&eb, ADAPTER), 5);
+    assert_eq!(calls_for(&ea, ADAPTER), 0);
+
+    adapter_call(&eb, "unload", serde_json::json!({"lora_name": ADAPTER})).await;
+    // Until B's record drops it, a request may still reach B (whose engine
+    // answers 404); after, A answers its own `model_not_found`.
+    eventually("B's record drops the adapter", || async {
+        (own_404(a.addr()).await && own_404(a.addr()).await).then_some(())
+    })
+    .await;
+    let reached = calls_for(&eb, ADAPTER);
+    assert!(own_404(a.addr()).await);
+    assert_eq!(calls_for(&eb, ADAPTER), reached, "nothing more reached B");
+    for s in sidecars {
+        s.shutdown().await;
+    }
+    for e in [ea, eb] {
+        e.shutdown().await;
+    }
 }

@@ -47,6 +47,9 @@ const WRITE_BATCH: usize = 512;
 /// Deadline of one write or renewal. Longer than a lookup's: nobody waits
 /// for it, and a slow write is still worth finishing.
 const WRITE_DEADLINE: Duration = Duration::from_millis(500);
+/// Most namespaces (models and adapters) one pod registers under; a model
+/// or adapter past it is served but not registered.
+const MAX_NAMESPACES: usize = 64;
 
 /// Builds the pod's record at each renewal.
 pub type RecordFn = Box<dyn Fn() -> PodRecord + Send + Sync>;
@@ -184,7 +187,7 @@ impl Writer {
         {
             self.start_over(m, "cleared");
         }
-        if !self.namespaces.contains(model) && self.namespaces.len() < 64 {
+        if !self.namespaces.contains(model) && self.namespaces.len() < MAX_NAMESPACES {
             self.namespaces.insert(model.clone());
         }
         for t in touched {
@@ -199,7 +202,7 @@ impl Writer {
                 Some(name) => {
                     let ns: Arc<str> = Arc::from(name);
                     self.lora.insert(t.key, ns.clone());
-                    if self.namespaces.len() < 64 {
+                    if self.namespaces.len() < MAX_NAMESPACES {
                         self.namespaces.insert(ns.clone());
                     }
                     ns
@@ -266,6 +269,16 @@ impl Writer {
         let ttl = ms(cfg.lease_ttl.get());
         let mut record = (self.record)();
         record.ttl_ms = ttl;
+        // An adapter the engine loaded at run time: registered under it too, so a
+        // lookup for it finds this pod before the pod has stored a block of it.
+        for adapter in &record.adapters {
+            if self.namespaces.len() >= MAX_NAMESPACES {
+                break;
+            }
+            if !self.namespaces.contains(adapter.as_str()) {
+                self.namespaces.insert(Arc::from(adapter.as_str()));
+            }
+        }
         let json = serde_json::to_string(&record)
             .map_err(|e| StoreError::Reply(format!("record: {e}")))?;
         let pos = ring_pos(&self.member);
