@@ -96,7 +96,11 @@ pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
             _ = shutdown.triggered() => return,
             o = scrape_once(&app, &uri, deadline) => o,
         };
-        if let (Some(uri), true) = (&models_uri, Instant::now() >= models_due) {
+        // Not while the engine does not answer: the read would only wait out
+        // its deadline too, delaying the next scrape.
+        let answering = matches!(outcome, Outcome::Load(..) | Outcome::NoLoad(_));
+        let due = answering && Instant::now() >= models_due;
+        if let Some(uri) = models_uri.as_ref().filter(|_| due) {
             models_due = Instant::now() + engine.models_interval.get();
             let read = tokio::select! {
                 _ = shutdown.triggered() => return,
