@@ -322,6 +322,25 @@ impl Pod {
         in_flight
     }
 
+    /// SIGTERM the engine (what Kubernetes sends its container in a rolling
+    /// restart) and wait until it exits (bounded).
+    pub async fn term_engine(&mut self) {
+        let Some(mut c) = self.engine.take() else {
+            return;
+        };
+        if let Some(pid) = c.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        if tokio::time::timeout(Duration::from_secs(10), c.wait())
+            .await
+            .is_err()
+        {
+            let _ = c.kill().await;
+        }
+    }
+
     /// SIGKILL the engine.
     pub async fn kill_engine(&mut self) {
         if let Some(mut c) = self.engine.take() {
@@ -375,10 +394,26 @@ impl Pod {
         }
     }
 
-    /// The last lines of the sidecar's log.
+    /// The access lines of every run of this pod's sidecar (its log keeps
+    /// them across restarts): `(request id, migrations, migrated tokens)`
+    /// of each line that says the stream migrated.
+    pub fn migrations(&self) -> Vec<(String, u64, u64)> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with('{'))
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter_map(|v| {
+                let n = v["migrations"].as_u64().filter(|n| *n > 0)?;
+                let id = v["request_id"].as_str()?.to_owned();
+                Some((id, n, v["migrated_tokens"].as_u64().unwrap_or(0)))
+            })
+            .collect()
+    }
+
+    /// The last lines of the sidecar's log, its access lines left out.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('{')).collect();
         lines[lines.len().saturating_sub(15)..].join("\n")
     }
 
@@ -733,6 +768,7 @@ timeouts:
   shutdown_drain: 15s
 logging:
   level: warn
+  access_log: true
 pod:
   role: {role}
   models: [{MODEL}]

@@ -3,6 +3,14 @@
 //! (seeded choice), every request under its own deadline, and every outcome
 //! recorded with the phase it started in. A refused connection to a sidecar
 //! goes to the next one, as a Service's load balancer would do.
+//!
+//! Streams are greedy (`temperature: 0`) and ask for their token ids, some
+//! of them long generations, so that a stream that migrated mid-way can be
+//! checked token by token: it must hold exactly `max_tokens` tokens, end
+//! with `finish_reason: "length"`, count them all in `usage`, and (checked
+//! by the suite against an engine nobody interrupted) carry the ids and text
+//! of an uninterrupted run. Each request has its own `x-request-id`, which
+//! the sidecars' access lines repeat with their migrations.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -27,9 +35,10 @@ pub const DEADLINE: Duration = Duration::from_secs(25);
 pub enum Outcome {
     /// A complete response (`data: [DONE]` for a stream, choices otherwise).
     Complete,
-    /// An OpenAI-style error: a JSON error body before streaming, or an SSE
-    /// error event after.
+    /// An OpenAI-style error body, before the response began.
     CleanError(String),
+    /// An SSE error event: the stream began and then failed.
+    StreamError(String),
     /// The connection broke with no error said (a sidecar killed under it).
     Cut(String),
     /// Nothing ended it within [`DEADLINE`].
@@ -38,13 +47,23 @@ pub enum Outcome {
     Abandoned,
     /// No front sidecar accepted the connection.
     NoSidecar,
+    /// A response that said it was complete but is not what was asked: a
+    /// stream short of `max_tokens` without a finish, a stream or body whose
+    /// token count, `usage` or `id` disagree (tokens lost or duplicated
+    /// across a migration).
+    Wrong(String),
 }
 
 impl Outcome {
     pub fn failed(&self) -> bool {
         matches!(
             self,
-            Self::CleanError(_) | Self::Cut(_) | Self::Hung | Self::NoSidecar
+            Self::CleanError(_)
+                | Self::StreamError(_)
+                | Self::Cut(_)
+                | Self::Hung
+                | Self::NoSidecar
+                | Self::Wrong(_)
         )
     }
 }
@@ -53,6 +72,27 @@ impl Outcome {
 pub struct Record {
     pub phase: usize,
     pub outcome: Outcome,
+    /// The request's `x-request-id`.
+    pub id: String,
+    /// The request's body (what a reference run sends again).
+    pub body: String,
+    /// The front that took the request (its index in the fronts), if any.
+    pub front: Option<usize>,
+    /// A stream's tokens as the client read them.
+    pub read: Option<StreamRead>,
+    /// When the request was sent, and when it ended.
+    pub started: Instant,
+    pub ended: Instant,
+}
+
+/// What the client read of a stream.
+#[derive(Debug, Clone, Default)]
+pub struct StreamRead {
+    pub token_ids: Vec<u64>,
+    pub text: String,
+    /// The longest wait between two events that carried tokens, ms: for a
+    /// stream that migrated, the gap the migration left in it.
+    pub max_gap_ms: f64,
 }
 
 /// splitmix64: a seeded, dependency-free generator.
@@ -187,24 +227,41 @@ pub fn start(
                         rng.below(100) < u64::from(control.disconnect_pct.load(Ordering::Acquire));
                     let cut_at = rng.below(4) as usize;
                     let body = request_body(&mut rng, w, n);
+                    let id = format!("chaos-{seed}-{w}-{n}");
                     control.open.fetch_add(1, Ordering::AcqRel);
                     let excluded = control.excluded.load(Ordering::Acquire);
-                    let outcome = tokio::time::timeout(
+                    let front = std::sync::Mutex::new(None);
+                    let started = Instant::now();
+                    let ended = tokio::time::timeout(
                         DEADLINE,
                         one(
                             &client,
-                            &fronts,
-                            &control.sent,
-                            excluded,
-                            first,
-                            body,
-                            disconnect.then_some(cut_at),
+                            Ask {
+                                fronts: &fronts,
+                                sent: &control.sent,
+                                excluded,
+                                first,
+                                id: &id,
+                                body: &body,
+                                disconnect_after: disconnect.then_some(cut_at),
+                            },
+                            &front,
                         ),
                     )
-                    .await
-                    .unwrap_or(Outcome::Hung);
+                    .await;
+                    let (outcome, read) = ended.unwrap_or((Outcome::Hung, None));
+                    let front = front.lock().ok().and_then(|f| *f);
                     if let Ok(mut r) = control.records.lock() {
-                        r.push(Record { phase, outcome });
+                        r.push(Record {
+                            phase,
+                            outcome,
+                            id,
+                            body,
+                            front,
+                            read,
+                            started,
+                            ended: Instant::now(),
+                        });
                     }
                     control.open.fetch_sub(1, Ordering::AcqRel);
                 }
@@ -215,7 +272,10 @@ pub fn start(
 
 /// A completion body: most share one of a few long system prefixes (so
 /// prefix routing spreads them), one in four is a long unique prompt (split
-/// into prefill and decode), one in five is not streamed.
+/// into prefill and decode), one in five is not streamed. Streams are
+/// greedy and return their token ids; one in three is a long generation
+/// (hundreds of tokens, a second or more), so that a fault finds streams
+/// mid-way.
 fn request_body(rng: &mut Rng, worker: usize, n: u64) -> String {
     let long = rng.below(4) == 0;
     let group = rng.below(6);
@@ -228,59 +288,97 @@ fn request_body(rng: &mut Rng, worker: usize, n: u64) -> String {
         format!("{system} question {worker} {n}")
     };
     let stream = rng.below(5) != 0;
+    let long_generation = rng.below(3) == 0;
     let max_tokens = 32 + rng.below(128);
+    if !stream {
+        return serde_json::json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+            "stream": false, "ignore_eos": true, "temperature": 0,
+        })
+        .to_string();
+    }
+    let max_tokens = if long_generation {
+        LONG_GENERATION.0 + rng.below(LONG_GENERATION.1 - LONG_GENERATION.0)
+    } else {
+        max_tokens
+    };
     serde_json::json!({
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-        "stream": stream, "ignore_eos": true,
+        "stream": true, "ignore_eos": true, "temperature": 0,
+        "return_token_ids": true, "stream_options": {"include_usage": true},
     })
     .to_string()
 }
 
-async fn one(
-    client: &kvmesh_tests::client::TestClient,
-    fronts: &[SocketAddr],
-    sent: &[FrontCount],
+/// The range of a long generation's `max_tokens`: about 0.5 to 1.5 s of
+/// decoding at the fleet's time scale.
+const LONG_GENERATION: (u64, u64) = (300, 900);
+
+/// One request to send.
+struct Ask<'a> {
+    fronts: &'a [SocketAddr],
+    sent: &'a [FrontCount],
     excluded: u64,
     first: usize,
-    body: String,
+    id: &'a str,
+    body: &'a str,
     disconnect_after: Option<usize>,
-) -> Outcome {
-    let stream = body.contains("\"stream\":true");
+}
+
+/// Sends `ask` to the first front in rotation that takes the connection
+/// (recorded in `front`, so that a request the deadline cancels still says
+/// where it was).
+async fn one(
+    client: &kvmesh_tests::client::TestClient,
+    ask: Ask<'_>,
+    front: &std::sync::Mutex<Option<usize>>,
+) -> (Outcome, Option<StreamRead>) {
+    let want: Value = serde_json::from_str(ask.body).unwrap_or(Value::Null);
+    let fronts = ask.fronts;
     for k in 0..fronts.len() {
-        let i = (first + k) % fronts.len();
-        if excluded & (1 << i) != 0 {
+        let i = (ask.first + k) % fronts.len();
+        if ask.excluded & (1 << i) != 0 {
             continue;
         }
         let req = http::Request::builder()
             .method("POST")
             .uri(format!("http://{}/v1/completions", fronts[i]))
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.clone())));
+            .header("x-request-id", ask.id)
+            .body(Full::new(Bytes::from(ask.body.to_owned())));
         let Ok(req) = req else {
-            return Outcome::CleanError("bad test request".into());
+            return (Outcome::CleanError("bad test request".into()), None);
         };
-        let _attempt = Attempt::begin(&sent[i]);
+        if let Ok(mut f) = front.lock() {
+            *f = Some(i);
+        }
+        let _attempt = Attempt::begin(&ask.sent[i]);
         match client.request(req).await {
-            Ok(resp) => return read(resp, stream, disconnect_after).await,
+            Ok(resp) => return read(resp, &want, ask.disconnect_after).await,
             Err(e) if e.is_connect() => continue,
-            Err(e) => return Outcome::Cut(format!("{e:?}")),
+            Err(e) => return (Outcome::Cut(format!("{e:?}")), None),
         }
     }
-    Outcome::NoSidecar
+    if let Ok(mut f) = front.lock() {
+        *f = None;
+    }
+    (Outcome::NoSidecar, None)
 }
 
 async fn read(
     resp: http::Response<Incoming>,
-    stream: bool,
+    want: &Value,
     disconnect_after: Option<usize>,
-) -> Outcome {
+) -> (Outcome, Option<StreamRead>) {
     let status = resp.status().as_u16();
+    let stream = want["stream"] == true;
     let mut body = resp.into_body();
     let mut text = Vec::new();
     let mut frames = 0usize;
+    let mut events = Events::default();
     loop {
         if disconnect_after.is_some_and(|k| frames >= k) {
-            return Outcome::Abandoned;
+            return (Outcome::Abandoned, None);
         }
         match body.frame().await {
             None => break,
@@ -288,14 +386,17 @@ async fn read(
                 if let Some(d) = f.data_ref() {
                     text.extend_from_slice(d);
                     frames += 1;
+                    if stream && status == 200 {
+                        events.feed(d);
+                    }
                 }
             }
             Some(Err(e)) => {
                 let t = String::from_utf8_lossy(&text);
                 if let Some(err) = sse_error(&t) {
-                    return Outcome::CleanError(err);
+                    return (Outcome::StreamError(err), None);
                 }
-                return Outcome::Cut(format!("status {status}: {e}"));
+                return (Outcome::Cut(format!("status {status}: {e}")), None);
             }
         }
     }
@@ -304,25 +405,136 @@ async fn read(
         let msg = serde_json::from_str::<Value>(&t)
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_owned));
-        return match msg {
+        let outcome = match msg {
             Some(m) => Outcome::CleanError(format!("{status}: {m}")),
             None => Outcome::Cut(format!("status {status} without an OpenAI error: {t}")),
         };
+        return (outcome, None);
     }
+    let max_tokens = want["max_tokens"].as_u64().unwrap_or(0);
     if stream {
         if let Some(err) = sse_error(&t) {
-            return Outcome::CleanError(err);
+            return (Outcome::StreamError(err), None);
         }
-        if t.contains("data: [DONE]") {
-            Outcome::Complete
-        } else {
-            Outcome::Cut("stream ended without [DONE] or an error event".into())
+        if !t.contains("data: [DONE]") {
+            let outcome = Outcome::Cut("stream ended without [DONE] or an error event".into());
+            return (outcome, None);
         }
-    } else {
-        match serde_json::from_str::<Value>(&t) {
-            Ok(v) if v["choices"].is_array() => Outcome::Complete,
-            _ => Outcome::Cut(format!("200 without choices: {t}")),
+        let outcome = match events.wrong(max_tokens) {
+            Some(why) => Outcome::Wrong(why),
+            None => Outcome::Complete,
+        };
+        return (outcome, Some(events.read));
+    }
+    let outcome = match serde_json::from_str::<Value>(&t) {
+        Ok(v) if v["choices"].is_array() => {
+            let c = &v["choices"][0];
+            let n = v["usage"]["completion_tokens"].as_u64();
+            if n != Some(max_tokens) || c["finish_reason"] != "length" {
+                Outcome::Wrong(format!(
+                    "{n:?} tokens of {max_tokens}, finish {}",
+                    c["finish_reason"]
+                ))
+            } else {
+                Outcome::Complete
+            }
         }
+        _ => Outcome::Cut(format!("200 without choices: {t}")),
+    };
+    (outcome, None)
+}
+
+/// A stream's events as they arrive: the tokens, when each came, and what a
+/// complete stream must agree on.
+#[derive(Default)]
+struct Events {
+    pending: Vec<u8>,
+    read: StreamRead,
+    last_token_at: Option<Instant>,
+    ids: Vec<String>,
+    finish: Option<String>,
+    usage_tokens: Option<u64>,
+    unparsed: usize,
+}
+
+impl Events {
+    fn feed(&mut self, data: &[u8]) {
+        self.pending.extend_from_slice(data);
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            let Some(payload) = event.strip_prefix(b"data: ") else {
+                continue;
+            };
+            let payload = payload.trim_ascii();
+            if payload == b"[DONE]" {
+                continue;
+            }
+            match serde_json::from_slice::<Value>(payload) {
+                Ok(v) => self.event(&v),
+                Err(_) => self.unparsed += 1,
+            }
+        }
+    }
+
+    fn event(&mut self, v: &Value) {
+        if let Some(id) = v["id"].as_str() {
+            if self.ids.last().map(String::as_str) != Some(id) {
+                self.ids.push(id.to_owned());
+            }
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            self.usage_tokens = Some(n);
+        }
+        let c = &v["choices"][0];
+        if let Some(f) = c["finish_reason"].as_str() {
+            self.finish = Some(f.to_owned());
+        }
+        let ids: Vec<u64> = c["token_ids"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
+        let text = c["text"].as_str().unwrap_or("");
+        if ids.is_empty() && text.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        if let Some(prev) = self.last_token_at {
+            let gap = (now - prev).as_secs_f64() * 1000.0;
+            self.read.max_gap_ms = self.read.max_gap_ms.max(gap);
+        }
+        self.last_token_at = Some(now);
+        self.read.token_ids.extend(ids);
+        self.read.text.push_str(text);
+    }
+
+    /// Why a stream that ended with `[DONE]` is not the one asked for.
+    fn wrong(&self, max_tokens: u64) -> Option<String> {
+        let n = self.read.token_ids.len() as u64;
+        let finish = self.finish.as_deref();
+        if self.unparsed > 0 {
+            return Some(format!("{} events that are not JSON", self.unparsed));
+        }
+        if self.ids.len() != 1 {
+            return Some(format!(
+                "{} ids in one stream: {:?}",
+                self.ids.len(),
+                self.ids
+            ));
+        }
+        if n != max_tokens || finish != Some("length") {
+            return Some(format!(
+                "{n} tokens of {max_tokens}, finish {finish:?} (truncated or duplicated)"
+            ));
+        }
+        if self.usage_tokens != Some(max_tokens) {
+            return Some(format!(
+                "usage counts {:?} tokens of {max_tokens}",
+                self.usage_tokens
+            ));
+        }
+        None
     }
 }
 

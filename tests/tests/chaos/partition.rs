@@ -19,6 +19,16 @@
 //! drop the other side's pods from `/debug/fleet` (bounded wait) instead of
 //! routing to them. After the heal, the time until every sidecar's
 //! `/debug/fleet` lists all four pods, healthy, is the figure (docs/robustness.md).
+//!
+//! A cut longer than the sidecars' `timeouts.stream_idle` ([`Cut::long`])
+//! checks what a stream across it does: its owning sidecar hears nothing
+//! from the pod across the cut for `stream_idle`, and the stream migrates to
+//! a pod on its own side (the sides have split by then). Such a cut may
+//! lose only requests that never got a response head: non-streamed ones
+//! sent across it (their head comes with the whole answer), and streams
+//! forwarded into it before the sides split, which wait for their head up
+//! to `timeouts.first_byte` (a deadline before the head is not retried).
+//! Every stream that had begun is migrated, none lost.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -36,12 +46,45 @@ use crate::load::{self, Control, Outcome};
 const PER_NODE: usize = 2;
 /// Load before the first cut.
 const BASELINE: Duration = Duration::from_millis(1000);
-/// How long a cut lasts: past the sidecars' `mesh.stale_after` (1 s), so each
-/// side forgets the other's pods, and past `timeouts.stream_idle` (5 s) would
-/// fail every stream across the cut; 3 s leaves some to resume at the heal.
-const CUT_FOR: Duration = Duration::from_millis(3000);
+
+/// The cuts a run makes.
+#[derive(Debug, Clone, Copy)]
+pub struct Cut {
+    /// How long each cut lasts.
+    pub lasts: Duration,
+    /// How many cuts and heals (env `KVMESH_PARTITION_ROUNDS`, else this).
+    pub rounds: usize,
+    /// Whether it outlasts `timeouts.stream_idle`: streams across it migrate.
+    pub past_idle: bool,
+}
+
+impl Cut {
+    /// Past the sidecars' `mesh.stale_after` (1 s), so each side forgets the
+    /// other's pods, and short of `timeouts.stream_idle` (5 s): the streams
+    /// across the cut stall and resume at the heal.
+    pub fn short() -> Self {
+        Self {
+            lasts: Duration::from_millis(3000),
+            rounds: env_num("KVMESH_PARTITION_ROUNDS", 1.0).max(1.0) as usize,
+            past_idle: false,
+        }
+    }
+
+    /// Past `timeouts.stream_idle` (5 s) by 2 s: every stream across the
+    /// cut is silent long enough for its owning sidecar to migrate it.
+    pub fn long() -> Self {
+        Self {
+            lasts: Duration::from_millis(7000),
+            rounds: 1,
+            past_idle: true,
+        }
+    }
+}
 /// Load after a heal, before the next cut.
 const HEALED_FOR: Duration = Duration::from_millis(1500);
+/// The load's seeds on node a and node b (their requests' ids start
+/// `chaos-SEED-`).
+const SEEDS: [u64; 2] = [29, 31];
 /// Bounds on the waits for the mesh to notice.
 const NOTICE_WITHIN: Duration = Duration::from_secs(20);
 
@@ -57,9 +100,10 @@ pub struct Round {
     /// From the link coming up to every sidecar's `/debug/fleet` agreeing.
     pub converge_ms: u128,
     /// Requests started from the previous cut (or the start) to the heal,
-    /// and how many of them failed.
+    /// and how many of them failed (streams among them).
     pub requests: usize,
     pub lost: usize,
+    pub streams_lost: usize,
 }
 
 impl Round {
@@ -141,6 +185,15 @@ async fn forwarded_across(fleet: &Fleet, nodes: [std::net::IpAddr; 2]) -> u64 {
     n as u64
 }
 
+/// Whether `r` is a stream that failed after its response began (an SSE
+/// error event, a cut or short stream): what a migration should have saved.
+fn began_and_failed(r: &load::Record) -> bool {
+    matches!(
+        r.outcome,
+        Outcome::StreamError(_) | Outcome::Wrong(_) | Outcome::Cut(_)
+    )
+}
+
 /// Waits (bounded) until every sidecar lists exactly its own node's pods,
 /// healthy; returns how long that took.
 async fn split(fleet: &Fleet, within: Duration) -> Duration {
@@ -174,12 +227,12 @@ async fn split(fleet: &Fleet, within: Duration) -> Duration {
 /// Runs the fault on `pair` (`a`, `b`: runtimes in its namespaces).
 pub async fn run(
     pair: &NodePair,
-    a: Handle,
-    b: Handle,
+    (a, b): (Handle, Handle),
     sim_bin: std::path::PathBuf,
     proxy_bin: std::path::PathBuf,
+    cut: Cut,
 ) -> Report {
-    let rounds = env_num("KVMESH_PARTITION_ROUNDS", 1.0).max(1.0) as usize;
+    let rounds = cut.rounds;
     let rate = env_num("KVMESH_PARTITION_RATE", 20.0);
     let load_before = loadavg();
     let node_a = Place {
@@ -202,7 +255,7 @@ pub async fn run(
     // that side's namespace.
     let control = Arc::new(Control::default());
     let mut workers = Vec::new();
-    for (seed, net, ip) in [(29, &a, pair.a.pod_ip), (31, &b, pair.b.pod_ip)] {
+    for (seed, net, ip) in [(SEEDS[0], &a, pair.a.pod_ip), (SEEDS[1], &b, pair.b.pod_ip)] {
         let fronts: Vec<_> = fleet
             .pods
             .iter()
@@ -229,7 +282,7 @@ pub async fn run(
         let sent_before_split = forwarded_across(&fleet, nodes)
             .await
             .saturating_sub(sent_before);
-        let rest = CUT_FOR.saturating_sub(cut_at.elapsed());
+        let rest = cut.lasts.saturating_sub(cut_at.elapsed());
         tokio::time::sleep(rest).await;
         pair.a.set_link(true);
         let healed_at = Instant::now();
@@ -243,6 +296,7 @@ pub async fn run(
             converge_ms,
             requests: 0,
             lost: 0,
+            streams_lost: 0,
         });
         tokio::time::sleep(HEALED_FOR).await;
     }
@@ -250,6 +304,7 @@ pub async fn run(
     let records = load::stop(&control, workers).await;
     let stuck = fleet.in_flight_settled().await;
     let load_after = loadavg();
+    let migrated = crate::migrations::collect(&fleet, &records);
     fleet.shutdown().await;
 
     let mut violations = Vec::new();
@@ -269,15 +324,26 @@ pub async fn run(
             .filter(|x| phases.contains(&x.phase))
             .collect();
         let lost = mine.iter().filter(|x| x.outcome.failed()).count();
-        (mine.len(), lost)
+        let streams_lost = mine.iter().filter(|x| began_and_failed(x)).count();
+        (mine.len(), lost, streams_lost)
     };
     for (r, round) in rounds_out.iter_mut().enumerate() {
-        (round.requests, round.lost) = count(&[2 * r, 2 * r + 1]);
+        (round.requests, round.lost, round.streams_lost) = count(&[2 * r, 2 * r + 1]);
+        let moved: Vec<_> = migrated
+            .iter()
+            .filter(|m| m.phase == 2 * r || m.phase == 2 * r + 1)
+            .collect();
+        let m = crate::migrations::figures(&moved);
         println!(
-            "partition | round {} | requests {:>4} | lost {:>3} | across the cut {:>3} ({} in flight, {} sent before the split) | sides split in {:>5} ms | converged after the heal in {:>5} ms",
+            "partition | round {} | cut for {} ms | requests {:>4} | lost {:>3} (streams that had begun {}) | migrated {} (gap p50 {} ms, p99 {} ms) | across the cut {:>3} ({} in flight, {} sent before the split) | sides split in {:>5} ms | converged after the heal in {:>5} ms",
             r + 1,
+            cut.lasts.as_millis(),
             round.requests,
             round.lost,
+            round.streams_lost,
+            moved.len(),
+            m["gap_ms"]["p50"],
+            m["gap_ms"]["p99"],
             round.across(),
             round.in_flight,
             round.sent_before_split,
@@ -294,8 +360,16 @@ pub async fn run(
                 round.sent_before_split
             ));
         }
+        if cut.past_idle && round.streams_lost > 0 {
+            violations.push(format!(
+                "round {}: {} streams that had begun failed across a cut past stream_idle (they should migrate)",
+                r + 1,
+                round.streams_lost
+            ));
+        }
     }
     let after = count(&[2 * rounds]);
+    let after = (after.0, after.1);
     println!(
         "partition | after the last heal | requests {:>4} | lost {:>3}",
         after.0, after.1
@@ -305,6 +379,25 @@ pub async fn run(
             "after the last heal: {} of {} requests lost",
             after.1, after.0
         ));
+    }
+    // What each side's clients saw, over the whole run.
+    let mut sides = Vec::new();
+    for (node, seed) in ["a", "b"].into_iter().zip(SEEDS) {
+        let prefix = format!("chaos-{seed}-");
+        let mine: Vec<_> = records
+            .iter()
+            .filter(|x| x.id.starts_with(&prefix))
+            .collect();
+        let lost = mine.iter().filter(|x| x.outcome.failed()).count();
+        let moved = migrated
+            .iter()
+            .filter(|m| m.id.starts_with(&prefix))
+            .count();
+        println!(
+            "partition | node {node}'s clients | requests {:>4} | lost {lost:>3} | streams migrated {moved:>3}",
+            mine.len()
+        );
+        sides.push(json!({"node": node, "requests": mine.len(), "lost": lost, "migrated": moved}));
     }
     let mut kinds = std::collections::BTreeMap::<String, usize>::new();
     for rec in records.iter().filter(|x| x.outcome.failed()) {
@@ -326,18 +419,25 @@ pub async fn run(
     let json = json!({
         "pods": 2 * PER_NODE, "rounds": rounds, "rate_per_s": rate,
         "requests": total, "complete": complete,
-        "cut_for_ms": CUT_FOR.as_millis(),
+        "cut_for_ms": cut.lasts.as_millis(),
+        "migrated": crate::migrations::figures(&migrated.iter().collect::<Vec<_>>()),
         "per_round": rounds_out.iter().map(|x| json!({
-            "requests": x.requests, "lost": x.lost,
+            "requests": x.requests, "lost": x.lost, "streams_lost": x.streams_lost,
             "across_cut": x.across(),
             "in_flight_at_cut": x.in_flight, "sent_before_split": x.sent_before_split,
             "split_ms": x.split_ms, "converge_ms": x.converge_ms,
         })).collect::<Vec<_>>(),
         "after_heal": {"requests": after.0, "lost": after.1},
+        "clients": sides,
         "failures": kinds,
         "loadavg_before": load_before, "loadavg_after": load_after,
     });
-    if let Ok(path) = std::env::var("KVMESH_PARTITION_JSON") {
+    let json_env = if cut.past_idle {
+        "KVMESH_PARTITION_LONG_JSON"
+    } else {
+        "KVMESH_PARTITION_JSON"
+    };
+    if let Ok(path) = std::env::var(json_env) {
         std::fs::write(&path, serde_json::to_vec_pretty(&json).expect("json"))
             .expect("write the partition JSON");
     }
