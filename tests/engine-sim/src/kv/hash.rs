@@ -5,8 +5,12 @@
 //! would for the same token ids. Only full blocks are hashed; `cache_salt`
 //! changes block 0 and so every block after it.
 //!
-//! Deliberate gap: vLLM also mixes a LoRA name into the extra keys; the
-//! simulator serves the base model only, so `lora_name` is not hashed.
+//! A request run with a LoRA adapter (`crate::http::lora`): vLLM puts the
+//! adapter's name in every block's extra keys, so its blocks never match the
+//! base model's. The shared hasher takes a salt only, so the simulator mixes
+//! the name in through block 0's salt: the chain keeps an adapter's blocks
+//! apart as vLLM's cache does, but their hash values are not vLLM's (kvmesh
+//! keys blocks by their tokens and the event's `lora_name`, not by these).
 
 use std::sync::OnceLock;
 
@@ -26,7 +30,16 @@ fn hasher() -> &'static VllmCborHasher {
 
 /// The u64 hashes vLLM publishes for every full block of `tokens`.
 pub fn block_hashes(tokens: &[u32], block_size: usize, extras: &BlockExtras) -> Vec<u64> {
-    hasher().block_hashes(tokens, block_size, extras.cache_salt.as_deref())
+    match &extras.lora_name {
+        None => hasher().block_hashes(tokens, block_size, extras.cache_salt.as_deref()),
+        Some(lora) => {
+            let salt = format!(
+                "{}\u{1f}lora={lora}",
+                extras.cache_salt.as_deref().unwrap_or("")
+            );
+            hasher().block_hashes(tokens, block_size, Some(&salt))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -49,6 +62,22 @@ mod tests {
             s.iter().zip(&plain).all(|(a, b)| a != b),
             "salt changes every chained block"
         );
+    }
+
+    #[test]
+    fn an_adapter_keeps_its_blocks_apart() {
+        let toks: Vec<u32> = (0..64).collect();
+        let of = |lora: Option<&str>| {
+            let extras = BlockExtras {
+                cache_salt: None,
+                lora_name: lora.map(str::to_owned),
+            };
+            block_hashes(&toks, 16, &extras)
+        };
+        let (base, sql, chat) = (of(None), of(Some("sql")), of(Some("chat")));
+        assert!(sql.iter().zip(&base).all(|(a, b)| a != b));
+        assert!(sql.iter().zip(&chat).all(|(a, b)| a != b));
+        assert_eq!(of(Some("sql")), sql);
     }
 
     #[test]
