@@ -30,6 +30,13 @@
 //! earlier, one two steps earlier), where restarts on a clock of their own
 //! had the count swing by 12 between samples with whichever peer was down
 //! or freshly back (58 to 70 over one run, no trend).
+//!
+//! In the mesh every reading is also taken with every peer up: before it,
+//! a peer whose restart failed is started again, and the reading waits
+//! (bounded) until the measured sidecar's `/debug/fleet` lists all four
+//! pods healthy (its mesh streams to each peer back); how many it listed
+//! right after the reading is in the sample (`pods_up`), so a reading taken
+//! with a peer missing shows.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -136,6 +143,10 @@ pub struct Sample {
     pub elapsed_s: f64,
     pub rss_kib: u64,
     pub fds: u64,
+    /// Mesh mode: the pods the measured sidecar's `/debug/fleet` listed
+    /// healthy right after the reading (every peer up: all of them).
+    #[serde(default)]
+    pub pods_up: Option<u64>,
 }
 
 /// One mode's run.
@@ -157,6 +168,10 @@ pub struct SoakRun {
     pub restarts: u64,
     /// Peer restarts that failed to start (tried again at the next turn).
     pub restart_failures: u64,
+    /// Mesh mode: the pods of the mesh (every reading waits until the
+    /// measured sidecar lists them all healthy).
+    #[serde(default)]
+    pub pods: u64,
     /// The warm-up sample first, then one per slice.
     pub samples: Vec<Sample>,
     /// Last sample against the warm-up one, percent.
@@ -175,6 +190,14 @@ pub struct SoakReport {
 }
 
 impl SoakRun {
+    /// The fewest pods any reading saw up, of the mesh's (`-` outside it).
+    fn pods_up_text(&self) -> String {
+        match self.samples.iter().filter_map(|s| s.pods_up).min() {
+            Some(up) => format!("{up}/{}", self.pods),
+            None => "-".to_owned(),
+        }
+    }
+
     /// Whether both growths stay under `pct`.
     pub fn within(&self, pct: f64) -> bool {
         self.rss_growth_pct < pct && self.fd_growth_pct < pct
@@ -185,7 +208,7 @@ impl SoakReport {
     /// One line per mode.
     pub fn text(&self) -> String {
         let mut out = format!(
-            "{:<8} {:>9} {:>7} {:>8} {:>11} {:>11} {:>8} {:>9} {:>6} {:>6} {:>7} {:>8}\n",
+            "{:<8} {:>9} {:>7} {:>8} {:>11} {:>11} {:>8} {:>9} {:>6} {:>6} {:>7} {:>8} {:>8}\n",
             "mode",
             "requests",
             "errors",
@@ -197,7 +220,8 @@ impl SoakReport {
             "fd w",
             "fd end",
             "fd %",
-            "restarts"
+            "restarts",
+            "pods up"
         );
         for r in &self.runs {
             let (first, last) = match (r.samples.first(), r.samples.last()) {
@@ -205,7 +229,7 @@ impl SoakReport {
                 _ => continue,
             };
             out.push_str(&format!(
-                "{:<8} {:>9} {:>7} {:>8.0} {:>11} {:>11} {:>+8.1} {:>+9.1} {:>6} {:>6} {:>+7.1} {:>8}\n",
+                "{:<8} {:>9} {:>7} {:>8.0} {:>11} {:>11} {:>+8.1} {:>+9.1} {:>6} {:>6} {:>+7.1} {:>8} {:>8}\n",
                 r.mode.name(),
                 r.requests,
                 r.errors,
@@ -217,7 +241,8 @@ impl SoakReport {
                 first.fds,
                 last.fds,
                 r.fd_growth_pct,
-                r.restarts
+                r.restarts,
+                r.pods_up_text()
             ));
         }
         out
@@ -329,6 +354,25 @@ impl Restarter {
         }
     }
 
+    /// Starts again (bounded tries) every peer whose restart failed, so
+    /// that a reading finds them all running.
+    async fn all_running(&mut self, cfg: &SoakConfig, probe: &Client) {
+        for (i, spec) in self.peers.iter().enumerate() {
+            for _ in 0..3 {
+                if self.running[i].is_some() {
+                    break;
+                }
+                match spec.start(cfg, probe).await {
+                    Ok(p) => self.running[i] = Some(p),
+                    Err(e) => {
+                        self.failures += 1;
+                        eprintln!("soak: starting {} again failed: {e}", spec.name);
+                    }
+                }
+            }
+        }
+    }
+
     /// Stops every peer; the restarts and failed starts counted.
     async fn stop(self) -> (u64, u64) {
         for p in self.running.into_iter().flatten() {
@@ -399,6 +443,12 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         failures: 0,
     });
 
+    let watch = Watch {
+        pid,
+        admin: specs[0].admin,
+        pods: pods as u64,
+        mesh: mode == SoakMode::Mesh,
+    };
     let rc = RunConfig::new(std::slice::from_ref(&url), "fake")?;
     let started = Instant::now();
     // Time under load, readings excluded.
@@ -420,7 +470,7 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         loaded += t.elapsed();
         errors += res.summary().errors;
         sent += step;
-        let s = sample(cfg, pid, sent, started).await?;
+        let s = reading(cfg, &probe, restarter.as_mut(), &watch, sent, started).await?;
         warm_rss.push(s.rss_kib);
         settled = settled_within(&warm_rss, cfg.settle_pct);
         last = Some(s);
@@ -437,7 +487,7 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         loaded += t.elapsed();
         errors += res.summary().errors;
         sent += n;
-        samples.push(sample(cfg, pid, sent, started).await?);
+        samples.push(reading(cfg, &probe, restarter.as_mut(), &watch, sent, started).await?);
     }
     stop.store(true, Ordering::Relaxed);
     if let Some(t) = scraper {
@@ -466,6 +516,11 @@ async fn soak_one(cfg: &SoakConfig, mode: SoakMode) -> Result<SoakRun, LoadgenEr
         scrapes: scrapes.load(Ordering::Relaxed),
         restarts,
         restart_failures,
+        pods: if mode == SoakMode::Mesh {
+            pods as u64
+        } else {
+            0
+        },
         rss_growth_pct: growth(|s| s.rss_kib),
         fd_growth_pct: growth(|s| s.fds),
         rss_tail_growth_pct: match (samples.get(samples.len() / 2), samples.last()) {
@@ -497,6 +552,65 @@ async fn step_run(
     };
     let (res, ()) = tokio::join!(run(rc, &workload, &load), restart);
     res
+}
+
+/// The measured sidecar, and what its readings wait for.
+struct Watch {
+    pid: u32,
+    admin: u16,
+    /// The pods of the mesh, its own included.
+    pods: u64,
+    mesh: bool,
+}
+
+/// How long a reading waits for every peer to be up again.
+const ALL_UP_WITHIN: Duration = Duration::from_secs(30);
+
+/// One reading ([`sample`]); in the mesh taken with every peer up: each
+/// peer running, and the measured sidecar listing every pod healthy
+/// (bounded wait), their count read again right after.
+async fn reading(
+    cfg: &SoakConfig,
+    probe: &Client,
+    restarter: Option<&mut Restarter>,
+    w: &Watch,
+    requests: usize,
+    started: Instant,
+) -> Result<Sample, LoadgenError> {
+    if !w.mesh {
+        return sample(cfg, w.pid, requests, started).await;
+    }
+    if let Some(r) = restarter {
+        r.all_running(cfg, probe).await;
+    }
+    let deadline = Instant::now() + ALL_UP_WITHIN;
+    while healthy_pods(w.admin).await != Some(w.pods) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut s = sample(cfg, w.pid, requests, started).await?;
+    s.pods_up = Some(healthy_pods(w.admin).await.unwrap_or(0));
+    Ok(s)
+}
+
+/// The pods the sidecar with admin port `admin` lists healthy in its
+/// `/debug/fleet` (`None`: no answer).
+async fn healthy_pods(admin: u16) -> Option<u64> {
+    use http_body_util::{BodyExt, Full};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let uri: http::Uri = format!("http://127.0.0.1:{admin}/debug/fleet")
+        .parse()
+        .ok()?;
+    let fetch = async {
+        let resp = client.get(uri).await.ok()?;
+        let body = resp.into_body().collect().await.ok()?.to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        let pods = v["pods"].as_array()?;
+        Some(pods.iter().filter(|p| p["healthy"] == true).count() as u64)
+    };
+    tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .ok()?
 }
 
 /// Whether the last [`SETTLE_READINGS`] readings lie within `pct` percent
@@ -542,6 +656,7 @@ async fn sample(
         elapsed_s: started.elapsed().as_secs_f64(),
         rss_kib: rss_kib(pid)?,
         fds,
+        pods_up: None,
     })
 }
 
