@@ -4,10 +4,11 @@
 //! read in the fleet ([`crate::fleet::Fleet::set_load`]). Also learns the engine's
 //! KV block size, which the prefix stage and the scheduler need.
 //!
-//! Every `engine.models_interval` it also reads the engine's `/v1/models`
-//! (under the same deadline) and, with the metrics' `vllm:lora_requests_info`,
-//! keeps the local pod's live LoRA adapters in the fleet
-//! ([`crate::fleet::adapters`]); the mesh and the Valkey record publish them.
+//! When the engine has LoRA on (its metrics declare `vllm:lora_requests_info`)
+//! it also reads the engine's `/v1/models` every `engine.models_interval`
+//! (under the same deadline) and, with that gauge, keeps the local pod's live
+//! LoRA adapters in the fleet ([`crate::fleet::adapters`]); the mesh and the
+//! Valkey record publish them. An engine without LoRA is never asked.
 //!
 //! What each outcome means for the local pod:
 //! * load read: fresh load, healthy;
@@ -96,10 +97,16 @@ pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
             _ = shutdown.triggered() => return,
             o = scrape_once(&app, &uri, deadline) => o,
         };
-        // Not while the engine does not answer: the read would only wait out
-        // its deadline too, delaying the next scrape.
+        if let Outcome::Load(_, info) = &outcome {
+            lora.clone_from(info);
+        }
+        // Without LoRA on there is nothing to list; nor while the engine does
+        // not answer (the read would only wait out its deadline too).
+        if lora.is_none() {
+            listed.clear();
+        }
         let answering = matches!(outcome, Outcome::Load(..) | Outcome::NoLoad(_));
-        let due = answering && Instant::now() >= models_due;
+        let due = lora.is_some() && answering && Instant::now() >= models_due;
         if let Some(uri) = models_uri.as_ref().filter(|_| due) {
             models_due = Instant::now() + engine.models_interval.get();
             let read = tokio::select! {
@@ -109,9 +116,6 @@ pub async fn scrape_engine(app: Scrape, shutdown: Shutdown) {
             if let Some(l) = read {
                 listed = l;
             }
-        }
-        if let Outcome::Load(_, info) = &outcome {
-            lora.clone_from(info);
         }
         let live = adapters::live_set(&app.config.pod.lora_adapters, &listed, lora.as_ref());
         if app.fleet.set_lora_adapters(&local, live.clone()) {

@@ -125,14 +125,22 @@ pub struct LoraInfo {
 /// `waiting_lora_adapters` (names joined by commas) and `max_lora`, and
 /// whose value is the Unix time the engine last set it. Every combination
 /// the engine ever set stays in the text, so the newest (the largest value)
-/// is the current one. `None` without the gauge (LoRA off, or not vLLM).
+/// is the current one. `None` when the text does not declare the gauge
+/// (LoRA off: vLLM declares it with `--enable-lora` only, before any sample;
+/// or not vLLM); empty lists when it is declared without a sample.
 pub fn parse_lora_info(text: &str) -> Option<LoraInfo> {
     const NAME: &str = "vllm:lora_requests_info";
+    let mut declared = false;
     let mut newest: Option<(f64, &str)> = None;
     for line in text.lines() {
+        if let Some(comment) = line.strip_prefix("# TYPE ") {
+            declared |= comment.split_whitespace().next() == Some(NAME);
+            continue;
+        }
         if !line.starts_with(NAME) {
             continue;
         }
+        declared = true;
         let Some((series, set_at)) = split_sample(line) else {
             continue;
         };
@@ -143,7 +151,12 @@ pub fn parse_lora_info(text: &str) -> Option<LoraInfo> {
             newest = Some((set_at, labels));
         }
     }
-    let (_, labels) = newest?;
+    if !declared {
+        return None;
+    }
+    let Some((_, labels)) = newest else {
+        return Some(LoraInfo::default());
+    };
     let names = |key| -> Vec<String> {
         label(labels, key)
             .unwrap_or("")
@@ -384,8 +397,12 @@ mod tests {
         let busy = parse_lora_info(&busy).unwrap();
         assert_eq!(busy.running, ["sql-lora"]);
         assert_eq!(busy.waiting, ["sql-lora"]);
-        // Without LoRA the engine exports no series, only its help text.
+        // Without LoRA the engine does not declare the gauge; with it, before
+        // any request, it declares it without a sample.
         assert_eq!(parse_lora_info(VLLM), None);
+        let declared = "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+                        # TYPE vllm:lora_requests_info gauge\n";
+        assert_eq!(parse_lora_info(declared), Some(LoraInfo::default()));
         let two = "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"c\"} 7\n";
         let two = parse_lora_info(two).unwrap();
         assert_eq!(
