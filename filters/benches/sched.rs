@@ -22,6 +22,7 @@ fn pool(n: usize, warm: bool) -> Vec<EndpointView> {
                 in_flight: (i % 4) as u32,
                 kv_usage: (i % 10) as f64 / 10.0,
                 block_size: 16,
+                ..LoadSnapshot::default()
             },
             prefix: PrefixMatch {
                 // A quarter of the pods hold some of the prefix when warm.

@@ -47,6 +47,7 @@ fn arb_endpoint() -> impl Strategy<Value = EndpointView> {
                         in_flight,
                         kv_usage: kv,
                         block_size: 16,
+                        ..LoadSnapshot::default()
                     },
                     prefix: PrefixMatch {
                         matched_blocks: if hit % 3 == 0 { hit } else { 0 },

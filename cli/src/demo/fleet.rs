@@ -513,8 +513,8 @@ fn introduce(pods: &[DemoPod]) -> Result<(), DemoError> {
     Ok(())
 }
 
-/// Copies each sidecar's local load and in-flight counts into every other
-/// sidecar's fleet.
+/// Copies each sidecar's local load, in-flight counts and prompt tokens to
+/// prefill into every other sidecar's fleet.
 fn sync_once(fleets: &[Arc<Fleet>]) {
     let now = Instant::now();
     for src in fleets {
@@ -523,6 +523,7 @@ fn sync_once(fleets: &[Arc<Fleet>]) {
             continue;
         };
         let in_flight = src.local_in_flight();
+        let prefill = src.published_prefill();
         for dst in fleets {
             if dst.local_id() == id {
                 continue;
@@ -535,6 +536,7 @@ fn sync_once(fleets: &[Arc<Fleet>]) {
             dst.set_load(id, local.load, at);
             dst.set_healthy(id, local.healthy);
             dst.set_remote_in_flight(id, in_flight.clone());
+            dst.set_remote_prefill(id, prefill.clone());
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::sched::plugin::{Filter, PdDecider, Picker, ProfileHandler, Scorer};
 use crate::sched::producer::{self, ProducerSpec};
 use crate::sched::profile::{self, DisaggParams, DisaggProfileHandler, SingleProfileHandler};
 use crate::sched::scorers::{
-    active, affinity, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
+    active, affinity, cost, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
 };
 use crate::sched::view::Role;
 
@@ -209,6 +209,11 @@ pub fn register_builtin_plugins(r: &mut PluginRegistry) {
         Ok(Plugin::Scorer(Arc::new(affinity::AffinityScorer {
             params,
         })))
+    });
+    r.register(cost::TYPE, K::Scorer, |p, _| {
+        let params: cost::TokenCostParams = parse(p)?;
+        params.validate()?;
+        Ok(Plugin::Scorer(Arc::new(cost::TokenCostScorer { params })))
     });
     r.register(session::TYPE, K::Scorer, |p, _| {
         parse::<NoParams>(p)?;

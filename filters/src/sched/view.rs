@@ -105,6 +105,20 @@ impl RequestView {
         }
     }
 
+    /// Prompt tokens an endpoint holding `m` of the prompt would still
+    /// compute: the share of the prompt's blocks it does not hold, in tokens.
+    /// A share, not `prompt_tokens − matched tokens`: approximate keys are
+    /// text chunks, not token blocks, so only their ratio means tokens.
+    pub fn uncached_tokens(&self, m: &PrefixMatch) -> u64 {
+        let prompt = u64::from(self.prompt_tokens);
+        if self.prompt_blocks == 0 {
+            return prompt;
+        }
+        let held = u64::from(m.matched_blocks.min(self.prompt_blocks));
+        let blocks = u64::from(self.prompt_blocks);
+        prompt - prompt * held / blocks
+    }
+
     /// The adapter named by `model`, when `is_adapter` says the name is one of
     /// the LoRA adapters the mesh knows; the caller stores it in `lora_adapter`.
     pub fn adapter_from_model(model: &str, is_adapter: impl Fn(&str) -> bool) -> Option<String> {
@@ -150,6 +164,14 @@ pub struct LoadSnapshot {
     pub kv_usage: f64,
     /// The engine's KV block size in tokens.
     pub block_size: u32,
+    /// KV blocks in the engine's cache (0: not reported).
+    #[serde(default)]
+    pub num_blocks: u32,
+    /// Prompt tokens the mesh has sent there that are still to be prefilled:
+    /// each in-flight request's uncached part, from its routing decision
+    /// until its first token (until its end, unstreamed).
+    #[serde(default)]
+    pub prefill_tokens: u64,
 }
 
 impl LoadSnapshot {
@@ -159,6 +181,16 @@ impl LoadSnapshot {
     pub fn requests(&self) -> u32 {
         self.in_flight
             .max(self.running.saturating_add(self.waiting))
+    }
+
+    /// Tokens the engine's KV cache holds in all (0: not reported).
+    pub fn kv_capacity_tokens(&self) -> u64 {
+        u64::from(self.num_blocks) * u64::from(self.block_size)
+    }
+
+    /// Tokens of the KV cache the engine's running requests hold now.
+    pub fn kv_used_tokens(&self) -> u64 {
+        (self.kv_usage.clamp(0.0, 1.0) * self.kv_capacity_tokens() as f64) as u64
     }
 }
 

@@ -208,7 +208,7 @@ pub fn explain(app: &App, ctx: &RequestCtx) -> Value {
     });
     match route {
         Ok(route) => {
-            let plan = from_route(&app.fleet, &route);
+            let plan = from_route(&app.fleet, &route, &req, &endpoints);
             out["decision"] = json!(plan.as_ref().map_or("error", Plan::decision));
             out["chosen"] = match &route {
                 kvmesh_filters::sched::Route::Aggregated { target } => json!([target.id]),

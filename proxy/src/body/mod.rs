@@ -294,8 +294,13 @@ impl Body for ResponseBody {
             Kind::Full(b) => Pin::new(b).poll_frame(cx),
             Kind::Relay(r) => r.poll_frame(cx, trace),
         };
+        let sent = matches!(&polled, Poll::Ready(Some(Ok(f))) if f.data_ref().is_some_and(|d| !d.is_empty()));
+        if sent {
+            if let Some(g) = self._in_flight.as_mut() {
+                g.first_byte();
+            }
+        }
         if self.access.is_some() {
-            let sent = matches!(&polled, Poll::Ready(Some(Ok(f))) if f.data_ref().is_some_and(|d| !d.is_empty()));
             self.note(sent);
         }
         if matches!(&self.kind, Kind::Relay(r) if r.migrations != r.reported) {

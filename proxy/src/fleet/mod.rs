@@ -17,7 +17,7 @@ pub mod ranks;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvmesh_filters::sched::view::{EndpointView, LoadSnapshot, PrefixMatch, Role};
@@ -70,6 +70,9 @@ struct PodState {
     healthy: bool,
     /// Requests this sidecar has outstanding to the pod (guards count them).
     in_flight: Arc<AtomicU32>,
+    /// Of their prompt tokens, those not yet prefilled (guards count them,
+    /// until the first token).
+    prefill: Arc<AtomicU64>,
     /// The pod's cumulative counters, for `kvmesh stat`.
     stats: crate::stat::PodStats,
     /// When the entry was made.
@@ -84,6 +87,8 @@ pub struct Fleet {
     pods: RwLock<BTreeMap<String, PodState>>,
     /// In-flight counts published by peers: reporter -> (target -> count).
     remote_in_flight: RwLock<HashMap<String, HashMap<String, u32>>>,
+    /// Prompt tokens to prefill published by peers: reporter -> (target -> tokens).
+    remote_prefill: RwLock<HashMap<String, HashMap<String, u64>>>,
     /// Of the local pod's in-flight requests, those a peer forwarded here
     /// (the forwarder already publishes them; see [`Fleet::published_in_flight`]).
     received: Arc<AtomicU32>,
@@ -108,6 +113,15 @@ const MAX_DEPARTED: usize = 1024;
 /// Counts one request in flight towards a pod until dropped.
 pub type InFlightGuard = crate::metrics::CountGuard;
 
+/// Counts a request's prompt tokens to prefill on a pod until dropped.
+pub type AmountGuard = crate::metrics::AmountGuard;
+
+/// What peers publish about the requests they sent, summed per target pod.
+struct MeshLoad {
+    in_flight: HashMap<String, u32>,
+    prefill: HashMap<String, u64>,
+}
+
 /// Why a pod could not be added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FleetError {
@@ -127,6 +141,7 @@ impl Fleet {
             local_id,
             pods: RwLock::new(pods),
             remote_in_flight: RwLock::new(HashMap::new()),
+            remote_prefill: RwLock::new(HashMap::new()),
             received: Arc::new(AtomicU32::new(0)),
             ranks: ranks::Ranks::default(),
             outliers: outlier::Outliers::default(),
@@ -192,6 +207,7 @@ impl Fleet {
             return false;
         }
         self.remote_in_flight.write().remove(id);
+        self.remote_prefill.write().remove(id);
         self.outliers.forget(id);
         let Some(gone) = self.pods.write().remove(id) else {
             return false;
@@ -257,6 +273,41 @@ impl Fleet {
         self.remote_in_flight
             .write()
             .insert(reporter.to_owned(), counts);
+    }
+
+    /// Replaces what `reporter` last published about the prompt tokens it
+    /// sent that wait to be prefilled.
+    pub fn set_remote_prefill(&self, reporter: &str, tokens: HashMap<String, u64>) {
+        if reporter == self.local_id || !self.pods.read().contains_key(reporter) {
+            return;
+        }
+        self.remote_prefill
+            .write()
+            .insert(reporter.to_owned(), tokens);
+    }
+
+    /// Counts `tokens` of a request's prompt as waiting to be prefilled on
+    /// `id` until the guard drops: at the request's first token (`None`:
+    /// unknown pod, or nothing to prefill).
+    pub fn begin_prefill(&self, id: &str, tokens: u64) -> Option<AmountGuard> {
+        if tokens == 0 {
+            return None;
+        }
+        let pods = self.pods.read();
+        let counter = pods.get(id)?.prefill.clone();
+        Some(AmountGuard::new(counter, tokens))
+    }
+
+    /// What this sidecar publishes to its peers: the prompt tokens it sent
+    /// that wait to be prefilled, per target. Requests peers forwarded here
+    /// are not among them (their forwarders count and publish them).
+    pub fn published_prefill(&self) -> HashMap<String, u64> {
+        self.pods
+            .read()
+            .iter()
+            .map(|(id, s)| (id.clone(), s.prefill.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 
     /// Counts a request towards `id` until the guard drops (`None`: unknown pod).
@@ -361,7 +412,7 @@ impl Fleet {
         block_size: u32,
         matched_blocks: impl Fn(&str) -> u32,
     ) -> Vec<EndpointView> {
-        let mesh = self.mesh_in_flight();
+        let mesh = self.mesh_load();
         self.pods
             .read()
             .iter()
@@ -379,7 +430,7 @@ impl Fleet {
         matched_blocks: impl Fn(&str) -> u32,
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Vec<EndpointView> {
-        let mesh = self.mesh_in_flight();
+        let mesh = self.mesh_load();
         let pods = self.pods.read();
         let mut picked: Vec<(&String, &PodState)> = ids
             .into_iter()
@@ -400,13 +451,15 @@ impl Fleet {
         &self,
         id: &str,
         s: &PodState,
-        mesh: &HashMap<String, u32>,
+        mesh: &MeshLoad,
         now: Instant,
         block_size: u32,
         matched_blocks: &impl Fn(&str) -> u32,
     ) -> EndpointView {
         let local = s.in_flight.load(Ordering::Relaxed);
-        let others = s.others_in_flight(id, mesh);
+        let others = s.others_in_flight(id, &mesh.in_flight);
+        let prefill = s.prefill.load(Ordering::Relaxed);
+        let others_prefill = mesh.prefill.get(id).copied().unwrap_or(0);
         let load_block_size = if s.load.block_size > 0 {
             s.load.block_size
         } else {
@@ -428,6 +481,8 @@ impl Fleet {
                 in_flight: local.saturating_add(others),
                 kv_usage: s.load.kv_usage,
                 block_size: load_block_size,
+                num_blocks: s.load.num_blocks,
+                prefill_tokens: prefill.saturating_add(others_prefill),
             },
             prefix: PrefixMatch {
                 matched_blocks: matched_blocks(id),
@@ -535,6 +590,24 @@ impl Fleet {
         self.outliers.ejected_count(now)
     }
 
+    /// Peers' published in-flight counts and prompt tokens to prefill,
+    /// summed per target.
+    fn mesh_load(&self) -> MeshLoad {
+        let mut prefill: HashMap<String, u64> = HashMap::new();
+        for tokens in self.remote_prefill.read().values() {
+            // Unlike request counts, the local pod's tokens count too: a
+            // request a peer forwarded here is counted by that peer only.
+            for (target, n) in tokens {
+                let slot = prefill.entry(target.clone()).or_default();
+                *slot = slot.saturating_add(*n);
+            }
+        }
+        MeshLoad {
+            in_flight: self.mesh_in_flight(),
+            prefill,
+        }
+    }
+
     /// Peers' published in-flight counts, summed per target.
     fn mesh_in_flight(&self) -> HashMap<String, u32> {
         let mut sum: HashMap<String, u32> = HashMap::new();
@@ -567,6 +640,7 @@ impl PodState {
             load_at: None,
             healthy: true,
             in_flight: Arc::new(AtomicU32::new(0)),
+            prefill: Arc::new(AtomicU64::new(0)),
             stats: crate::stat::PodStats::default(),
             added_at: Instant::now(),
             reported_in_flight: 0,

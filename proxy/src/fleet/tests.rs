@@ -135,3 +135,40 @@ fn removing_a_peer_drops_what_it_published() {
     assert_eq!(views.len(), 1);
     assert_eq!(views[0].load.in_flight, 0);
 }
+
+#[test]
+fn prompt_tokens_to_prefill_count_own_guards_and_every_peer_report() {
+    let f = fleet();
+    let (local, peer) = ("10.0.0.1:8000", "10.0.0.2:8000");
+    let first = f.begin_prefill(peer, 700).unwrap();
+    let _second = f.begin_prefill(peer, 300).unwrap();
+    assert!(f.begin_prefill(peer, 0).is_none(), "nothing to prefill");
+    assert!(f.begin_prefill("nowhere:1", 5).is_none());
+    assert_eq!(
+        f.published_prefill(),
+        HashMap::from([(peer.to_owned(), 1000)])
+    );
+    // The peer's report counts on every pod it names, the local one too:
+    // a request it forwarded here is counted by it alone.
+    f.set_remote_prefill(
+        peer,
+        HashMap::from([(peer.to_owned(), 50), (local.to_owned(), 20)]),
+    );
+    f.set_remote_prefill("x:1", HashMap::from([(peer.to_owned(), 9999)]));
+    drop(first);
+    let views = f.endpoints(Instant::now(), 16, |_| 0);
+    let tokens = |id: &str| {
+        views
+            .iter()
+            .find(|v| v.id == id)
+            .unwrap()
+            .load
+            .prefill_tokens
+    };
+    assert_eq!(tokens(peer), 300 + 50);
+    assert_eq!(tokens(local), 20);
+    // A peer that leaves takes its report along.
+    f.remove_peer(peer);
+    let views = f.endpoints(Instant::now(), 16, |_| 0);
+    assert_eq!(views[0].load.prefill_tokens, 0);
+}

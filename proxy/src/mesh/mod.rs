@@ -94,8 +94,19 @@ struct Hub {
 /// frames (a sidecar that predates them would end the stream on one).
 struct Sub {
     tx: mpsc::Sender<Bytes>,
-    stats: bool,
-    adapters: bool,
+    takes: Takes,
+}
+
+/// The frames outside the sequence a subscriber asked for (by request
+/// header, see [`server`]): a sidecar that predates one ends its stream on it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Takes {
+    /// `Stats`: the pod's counters, for `kvmesh stat`.
+    pub stats: bool,
+    /// `Adapters`: the engine's LoRA adapters as they change.
+    pub adapters: bool,
+    /// `Prefill`: the prompt tokens sent per pod still to prefill.
+    pub prefill: bool,
 }
 
 /// Which subscribers a frame goes to.
@@ -104,6 +115,7 @@ enum Audience {
     All,
     Stats,
     Adapters,
+    Prefill,
 }
 
 /// A new subscriber's stream: the snapshot frames, then its queue.
@@ -277,10 +289,9 @@ impl Mesh {
     /// Registers a subscriber: the snapshot as of now and a queue of every
     /// later delta, consistent because both are taken under the hub lock.
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
-    /// when the sidecar is shutting down. `stats`, `adapters`: the subscriber
-    /// also takes `Stats` and `Adapters` frames (out of sequence, see
-    /// [`Hub::publish_stats`]).
-    pub fn subscribe(&self, stats: bool, adapters: bool) -> Option<Subscription> {
+    /// when the sidecar is shutting down. `takes`: the frames outside the
+    /// sequence it also takes (see [`Hub::publish_stats`]).
+    pub fn subscribe(&self, takes: Takes) -> Option<Subscription> {
         let metrics = &self.metrics;
         let mut hub = self.hub.lock();
         if hub.closed {
@@ -324,11 +335,7 @@ impl Mesh {
         }
         snapshot.push(wire::encode(seq, &Msg::SnapshotEnd));
         let (tx, rx) = mpsc::channel(self.queue);
-        hub.subs.push(Sub {
-            tx,
-            stats,
-            adapters,
-        });
+        hub.subs.push(Sub { tx, takes });
         metrics.subscribers(hub.subs.len());
         Some(Subscription { snapshot, rx })
     }
@@ -396,6 +403,12 @@ impl Mesh {
         }
         hub.last_in_flight = in_flight.clone();
         hub.publish(&self.metrics, &Msg::InFlight(in_flight));
+        if hub.subs.iter().any(|s| s.takes.prefill) {
+            let mut prefill: Vec<(String, u64)> = fleet.published_prefill().into_iter().collect();
+            prefill.sort_unstable();
+            let frame = wire::encode(hub.seq, &Msg::Prefill(prefill));
+            hub.send(&self.metrics, &frame, Audience::Prefill);
+        }
         let scraped = fleet.stats().remove(fleet.local_id()).unwrap_or_default();
         let stats =
             crate::stat::local_stats(scraped, self.metrics.served_total(), shared.pd.totals());
@@ -418,7 +431,7 @@ impl Hub {
     /// them. Outside the sequence: the frame carries the last delta's number
     /// and takes none, so the other subscribers see no gap.
     fn publish_stats(&mut self, metrics: &MeshMetrics, stats: crate::stat::PodStats) {
-        if self.subs.iter().any(|s| s.stats) {
+        if self.subs.iter().any(|s| s.takes.stats) {
             let frame = wire::encode(self.seq, &Msg::Stats(stats));
             self.send(metrics, &frame, Audience::Stats);
         }
@@ -433,8 +446,9 @@ impl Hub {
         self.subs.retain(|s| {
             let takes = match to {
                 Audience::All => true,
-                Audience::Stats => s.stats,
-                Audience::Adapters => s.adapters,
+                Audience::Stats => s.takes.stats,
+                Audience::Adapters => s.takes.adapters,
+                Audience::Prefill => s.takes.prefill,
             };
             if !takes {
                 return true;

@@ -50,6 +50,10 @@ pub const TAKES_STATS: &str = "x-kvmesh-stats";
 /// this header; older sidecars do not, and learn a peer's adapters from its
 /// `Hello` alone.
 pub const TAKES_ADAPTERS: &str = "x-kvmesh-adapters";
+/// A subscriber that takes `Prefill` frames (kind 9, out of sequence) sends
+/// this header; older sidecars do not, and count only their own requests'
+/// prompt tokens.
+pub const TAKES_PREFILL: &str = "x-kvmesh-prefill";
 /// Most mesh connections served at once (peers plus a margin).
 const MAX_CONNECTIONS: usize = 8192;
 
@@ -235,9 +239,13 @@ fn handle(shared: &Tasks, req: &Request<Incoming>) -> Response<StreamBody> {
             return status(StatusCode::CONFLICT);
         }
     }
-    let stats = req.headers().contains_key(TAKES_STATS);
-    let adapters = req.headers().contains_key(TAKES_ADAPTERS);
-    match shared.mesh.subscribe(stats, adapters) {
+    let h = req.headers();
+    let takes = super::Takes {
+        stats: h.contains_key(TAKES_STATS),
+        adapters: h.contains_key(TAKES_ADAPTERS),
+        prefill: h.contains_key(TAKES_PREFILL),
+    };
+    match shared.mesh.subscribe(takes) {
         Some(sub) => {
             let mut r = Response::new(StreamBody::Frames {
                 snapshot: sub.snapshot.into(),

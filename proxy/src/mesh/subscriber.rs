@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_ADAPTERS, TAKES_STATS};
+use super::server::{FOLLOW_MODELS, STREAM_PATH, TAKES_ADAPTERS, TAKES_PREFILL, TAKES_STATS};
 use super::wire::{self, Announce, Msg, WireError};
 use super::Tasks;
 use crate::backoff::Backoff;
@@ -234,7 +234,8 @@ async fn follow(
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut req = Request::get(format!("{scheme}://{addr}{STREAM_PATH}"))
         .header(TAKES_STATS, "1")
-        .header(TAKES_ADAPTERS, "1");
+        .header(TAKES_ADAPTERS, "1")
+        .header(TAKES_PREFILL, "1");
     if cfg.follow == Follow::SameModels {
         // The peer checks them first and answers 409 instead of a snapshot.
         if let Ok(models) = serde_json::to_string(&shared.config.pod.models) {
@@ -352,6 +353,12 @@ impl Reader<'_> {
             shared.fleet.set_lora_adapters(&peer, names);
             return Ok(());
         }
+        if let Msg::Prefill(tokens) = msg {
+            shared
+                .fleet
+                .set_remote_prefill(&peer, tokens.into_iter().collect());
+            return Ok(());
+        }
         match self.next_seq {
             // Snapshot frames all carry the snapshot's sequence.
             None => {}
@@ -384,7 +391,7 @@ impl Reader<'_> {
             Msg::Kv { model, batch } => {
                 shared.prefix.apply(&peer, &model, &batch);
             }
-            Msg::Stats(_) | Msg::Adapters(_) => {}
+            Msg::Stats(_) | Msg::Adapters(_) | Msg::Prefill(_) => {}
             Msg::Decision { pod, keys } => {
                 if shared.prefix.mode() == crate::prefix::Mode::Approximate {
                     shared.prefix.approx().record(&pod, &keys);

@@ -224,6 +224,28 @@ pub struct InFlight {
     /// The fleet's count of requests towards the pod serving this one, held
     /// exactly as long (until the response body ends).
     target: Option<CountGuard>,
+    /// The prompt tokens it has to prefill there, counted on that pod until
+    /// its first byte comes back.
+    prefill: Option<AmountGuard>,
+}
+
+/// Holds `amount` of a counter, already added, until dropped: a request's
+/// prompt tokens waiting to be prefilled on a pod.
+#[derive(Debug)]
+pub struct AmountGuard(Arc<AtomicU64>, u64);
+
+impl AmountGuard {
+    /// Adds `amount` to `counter` and holds it.
+    pub fn new(counter: Arc<AtomicU64>, amount: u64) -> Self {
+        counter.fetch_add(amount, Ordering::Relaxed);
+        Self(counter, amount)
+    }
+}
+
+impl Drop for AmountGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
+    }
 }
 
 /// Counts one request towards a pod (and, for a request a peer forwarded
@@ -447,6 +469,7 @@ impl RequestMetrics {
         InFlight {
             gauge: self.in_flight.clone(),
             target: None,
+            prefill: None,
         }
     }
 
@@ -543,6 +566,18 @@ impl InFlight {
     /// earlier target's count after a fallback).
     pub fn hold_target(&mut self, guard: Option<CountGuard>) {
         self.target = guard;
+        self.prefill = None;
+    }
+
+    /// Counts the request's prompt tokens still to prefill on the pod now
+    /// serving it (after [`InFlight::hold_target`]).
+    pub fn hold_prefill(&mut self, guard: Option<AmountGuard>) {
+        self.prefill = guard;
+    }
+
+    /// The response's first byte came back: its prompt is prefilled.
+    pub fn first_byte(&mut self) {
+        self.prefill = None;
     }
 }
 

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`predict`]: a target is taken up (a split too) | blocks predicted on its pods (precise mode) |
 //! | [`rank_taken`]: the same, when it runs on the local engine with data parallelism | the pick counted on the schedule stage's rank, the blocks predicted (or recorded, approximate mode) on it |
-//! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count), and as forwarded to that pod when it goes to a peer sidecar |
+//! | [`track`]: a whole request is about to be sent to a target | the request counted in flight on its pod across the mesh (until its body ends; a fallback moves the count), its uncached prompt tokens as waiting to be prefilled there (until its first byte), and as forwarded to that pod when it goes to a peer sidecar |
 //! | [`served`]: a response head came back | the pod's call counted as served (outlier ejection), where it ran (mesh counters), the approximate index and the mesh publish of the decision |
 //! | [`failed`]: a target failed before any byte | the call counted as failed (outlier ejection) |
 //!
@@ -80,8 +80,19 @@ pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
         }
         pod.and_then(|id| a.fleet.begin(&id))
     };
+    let prefill = match target {
+        // Its forwarder counts the prompt of a request routed here.
+        Target::LocalEngine if ctx.already_routed => None,
+        // The prefill pod computes a split's prompt, and the P/D leg counts it.
+        Target::Disaggregated { .. } => None,
+        _ => pod_of(a.fleet, target).and_then(|id| {
+            let (_, tokens) = ctx.uncached_tokens.iter().find(|(p, _)| *p == id)?;
+            a.fleet.begin_prefill(&id, *tokens)
+        }),
+    };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);
+        in_flight.hold_prefill(prefill);
     }
 }
 

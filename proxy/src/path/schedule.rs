@@ -65,8 +65,9 @@ pub async fn schedule(h: Schedule<'_>, ctx: &mut RequestCtx) -> Result<Plan, Pro
             Err(e) => span.fail(e),
         }
     }
-    let plan = plan?;
+    let mut plan = plan?;
     ctx.route_reason = plan.reason;
+    ctx.uncached_tokens = std::mem::take(&mut plan.uncached_tokens);
     // Every plan may end on the local engine (its last resort); a run there
     // goes to this rank.
     ctx.dp_rank = crate::routing::rank::choose(h.inputs, ctx);

@@ -48,6 +48,9 @@ pub struct RequestCtx {
     pub candidates: Option<Vec<(String, u32)>>,
     /// Why the request goes where it goes ([`super::Plan::reason`]), for logs and metrics.
     pub route_reason: &'static str,
+    /// The prompt tokens the request would compute on each pod of its plan
+    /// ([`super::Plan::uncached_tokens`]).
+    pub uncached_tokens: Vec<(String, u64)>,
     // ---- execute ----
     /// Where the response finally came from.
     pub served_by: Option<Served>,
@@ -87,6 +90,7 @@ impl RequestCtx {
             prompt_tokens: None,
             candidates: None,
             route_reason: "",
+            uncached_tokens: Vec::new(),
             served_by: None,
             attempts: 0,
             dp_rank: None,
@@ -113,6 +117,7 @@ impl RequestCtx {
             prompt_tokens: None,
             candidates: None,
             route_reason: "migration",
+            uncached_tokens: Vec::new(),
             served_by: None,
             attempts: 0,
             dp_rank: None,

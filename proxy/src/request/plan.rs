@@ -57,6 +57,10 @@ pub struct Plan {
     pub prefill_fallbacks: Vec<Leg>,
     /// A short, stable reason for logs and metric labels.
     pub reason: &'static str,
+    /// The prompt tokens the request would compute on each pod of the plan
+    /// (what its cache does not hold), by pod id: counted as waiting to be
+    /// prefilled there while it is ([`crate::path::account::track`]).
+    pub uncached_tokens: Vec<(String, u64)>,
 }
 
 impl Plan {
@@ -71,6 +75,7 @@ impl Plan {
             fallbacks: Vec::new(),
             prefill_fallbacks: Vec::new(),
             reason: "prefiller_header",
+            uncached_tokens: Vec::new(),
         }
     }
 
@@ -81,6 +86,7 @@ impl Plan {
             fallbacks: Vec::new(),
             prefill_fallbacks: Vec::new(),
             reason,
+            uncached_tokens: Vec::new(),
         }
     }
 

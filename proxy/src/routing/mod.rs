@@ -256,7 +256,7 @@ impl Routing {
         m.scheduling_latency(started.elapsed().as_secs_f64());
         match decision {
             Ok(Decision { route, trace }) => {
-                let plan = plan::from_route(h.fleet, &route);
+                let plan = plan::from_route(h.fleet, &route, &req, &endpoints);
                 tracing::debug!(
                     request_id = ctx.id(),
                     decision = plan.as_ref().map_or("error", Plan::decision),

@@ -5,14 +5,20 @@
 //! [`Target::Disaggregated`]. Fallbacks keep the picker's order; a pod that
 //! left the fleet since the endpoint snapshot is skipped.
 
-use kvmesh_filters::sched::Route;
+use kvmesh_filters::sched::{EndpointView, RequestView as SchedView, Route};
 
 use crate::fleet::Fleet;
 use crate::request::MAX_ATTEMPTS;
 use crate::request::{Leg, Plan, Target};
 
-/// The plan for `route`; `None` when its chosen pod is no longer known.
-pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {
+/// The plan for `route`, decided for `req` over `endpoints`; `None` when its
+/// chosen pod is no longer known.
+pub fn from_route(
+    fleet: &Fleet,
+    route: &Route,
+    req: &SchedView,
+    endpoints: &[EndpointView],
+) -> Option<Plan> {
     let (target, fallback_ids) = match route {
         Route::Aggregated { target } => (target_of(fleet, &target.id)?, &target.fallbacks),
         Route::Disaggregated { prefill, decode } => {
@@ -47,7 +53,23 @@ pub fn from_route(fleet: &Fleet, route: &Route) -> Option<Plan> {
         fallbacks,
         prefill_fallbacks,
         reason: "scheduled",
+        uncached_tokens: uncached_on(req, endpoints, route),
     })
+}
+
+/// The prompt tokens `req` would compute on each pod `route` names (its
+/// picks and their fallbacks), from the endpoint views it was decided on.
+fn uncached_on(req: &SchedView, endpoints: &[EndpointView], route: &Route) -> Vec<(String, u64)> {
+    let choices = match route {
+        Route::Aggregated { target } => vec![target],
+        Route::Disaggregated { prefill, decode } => vec![prefill, decode],
+    };
+    choices
+        .into_iter()
+        .flat_map(|c| std::iter::once(&c.id).chain(&c.fallbacks))
+        .filter_map(|id| endpoints.iter().find(|e| e.id == *id))
+        .map(|e| (e.id.clone(), req.uncached_tokens(&e.prefix)))
+        .collect()
 }
 
 /// Where requests for pod `id` go.
@@ -106,7 +128,7 @@ mod tests {
     #[test]
     fn local_and_peer_targets_with_fallbacks_in_order() {
         let (f, b, c) = fleet();
-        let p = from_route(
+        let p = plan(
             &f,
             &Route::Aggregated {
                 target: choice("b", &["gone", "a", "c"]),
@@ -124,7 +146,7 @@ mod tests {
     #[test]
     fn disaggregated_falls_back_to_the_decode_pod_whole() {
         let (f, b, _) = fleet();
-        let p = from_route(
+        let p = plan(
             &f,
             &Route::Disaggregated {
                 prefill: choice("b", &[]),
@@ -150,6 +172,38 @@ mod tests {
         let r = Route::Aggregated {
             target: choice("zz", &["a"]),
         };
-        assert!(from_route(&f, &r).is_none());
+        assert!(plan(&f, &r).is_none());
+    }
+
+    /// A plan for a request with no prompt, decided over no endpoints.
+    fn plan(f: &Fleet, r: &Route) -> Option<Plan> {
+        from_route(f, r, &SchedView::default(), &[])
+    }
+
+    #[test]
+    fn each_pod_of_the_plan_has_the_prompt_tokens_it_would_compute() {
+        let (f, _, _) = fleet();
+        // 640 tokens in 40 blocks: b holds 30 of them, c none.
+        let req = SchedView {
+            prompt_tokens: 640,
+            prompt_blocks: 40,
+            ..SchedView::default()
+        };
+        let holding = |id: &str, blocks: u32| EndpointView {
+            prefix: kvmesh_filters::sched::PrefixMatch {
+                matched_blocks: blocks,
+                block_size: 16,
+            },
+            ..EndpointView::new(id)
+        };
+        let eps = [holding("a", 0), holding("b", 30), holding("c", 0)];
+        let r = Route::Aggregated {
+            target: choice("b", &["c", "gone"]),
+        };
+        let p = from_route(&f, &r, &req, &eps).unwrap();
+        assert_eq!(
+            p.uncached_tokens,
+            vec![("b".to_owned(), 160), ("c".to_owned(), 640)]
+        );
     }
 }
