@@ -1,0 +1,83 @@
+//! The KV-admission workload of the peers benchmark: long prompts under
+//! shared system prompts, on pods whose KV cache admits only a few of them
+//! at a time. A pod's limit here is how many requests its KV holds, not how
+//! fast it prefills: a router that counts requests sees a pod with three
+//! long prompts running and a queue waiting for KV as no busier than one
+//! with three short ones.
+
+use kvmesh_loadgen::workload::PressureParams;
+
+use super::{peers_spec, Bench, PeersOpts, Slo};
+use crate::demo::fleet::FleetSpec;
+use crate::demo::DemoError;
+
+/// The KV-admission fleet and workload: 2 groups per engine of a 3000-token
+/// system prompt (Zipf 0.8), 600-token questions, 100-token answers, on
+/// engines of 1024 blocks of 16 tokens. A pod holding its two groups'
+/// prompts runs about 9 of their requests at once; one serving every group
+/// (round-robin) about 4, each computing its 3000-token prompt again.
+pub fn kv_bound_setup(
+    engines: usize,
+    requests: usize,
+) -> Result<(FleetSpec, PressureParams), DemoError> {
+    let mut spec = peers_spec(engines)?;
+    spec.num_blocks = 1024;
+    let p = PressureParams {
+        groups: 2 * engines,
+        requests,
+        zipf_s: 0.8,
+        system_tokens: 3000,
+        question_tokens: 600,
+        output_tokens: 100,
+    };
+    Ok((spec, p))
+}
+
+pub(super) fn kv_admission(opts: &PeersOpts) -> Result<Bench, DemoError> {
+    let n = opts.requests.unwrap_or(if opts.quick { 150 } else { 300 });
+    let (spec, p) = kv_bound_setup(opts.engines, n)?;
+    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
+    let rates = opts.rates.clone().unwrap_or_else(|| {
+        if opts.quick {
+            vec![4.0, 8.0]
+        } else {
+            vec![4.0, 8.0, 12.0, 16.0]
+        }
+    });
+    Ok(Bench {
+        name: "kv-admission",
+        description: format!(
+            "{} groups (Zipf s={}) of a {}-token system prompt, {}-token questions, {}-token answers; \
+             {} engines of {} blocks of {} tokens ({}, x{} time): each pod's KV holds about {} \
+             prompts at once; {} requests per run",
+            p.groups,
+            p.zipf_s,
+            p.system_tokens,
+            p.question_tokens,
+            p.output_tokens,
+            spec.engines,
+            spec.num_blocks,
+            spec.block_size,
+            spec.profile.name,
+            spec.time_scale,
+            spec.num_blocks * spec.block_size / (p.system_tokens + p.question_tokens),
+            p.requests,
+        ),
+        source: "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 6000-token prefix + \
+                 1200-token question, 1000-token answers), lengths halved and answers cut to 100 tokens so a \
+                 run takes seconds, on pods with little free KV so that admission, not prefill, limits them",
+        slo: Slo {
+            ttft_p90_ms: 1000.0,
+            itl_p99_ms: 200.0,
+        },
+        pressure: Some(pressure),
+        spec,
+        rates,
+        routers: opts.routers.clone(),
+        build: Box::new({
+            let p = p.clone();
+            move |seed| p.build(seed)
+        }),
+        ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
+    })
+}
