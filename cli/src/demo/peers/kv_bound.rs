@@ -7,7 +7,7 @@
 
 use kvmesh_loadgen::workload::PressureParams;
 
-use super::{peers_spec, Bench, PeersOpts, Slo};
+use super::{peers_spec, Bench, PeersOpts, Router, Slo};
 use crate::demo::fleet::FleetSpec;
 use crate::demo::DemoError;
 
@@ -44,6 +44,20 @@ pub(super) fn kv_admission(opts: &PeersOpts) -> Result<Bench, DemoError> {
             vec![4.0, 8.0, 12.0, 16.0]
         }
     });
+    // Quick: round-robin, SMG cache_aware and kvmesh (what the target
+    // compares); full: every shared-prefix router.
+    let routers: Vec<Router> = opts
+        .routers
+        .iter()
+        .copied()
+        .filter(|r| {
+            !opts.quick
+                || matches!(
+                    r,
+                    Router::RoundRobin | Router::SmgCacheAware | Router::Kvmesh
+                )
+        })
+        .collect();
     Ok(Bench {
         name: "kv-admission",
         description: format!(
@@ -73,7 +87,7 @@ pub(super) fn kv_admission(opts: &PeersOpts) -> Result<Bench, DemoError> {
         pressure: Some(pressure),
         spec,
         rates,
-        routers: opts.routers.clone(),
+        routers,
         build: Box::new({
             let p = p.clone();
             move |seed| p.build(seed)
