@@ -369,6 +369,7 @@ fn msg() -> impl Strategy<Value = Msg> {
             prefix_hits: s[4],
         })),
         proptest::collection::vec(short(), 0..5).prop_map(Msg::Adapters),
+        proptest::collection::vec((short(), any::<u64>()), 0..5).prop_map(Msg::Prefill),
     ]
 }
 
