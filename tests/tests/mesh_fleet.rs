@@ -523,6 +523,50 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
     m.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prompt_tokens_to_prefill_are_seen_by_every_sidecar_until_the_first_byte() {
+    let m = mesh(2).await;
+    for e in &m.engines {
+        e.faults().delay_first_byte(Some(Duration::from_secs(2)));
+    }
+    // A cold prompt sent to A's client port goes somewhere with all of its
+    // tokens to compute.
+    let req = post_json(
+        m.sidecars[0].addr(),
+        "/v1/completions",
+        &shared_prefix_body(400, 0),
+    );
+    let held = tokio::spawn(async move { fetch(&http1(), req).await.status });
+    // Every sidecar sees the prompt's tokens on one pod: the sender's own
+    // guard, or the sender's Prefill report.
+    let pending = |s: &SidecarHandle| -> Vec<u64> {
+        s.fleet()
+            .endpoints(tokio::time::Instant::now(), 16, |_| 0)
+            .iter()
+            .map(|e| e.load.prefill_tokens)
+            .collect()
+    };
+    let mut seen = Vec::new();
+    for s in &m.sidecars {
+        let p = eventually("the prompt is seen", || async {
+            let p = pending(s);
+            (p.iter().filter(|&&t| t > 0).count() == 1).then_some(p)
+        })
+        .await;
+        seen.push(p.iter().sum::<u64>());
+    }
+    assert!(seen[0] > 100, "the whole prompt is to compute: {seen:?}");
+    assert_eq!(seen[0], seen[1], "both sidecars count it once");
+    assert_eq!(held.await.unwrap(), 200);
+    for s in &m.sidecars {
+        eventually("the prompt is done", || async {
+            pending(s).iter().all(|&t| t == 0).then_some(())
+        })
+        .await;
+    }
+    m.shutdown().await;
+}
+
 /// The client addresses (pod ids) of `sidecars`, sorted.
 fn client_addrs(sidecars: &[SidecarHandle]) -> Vec<String> {
     let mut v: Vec<String> = sidecars.iter().map(|s| s.addr().to_string()).collect();
