@@ -141,6 +141,10 @@ pub struct PeersArgs {
     /// Rates of the where-P/D-pays grid (simulated req/s), instead of the defaults.
     #[arg(long, value_delimiter = ',')]
     pd_pays_rates: Vec<f64>,
+    /// Rates bisection may add per router and workload to find its capacity
+    /// at SLO within 5% (default 3, 1 with --quick; 0: the grid alone).
+    #[arg(long)]
+    probes: Option<usize>,
     /// A filters.yaml to run as `kvmesh` instead of the built-in default.
     #[arg(long)]
     kvmesh_filters: Option<PathBuf>,
@@ -554,6 +558,9 @@ async fn peers_cmd(a: PeersArgs) -> Result<()> {
     opts.progress = true;
     opts.rates = (!a.rates.is_empty()).then_some(a.rates);
     opts.requests = a.requests;
+    if let Some(n) = a.probes {
+        opts.probes = n;
+    }
     opts.pd_pays_prompts = (!a.pd_pays_prompts.is_empty()).then_some(a.pd_pays_prompts);
     opts.pd_pays_rates = (!a.pd_pays_rates.is_empty()).then_some(a.pd_pays_rates);
     opts.shared_prefix = !a.no_shared_prefix;

@@ -20,6 +20,7 @@
 //! Every (router, rate) point runs once per seed on a fresh fleet; figures are
 //! medians over seeds with their min-max range ([`sweep`]), in simulated time.
 
+pub mod capacity;
 pub mod chat;
 pub mod pd_pays;
 pub mod smg;
@@ -192,6 +193,8 @@ pub struct PeersOpts {
     pub pd_pays_prompts: Option<Vec<usize>>,
     /// Replaces the where-P/D-pays grid's rates (simulated req/s).
     pub pd_pays_rates: Option<Vec<f64>>,
+    /// Rates bisection may add per router and workload (0: the grid alone).
+    pub probes: usize,
     /// A progress line per run on stderr.
     pub progress: bool,
 }
@@ -214,6 +217,11 @@ impl PeersOpts {
             requests: None,
             pd_pays_prompts: None,
             pd_pays_rates: None,
+            probes: if quick {
+                capacity::QUICK_PROBES
+            } else {
+                capacity::MAX_PROBES
+            },
             progress: false,
         }
     }
@@ -229,6 +237,11 @@ pub struct PeersReport {
     pub time_scale: f64,
     pub engines: usize,
     pub seeds: Vec<u64>,
+    /// Bisection closes a capacity's bracket when its first miss is within
+    /// this share above it ([`capacity::TOLERANCE`]).
+    pub capacity_tolerance: f64,
+    /// Rates bisection could add per router and workload.
+    pub probes: usize,
     /// `/proc/loadavg` (1, 5, 15 minutes) before and after.
     pub load_before: Option<[f64; 3]>,
     pub load_after: Option<[f64; 3]>,
@@ -252,8 +265,19 @@ pub struct WorkloadResult {
     /// Offered loads, simulated requests per second.
     pub rates: Vec<f64>,
     pub routers: Vec<RouterStatus>,
-    /// Highest rate meeting the SLO, per router (`null`: not even the lowest).
+    /// Highest rate meeting the SLO at it and every lower rate measured, per
+    /// router (`null`: not even the lowest), bisected ([`capacity`]).
     pub capacity_at_slo: BTreeMap<String, Option<f64>>,
+    /// The lowest measured rate above the capacity, which misses the SLO,
+    /// per router that ran (`null`: none did): the capacity lies below it.
+    pub capacity_bracket: BTreeMap<String, Option<f64>>,
+    /// Each seed's own capacity at the rates measured, in the order of
+    /// `seeds`, per router that ran.
+    pub capacity_at_slo_seeds: BTreeMap<String, Vec<Option<f64>>>,
+    /// The largest ratio of computed prompt tokens to the ideal placement's
+    /// (medians over seeds) at the rates up to the router's capacity (at the
+    /// lowest rate where it has none), per router that ran.
+    pub computed_vs_ideal: BTreeMap<String, f64>,
     /// P/D only: kvmesh P/D's best ITL p99 over aggregated's, at the highest
     /// rate where aggregated meets its TTFT SLO.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -358,8 +382,10 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
     let (spec, p) = pressure_setup(opts.engines, requests(opts))?;
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
+        // Quick: bisection's one probe lands at 45 where 60 misses (today's
+        // grid there), above 60 where nothing does.
         if opts.quick {
-            vec![30.0, 45.0, 60.0]
+            vec![30.0, 60.0]
         } else {
             vec![20.0, 40.0, 60.0, 80.0]
         }
@@ -454,7 +480,10 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
         rates,
         routers,
         build: Box::new(move |seed| p.build(seed)),
-        ideal: None,
+        // No prompt shares a prefix: ideally each is computed once.
+        ideal: Some(Box::new(|w| {
+            w.requests.iter().map(|r| r.prompt_words() as u64).sum()
+        })),
     })
 }
 
@@ -475,60 +504,7 @@ pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
     let smg_bin = smg::find();
     let mut workloads = Vec::new();
     for b in &benches {
-        let mut runs = Vec::new();
-        let mut status: Vec<RouterStatus> = Vec::new();
-        for &router in &b.routers {
-            let mut reason = match (router.smg_policy(), &smg_bin) {
-                (Some(_), Err(why)) => Some(why.clone()),
-                _ => None,
-            };
-            'rates: for &rate in &b.rates {
-                for &seed in &opts.seeds {
-                    if reason.is_some() {
-                        break 'rates;
-                    }
-                    match run_one(opts, b, router, rate, seed, smg_bin.as_ref().ok()).await? {
-                        Ok(r) => {
-                            say(opts, &progress_line(b.name, &r));
-                            runs.push(r);
-                        }
-                        Err(why) => {
-                            say(
-                                opts,
-                                &format!("[{}] {}: unavailable: {why}", b.name, router.name()),
-                            );
-                            reason = Some(why);
-                        }
-                    }
-                }
-            }
-            status.push(RouterStatus {
-                name: router.name(),
-                available: reason.is_none(),
-                reason,
-            });
-        }
-        let points = sweep::points(&runs);
-        let capacity_at_slo = status
-            .iter()
-            .map(|s| (s.name.clone(), sweep::capacity(&points, &s.name, &b.slo)))
-            .collect();
-        let itl_ratio = (b.name == "pd-long-prompt")
-            .then(|| pd_itl_ratio(&points, &b.slo))
-            .flatten();
-        workloads.push(WorkloadResult {
-            name: b.name.to_owned(),
-            description: b.description.clone(),
-            source: b.source.to_owned(),
-            slo: b.slo,
-            pressure: b.pressure,
-            rates: b.rates.clone(),
-            routers: status,
-            capacity_at_slo,
-            itl_p99_ratio_at_aggregated_capacity: itl_ratio,
-            points,
-            runs,
-        });
+        workloads.push(measure(opts, b, &smg_bin).await?);
     }
     let pd_pays = if opts.pd_pays {
         Some(pd_pays::run(opts).await?)
@@ -542,10 +518,128 @@ pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
         time_scale: TIME_SCALE,
         engines: opts.engines,
         seeds: opts.seeds.clone(),
+        capacity_tolerance: capacity::TOLERANCE,
+        probes: opts.probes,
         load_before,
         load_after: loadavg(),
         wall_s: started.elapsed().as_secs_f64(),
     })
+}
+
+/// One workload under each of its routers: the grid's rates, then up to
+/// `opts.probes` more per router by bisection ([`capacity`]).
+async fn measure(
+    opts: &PeersOpts,
+    b: &Bench,
+    smg_bin: &Result<std::path::PathBuf, String>,
+) -> Result<WorkloadResult, DemoError> {
+    let mut runs = Vec::new();
+    let mut status: Vec<RouterStatus> = Vec::new();
+    for &router in &b.routers {
+        let name = router.name();
+        let mut reason = match (router.smg_policy(), smg_bin) {
+            (Some(_), Err(why)) => Some(why.clone()),
+            _ => None,
+        };
+        let mut probes = 0;
+        for &rate in &b.rates {
+            if reason.is_some() {
+                break;
+            }
+            reason = run_rate(opts, b, router, rate, smg_bin, &mut runs).await?;
+        }
+        while reason.is_none() && probes < opts.probes {
+            let mine: Vec<Run> = runs.iter().filter(|r| r.router == name).cloned().collect();
+            let Some(rate) = capacity::next_probe(&sweep::points(&mine), &name, &b.slo) else {
+                break;
+            };
+            say(
+                opts,
+                &format!("[{}] {name}: bisecting at {rate} req/s", b.name),
+            );
+            reason = run_rate(opts, b, router, rate, smg_bin, &mut runs).await?;
+            probes += 1;
+        }
+        status.push(RouterStatus {
+            name,
+            available: reason.is_none(),
+            reason,
+        });
+    }
+    let points = sweep::points(&runs);
+    let ran = || {
+        status
+            .iter()
+            .filter(|s| s.available)
+            .map(|s| s.name.clone())
+    };
+    let capacity_at_slo: BTreeMap<String, Option<f64>> = status
+        .iter()
+        .map(|s| (s.name.clone(), sweep::capacity(&points, &s.name, &b.slo)))
+        .collect();
+    let computed_vs_ideal = ran()
+        .filter_map(|n| {
+            let cap = capacity_at_slo.get(&n).copied().flatten();
+            capacity::computed_vs_ideal(&points, &n, cap).map(|x| (n, x))
+        })
+        .collect();
+    let itl_ratio = (b.name == "pd-long-prompt")
+        .then(|| pd_itl_ratio(&points, &b.slo))
+        .flatten();
+    Ok(WorkloadResult {
+        name: b.name.to_owned(),
+        description: b.description.clone(),
+        source: b.source.to_owned(),
+        slo: b.slo,
+        pressure: b.pressure,
+        rates: b.rates.clone(),
+        capacity_bracket: ran()
+            .map(|n| {
+                let [_, miss] = capacity::bracket(&points, &n, &b.slo);
+                (n, miss)
+            })
+            .collect(),
+        capacity_at_slo_seeds: ran()
+            .map(|n| {
+                let caps = capacity::per_seed(&runs, &n, &opts.seeds, &b.slo);
+                (n, caps)
+            })
+            .collect(),
+        routers: status,
+        capacity_at_slo,
+        computed_vs_ideal,
+        itl_p99_ratio_at_aggregated_capacity: itl_ratio,
+        points,
+        runs,
+    })
+}
+
+/// One router at one rate, once per seed, each run added to `runs`; the
+/// reason the router cannot run here, if it cannot.
+async fn run_rate(
+    opts: &PeersOpts,
+    b: &Bench,
+    router: Router,
+    rate: f64,
+    smg_bin: &Result<std::path::PathBuf, String>,
+    runs: &mut Vec<Run>,
+) -> Result<Option<String>, DemoError> {
+    for &seed in &opts.seeds {
+        match run_one(opts, b, router, rate, seed, smg_bin.as_ref().ok()).await? {
+            Ok(r) => {
+                say(opts, &progress_line(b.name, &r));
+                runs.push(r);
+            }
+            Err(why) => {
+                say(
+                    opts,
+                    &format!("[{}] {}: unavailable: {why}", b.name, router.name()),
+                );
+                return Ok(Some(why));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// The best kvmesh P/D split's ITL p99 over aggregated's, at the highest
@@ -752,6 +846,11 @@ async fn run_one(
     let scale = b.spec.time_scale;
     let summary = report::to_simulated(&result.summary(), scale);
     let goodput = goodput(&result.records, &b.slo, scale);
+    let sent_share = workload
+        .ordered_per_user
+        .then(|| sent_rate(&result.records, scale))
+        .flatten()
+        .map(|sent| sent / rate);
     let computed: Vec<u64> = stats
         .iter()
         .map(|s| {
@@ -782,7 +881,17 @@ async fn run_one(
         computed_per_engine: computed,
         requests_per_engine: served,
         goodput,
+        sent_share,
     }))
+}
+
+/// The rate requests were sent at, in simulated requests per second: the
+/// sends after the first over the time from the first to the last.
+fn sent_rate(records: &[kvmesh_loadgen::RequestRecord], scale: f64) -> Option<f64> {
+    let first = records.iter().map(|r| r.start).min()?;
+    let last = records.iter().map(|r| r.start).max()?;
+    let span = (last - first).as_secs_f64() * scale;
+    (records.len() > 1 && span > 0.0).then(|| (records.len() - 1) as f64 / span)
 }
 
 /// Sends the workload as a Poisson process at `rate` simulated requests per
@@ -825,7 +934,7 @@ fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> 
 fn progress_line(workload: &str, r: &Run) -> String {
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     format!(
-        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {}, errors {}",
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {}, errors {}{}",
         r.router,
         r.rate,
         r.seed,
@@ -838,6 +947,8 @@ fn progress_line(workload: &str, r: &Run) -> String {
         r.requests_per_engine,
         r.preemptions,
         r.errors,
+        r.sent_share
+            .map_or(String::new(), |s| format!(", sent {s:.2} of the rate")),
     )
 }
 

@@ -359,6 +359,9 @@ mod tests {
             computed_tokens_range: None,
             goodput: Some(goodput),
             goodput_range: None,
+            computed_vs_ideal: None,
+            computed_vs_ideal_range: None,
+            sent_share: None,
             errors: 0,
         }
     }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use kvmesh_loadgen::report::sweep_plot::{self, Series};
 
-use super::sweep::Point;
+use super::sweep::{self, Point};
 use super::{PeersReport, WorkloadResult};
 use crate::demo::DemoError;
 
@@ -84,20 +84,60 @@ fn workload(out: &mut String, w: &WorkloadResult) {
             r.reason.as_deref().unwrap_or("unknown")
         );
     }
-    let _ = write!(out, "   capacity at SLO (req/s):");
-    for (name, cap) in &w.capacity_at_slo {
-        let _ = write!(
-            out,
-            " {name} {}",
-            cap.map_or("none".to_owned(), |c| format!("{c}"))
-        );
-    }
-    let _ = writeln!(out);
+    capacities(out, w);
     if let Some(x) = w.itl_p99_ratio_at_aggregated_capacity {
         let _ = writeln!(
             out,
             "   best P/D split's ITL p99 / aggregated's, at aggregated's capacity: {x:.2}x"
         );
+    }
+}
+
+/// Each router's capacity at SLO with the rate above it that missed and
+/// the seeds' own capacities, then its worst computed-to-ideal ratio.
+fn capacities(out: &mut String, w: &WorkloadResult) {
+    let rate = |c: Option<f64>| c.map_or("none".to_owned(), |c| format!("{c}"));
+    let _ = writeln!(
+        out,
+        "   capacity at SLO (req/s; bisected until the first miss, in brackets, is within 5% above it; \
+         each seed's own, in braces):"
+    );
+    for (name, cap) in &w.capacity_at_slo {
+        let _ = write!(out, "     {name:<24} {:>6}", rate(*cap));
+        if let Some(miss) = w.capacity_bracket.get(name) {
+            let _ = write!(
+                out,
+                " [{}]",
+                miss.map_or("no miss".to_owned(), |m| format!("< {m}"))
+            );
+            // Say where the miss is the workload's: its sessions could not
+            // send the rate.
+            let held = miss.and_then(|m| {
+                w.points
+                    .iter()
+                    .find(|p| p.router == *name && p.rate == m)
+                    .and_then(|p| p.sent_share)
+                    .filter(|&s| s < sweep::MIN_SENT_SHARE)
+            });
+            if let Some(s) = held {
+                let _ = write!(out, " (held back: {s:.2} of the rate sent)");
+            }
+        }
+        if let Some(seeds) = w.capacity_at_slo_seeds.get(name) {
+            let each: Vec<String> = seeds.iter().map(|c| rate(*c)).collect();
+            let _ = write!(out, " {{{}}}", each.join(", "));
+        }
+        let _ = writeln!(out);
+    }
+    if !w.computed_vs_ideal.is_empty() {
+        let _ = write!(
+            out,
+            "   computed prompt tokens / ideal placement's, worst rate up to capacity:"
+        );
+        for (name, x) in &w.computed_vs_ideal {
+            let _ = write!(out, " {name} {x:.2}x");
+        }
+        let _ = writeln!(out);
     }
 }
 
