@@ -7,11 +7,28 @@ use super::{peers_spec, Bench, PeersOpts, Router, Slo};
 use crate::demo::fleet::FleetSpec;
 use crate::demo::DemoError;
 
-/// The multi-turn fleet and workload: 8 sessions per engine less one, each
-/// a 512-token history after a 256-token system prompt all share, 64-token
-/// questions and answers, `turns` turns (4 quick, 5 full). The sessions'
-/// working set is about the fleet's KV (0.92 quick, 1.04 full): it fits when
-/// each session stays on one pod, and thrashes when sessions spread.
+/// Sessions per engine (less one, for a count coprime with the engines).
+pub const SESSIONS_PER_ENGINE: usize = 32;
+/// KV blocks (of 16 tokens) per engine, for the working set of
+/// [`SESSIONS_PER_ENGINE`] sessions.
+pub const BLOCKS_PER_ENGINE: usize = 2048;
+
+/// The multi-turn fleet and workload: [`SESSIONS_PER_ENGINE`] sessions per
+/// engine less one, each a 512-token history after a 256-token system prompt
+/// all share, 64-token questions and answers, `turns` turns (4 quick, 5
+/// full), on engines of [`BLOCKS_PER_ENGINE`] blocks. The sessions' working
+/// set is about the fleet's KV (0.92 quick, 1.04 full): it fits when each
+/// session stays on one pod, and thrashes when sessions spread.
+///
+/// A turn waits for the session's previous answer, so the sessions bound the
+/// load a run can offer: about sessions / (a turn's latency, 1.2 s unloaded
+/// and more near capacity). 8 sessions per engine (the first version) capped
+/// it near 25 req/s, below every router's capacity, and the workload
+/// separated nobody. Sessions (and, to keep the working set about the
+/// fleet's KV, the engines' blocks) are scaled 4x, every length as it was:
+/// the bound is now near 80 req/s, where a turn's latency (about 1.6 s)
+/// meets the think time (127 sessions / 80 req/s) and the sessions hold even
+/// the fastest router back.
 ///
 /// The session count is coprime with the engines: requests go out turn by
 /// turn over the sessions, so with a multiple of the engines a client that
@@ -19,9 +36,9 @@ use crate::demo::DemoError;
 /// to the same pod by arithmetic, a session affinity no Service has.
 pub fn chat_setup(engines: usize, turns: usize) -> Result<(FleetSpec, ChatParams), DemoError> {
     let mut spec = peers_spec(engines)?;
-    spec.num_blocks = 512;
+    spec.num_blocks = BLOCKS_PER_ENGINE;
     let p = ChatParams {
-        sessions: coprime_below(8 * engines, engines),
+        sessions: coprime_below(SESSIONS_PER_ENGINE * engines, engines),
         turns,
         system_tokens: 256,
         history_tokens: 512,
@@ -37,14 +54,15 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
         p.sessions = coprime_below((n / p.turns).max(1), spec.engines);
     }
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
-    // A turn waits for the session's previous answer (about 1.2 s here), so
-    // the sessions themselves bound the load near 25 req/s: higher offered
-    // rates only shorten the think time to nothing.
+    // Measured (--quick, 2 seeds): round-robin's capacity lies between 40 and
+    // 60 req/s, SMG cache_aware's between 20 and 40, kvmesh's between 60 and
+    // 80; at 80 the sessions hold every router back (a turn waits for the
+    // previous answer), which the SLO counts as a miss (sweep::MIN_SENT_SHARE).
     let rates = opts.rates.clone().unwrap_or_else(|| {
         if opts.quick {
-            vec![15.0, 30.0]
+            vec![40.0, 80.0]
         } else {
-            vec![10.0, 20.0, 30.0]
+            vec![30.0, 60.0, 90.0]
         }
     });
     // Quick: round-robin, SMG cache_aware and kvmesh (what the targets
@@ -93,7 +111,8 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
                  1000-token shared system prompt, 2000-token user history, 100-token answers, each user's \
                  next round num_users / qps later) and GIE's multi-chat prefix-cache variants (W2: completion \
                  API, multi-turn, Poisson rates), scaled to 4 simulated engines: lengths 1.5-4x shorter, \
-                 about 8 sessions per engine so that their working set is about the fleet's KV",
+                 about 32 sessions per engine (so that they can offer the rates where routers separate) on \
+                 engines whose KV their working set about fills",
         slo: Slo {
             ttft_p90_ms: 1000.0,
             itl_p99_ms: 200.0,
