@@ -1,9 +1,11 @@
-//! `kvmesh bench peers` in miniature: one rate, two seeds, round-robin and
-//! kvmesh on the pressured shared-prefix workload, and an SMG that cannot be
-//! found. The report must have the issue's JSON shape, medians over the
-//! seeds with their ranges, a capacity per router, the unavailable router
-//! with its reason, and kvmesh computing fewer prompt tokens than
-//! round-robin on the same requests. A second sweep, as small, covers the
+//! `kvmesh bench peers` in miniature: one rate and one bisection probe, two
+//! seeds, round-robin and kvmesh on the pressured shared-prefix workload, and
+//! an SMG that cannot be found. The report must have the issue's JSON shape,
+//! medians over the seeds with their ranges, a capacity per router with its
+//! bracket and each seed's own, every router's computed-to-ideal ratio (issue
+//! 40), the unavailable router with its reason, and kvmesh computing fewer
+//! prompt tokens than round-robin on the same requests. A second sweep, as
+//! small, covers the
 //! multi-turn chat workload, SMG's and kvmesh's P/D on SGLang pods and the
 //! where-P/D-pays grid.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -27,6 +29,7 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
     opts.routers = vec![Router::RoundRobin, Router::SmgCacheAware, Router::Kvmesh];
     opts.rates = Some(vec![20.0]);
     opts.requests = Some(60);
+    opts.probes = 1;
     opts.pd = false;
     opts.chat = false;
     opts.pd_pays = false;
@@ -58,13 +61,40 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
         "{smg}"
     );
 
+    // Bisection: the grid's one rate, then one probe (below it if it
+    // missed, above it if it passed), for each router that ran.
     let points = w["points"].as_array().unwrap();
     assert_eq!(
         points.len(),
-        2,
-        "one point per available router: {points:?}"
+        4,
+        "two rates per available router: {points:?}"
     );
-    let point = |r: &str| points.iter().find(|p| p["router"] == r).unwrap();
+    for r in ["round-robin", "kvmesh"] {
+        let rates: Vec<f64> = points
+            .iter()
+            .filter(|p| p["router"] == r)
+            .map(|p| p["rate"].as_f64().unwrap())
+            .collect();
+        assert_eq!(rates[0], 20.0, "{r}: {rates:?}");
+        assert!(rates[1] == 10.0 || rates[1] == 30.0, "{r}: {rates:?}");
+        let cap = caps[r].as_f64();
+        assert!(cap.is_none_or(|c| rates.contains(&c)), "{r}: {cap:?}");
+        let miss = w["capacity_bracket"][r].as_f64();
+        assert!(
+            miss.is_none_or(|m| rates.contains(&m) && cap.is_none_or(|c| m > c)),
+            "{r}: capacity {cap:?}, first miss {miss:?}"
+        );
+        let seeds = w["capacity_at_slo_seeds"][r].as_array().unwrap();
+        assert_eq!(seeds.len(), 2, "{r}: {seeds:?}");
+    }
+    assert_ratios(w, &["round-robin", "kvmesh"]);
+    assert!(w["computed_vs_ideal"].get("smg-cache-aware").is_none());
+    let point = |r: &str| {
+        points
+            .iter()
+            .find(|p| p["router"] == r && p["rate"] == 20.0)
+            .unwrap()
+    };
     for r in ["round-robin", "kvmesh"] {
         let p = point(r);
         assert_eq!(p["seeds"], 2);
@@ -82,6 +112,7 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
     // The same requests (same seeds): routing by prefix computes fewer prompt
     // tokens than spreading them, and every run names its ideal.
     let computed = |r: &str| point(r)["computed_tokens"].as_f64().unwrap();
+    assert!(json["capacity_tolerance"].as_f64().unwrap() > 0.0);
     assert!(
         computed("kvmesh") < computed("round-robin"),
         "kvmesh {} vs round-robin {}",
@@ -93,7 +124,24 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
         assert!(run["computed_tokens"].as_u64().unwrap() >= ideal, "{run}");
         assert_eq!(run["computed_per_engine"].as_array().unwrap().len(), 4);
     }
-    assert!(peers::table(&report).contains("capacity at SLO"));
+    let text = peers::table(&report);
+    assert!(text.contains("capacity at SLO"), "{text}");
+    assert!(text.contains("ideal placement's"), "{text}");
+}
+
+/// Every router of `routers` has a computed-to-ideal ratio in the workload,
+/// finite and positive (not necessarily at least 1: a noisy seed's engines
+/// may keep more than the ideal's accounting assumes).
+fn assert_ratios(w: &serde_json::Value, routers: &[&str]) {
+    let ratios = w["computed_vs_ideal"].as_object().unwrap();
+    for r in routers {
+        let x = ratios.get(*r).and_then(|x| x.as_f64());
+        assert!(
+            x.is_some_and(|x| x.is_finite() && x > 0.0),
+            "{}: {r}: {ratios:?}",
+            w["name"]
+        );
+    }
 }
 
 #[test]
@@ -110,6 +158,8 @@ fn multi_turn_sglang_pd_and_the_pd_grid_report_their_parts() {
     opts.shared_prefix = false;
     opts.rates = Some(vec![15.0]);
     opts.requests = Some(20);
+    // The grid alone: bisection is the first test's.
+    opts.probes = 0;
     let report = rt
         .block_on(async { tokio::time::timeout(Duration::from_secs(300), peers::run(&opts)).await })
         .expect("the sweep finishes within 5 minutes")
@@ -137,6 +187,7 @@ fn multi_turn_sglang_pd_and_the_pd_grid_report_their_parts() {
     for r in ["round-robin", "kvmesh"] {
         assert!(chat["capacity_at_slo"].as_object().unwrap().contains_key(r));
     }
+    assert_ratios(&chat, &["round-robin", "kvmesh"]);
     let runs = chat["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2, "{runs:?}");
     for run in runs {
@@ -167,6 +218,8 @@ fn multi_turn_sglang_pd_and_the_pd_grid_report_their_parts() {
         smg["reason"].as_str().unwrap().contains("KVMESH_SMG"),
         "{smg}"
     );
+    // Nothing shared: ideally every prompt token computed once.
+    assert_ratios(&pd, &["aggregated", "kvmesh-pd-2p", "kvmesh-pd-2p-sglang"]);
     let sglang: Vec<_> = pd["points"]
         .as_array()
         .unwrap()
