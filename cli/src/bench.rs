@@ -126,6 +126,9 @@ pub struct PeersArgs {
     /// Skip the multi-turn chat workload.
     #[arg(long)]
     no_chat: bool,
+    /// Skip the KV-admission workload.
+    #[arg(long)]
+    no_kv_admission: bool,
     /// Skip the where-P/D-pays grid.
     #[arg(long)]
     no_pd_pays: bool,
@@ -554,6 +557,7 @@ async fn peers_cmd(a: PeersArgs) -> Result<()> {
     opts.engines = a.engines;
     opts.pd = !a.no_pd;
     opts.chat = !a.no_chat;
+    opts.kv_admission = !a.no_kv_admission;
     opts.pd_pays = !a.no_pd_pays;
     opts.progress = true;
     opts.rates = (!a.rates.is_empty()).then_some(a.rates);

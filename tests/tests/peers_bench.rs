@@ -30,6 +30,7 @@ fn a_small_sweep_reports_points_capacities_and_unavailable_routers() {
     opts.rates = Some(vec![20.0]);
     opts.requests = Some(60);
     opts.probes = 1;
+    opts.kv_admission = false;
     opts.pd = false;
     opts.chat = false;
     opts.pd_pays = false;
@@ -160,6 +161,7 @@ fn multi_turn_sglang_pd_and_the_pd_grid_report_their_parts() {
     opts.requests = Some(20);
     // The grid alone: bisection is the first test's.
     opts.probes = 0;
+    opts.kv_admission = false;
     let report = rt
         .block_on(async { tokio::time::timeout(Duration::from_secs(300), peers::run(&opts)).await })
         .expect("the sweep finishes within 5 minutes")

@@ -22,6 +22,7 @@
 
 pub mod capacity;
 pub mod chat;
+pub mod kv_bound;
 pub mod pd_pays;
 pub mod smg;
 pub mod sweep;
@@ -180,6 +181,8 @@ pub struct PeersOpts {
     pub pd: bool,
     /// Run the multi-turn chat workload (with the shared-prefix routers).
     pub chat: bool,
+    /// Run the KV-admission workload (with the shared-prefix routers).
+    pub kv_admission: bool,
     /// Run the where-P/D-pays grid.
     pub pd_pays: bool,
     /// Replaces kvmesh's filter config (to try a change against the peers).
@@ -211,6 +214,7 @@ impl PeersOpts {
             shared_prefix: true,
             pd: true,
             chat: true,
+            kv_admission: true,
             pd_pays: true,
             kvmesh_filters: None,
             rates: None,
@@ -497,6 +501,9 @@ pub async fn run(opts: &PeersOpts) -> Result<PeersReport, DemoError> {
     }
     if opts.chat && !opts.routers.is_empty() {
         benches.push(chat::multi_turn_chat(opts)?);
+    }
+    if opts.kv_admission && !opts.routers.is_empty() {
+        benches.push(kv_bound::kv_admission(opts)?);
     }
     if opts.pd {
         benches.push(pd_long_prompt(opts)?);
