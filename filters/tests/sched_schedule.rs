@@ -142,8 +142,10 @@ fn trace_has_every_score_and_the_totals() {
     eps[0].load.kv_usage = 0.5;
     let d = default_sched().schedule(&req(100), &eps, 0, 0).unwrap();
     let p = &d.trace.profiles[0];
-    assert_eq!(p.scorers.len(), 3);
+    assert_eq!(p.scorers.len(), 4);
     assert_eq!(p.score_of("prefix-cache-scorer", &eps[1].id), Some(0.5));
+    // No KV capacity reported: no pod must wait for KV.
+    assert_eq!(p.score_of("token-cost-scorer", &eps[0].id), Some(1.0));
     // No anchor: the affinity scorer has no home to prefer.
     assert_eq!(p.score_of("prefix-affinity-scorer", &eps[0].id), Some(0.5));
     assert_eq!(p.score_of("active-request-scorer", &eps[2].id), Some(0.0));
@@ -180,7 +182,7 @@ fn summary_trace_decides_the_same_and_keeps_only_the_reason() {
         assert!(b.trace.profiles.is_empty() && b.trace.request_id.is_empty());
         assert_eq!(
             a.trace.profiles[0].scorers.len(),
-            3,
+            4,
             "full trace stays complete"
         );
         assert_eq!(a.trace.request_id, "req-1");

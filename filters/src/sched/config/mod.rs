@@ -198,9 +198,17 @@ impl FilterConfig {
             ("prefix-cache-scorer", 3.0),
             ("prefix-affinity-scorer", 2.0),
             ("active-request-scorer", 1.0),
+            ("token-cost-scorer", 2.0),
         ];
         let mut plugins: Vec<PluginSpec> = filters.iter().map(|f| spec(f, Filter)).collect();
         plugins.extend(scorers.iter().map(|(s, _)| spec(s, Scorer)));
+        // Only its KV term: a pod whose cache cannot admit what it is sent
+        // (docs/filters.md, "The built-in default").
+        if let Some(cost) = plugins.iter_mut().find(|p| p.name == "token-cost-scorer") {
+            let mut params = serde_yaml_ng::Mapping::new();
+            params.insert(Value::from("prefillWeight"), Value::from(0.0));
+            cost.parameters = Value::Mapping(params);
+        }
         plugins.push(spec("max-score-picker", Picker));
         plugins.push(spec("single-profile-handler", ProfileHandler));
         FilterConfig {

@@ -11,7 +11,7 @@
 //!   tokens its running requests hold and `C` its KV capacity (0 when the
 //!   engine does not report it: no such term).
 //!
-//! `cost = U + P + kvWeight · D`, and `score = (min cost + s) / (cost + s)`
+//! `cost = prefillWeight · (U + P) + kvWeight · D`, and `score = (min cost + s) / (cost + s)`
 //! over the candidates, `s = softTokens`: costs a few hundred tokens apart
 //! score about the same (affinity and the other scorers decide), a pod with
 //! a queue of thousands of tokens scores far below an idle one.
@@ -28,14 +28,20 @@
 //!
 //! | parameter | default | meaning |
 //! |---|---|---|
+//! | `prefillWeight` | `1.0` | weight of the prompt tokens to prefill, the request's and those queued (≥ 0; 0 leaves the KV term alone, as the built-in default does) |
 //! | `kvWeight` | `1.0` | weight of the KV tokens to be freed before admission (≥ 0) |
 //! | `softTokens` | `256` | tokens added to every cost before the ratio (≥ 1) |
+//!
+//! With both terms this is the cost NVIDIA Dynamo's router minimises; on
+//! the simulated fleets it moved requests off their cached prefixes at every
+//! brief queue and lost (docs/filters.md, "The built-in default"), so the
+//! built-in default keeps the KV term alone:
 //!
 //! ```yaml
 //! plugins:
 //!   - type: token-cost-scorer
 //!     parameters:
-//!       kvWeight: 1.0
+//!       prefillWeight: 0
 //! ```
 
 use serde::Deserialize;
