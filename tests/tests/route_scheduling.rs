@@ -146,6 +146,7 @@ async fn debug_route_explains_a_decision_with_every_plugins_score_and_sends_noth
         ("prefix-cache-scorer", 3.0),
         ("prefix-affinity-scorer", 2.0),
         ("active-request-scorer", 1.0),
+        ("token-cost-scorer", 2.0),
     ];
     for pod in [&local, &peer] {
         let row = &v["scores"]["default"][pod.as_str()];
