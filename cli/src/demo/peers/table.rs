@@ -42,7 +42,7 @@ pub fn table(report: &PeersReport) -> String {
         report.wall_s,
     );
     for w in &report.workloads {
-        workload(&mut out, w);
+        workload(&mut out, w, report.probes);
     }
     if let Some(g) = &report.pd_pays {
         super::pd_pays::table(&mut out, g);
@@ -50,7 +50,7 @@ pub fn table(report: &PeersReport) -> String {
     out
 }
 
-fn workload(out: &mut String, w: &WorkloadResult) {
+fn workload(out: &mut String, w: &WorkloadResult, probes: usize) {
     let _ = writeln!(out, "\n== {}: {}", w.name, w.description);
     if let Some(p) = w.pressure {
         let _ = writeln!(out, "   cache pressure (working set / fleet KV): {p:.2}");
@@ -84,7 +84,7 @@ fn workload(out: &mut String, w: &WorkloadResult) {
             r.reason.as_deref().unwrap_or("unknown")
         );
     }
-    capacities(out, w);
+    capacities(out, w, probes);
     if let Some(x) = w.itl_p99_ratio_at_aggregated_capacity {
         let _ = writeln!(
             out,
@@ -95,12 +95,12 @@ fn workload(out: &mut String, w: &WorkloadResult) {
 
 /// Each router's capacity at SLO with the rate above it that missed and
 /// the seeds' own capacities, then its worst computed-to-ideal ratio.
-fn capacities(out: &mut String, w: &WorkloadResult) {
+fn capacities(out: &mut String, w: &WorkloadResult, probes: usize) {
     let rate = |c: Option<f64>| c.map_or("none".to_owned(), |c| format!("{c}"));
     let _ = writeln!(
         out,
-        "   capacity at SLO (req/s; bisected until the first miss, in brackets, is within 5% above it; \
-         each seed's own, in braces):"
+        "   capacity at SLO (req/s; the first miss above it in brackets, bisected toward 5% with up to \
+         {probes} more rates; each seed's own in braces):"
     );
     for (name, cap) in &w.capacity_at_slo {
         let _ = write!(out, "     {name:<24} {:>6}", rate(*cap));
@@ -110,17 +110,23 @@ fn capacities(out: &mut String, w: &WorkloadResult) {
                 " [{}]",
                 miss.map_or("no miss".to_owned(), |m| format!("< {m}"))
             );
-            // Say where the miss is the workload's: its sessions could not
-            // send the rate.
-            let held = miss.and_then(|m| {
-                w.points
-                    .iter()
-                    .find(|p| p.router == *name && p.rate == m)
-                    .and_then(|p| p.sent_share)
-                    .filter(|&s| s < sweep::MIN_SENT_SHARE)
-            });
-            if let Some(s) = held {
-                let _ = write!(out, " (held back: {s:.2} of the rate sent)");
+            // Say where the client could not send the rate, and where that
+            // alone made the miss (the latencies met the SLO): the
+            // sessions' bound, not the router's.
+            let at = miss.and_then(|m| w.points.iter().find(|p| p.router == *name && p.rate == m));
+            if let Some((p, s)) = at.and_then(|p| Some((p, p.sent_share?))) {
+                let unsent = sweep::Point {
+                    sent_share: None,
+                    ..p.clone()
+                };
+                if s < sweep::MIN_SENT_SHARE && sweep::meets(&unsent, &w.slo) {
+                    let _ = write!(
+                        out,
+                        " (held back: {s:.2} of the rate sent, latencies within SLO)"
+                    );
+                } else if s < sweep::MIN_SENT_SHARE {
+                    let _ = write!(out, " ({s:.2} of the rate sent)");
+                }
             }
         }
         if let Some(seeds) = w.capacity_at_slo_seeds.get(name) {
