@@ -227,11 +227,12 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
         under_load(UNDER_FAULT).await;
         let t0 = Instant::now();
         let mut replayed = false;
+        let (mut g, mut r) = (gaps, replays);
         while t0.elapsed() < Duration::from_secs(20) {
-            let g = fleet.pods[victim]
+            g = fleet.pods[victim]
                 .metric_sum("kvmesh_kv_event_gaps_total")
                 .await;
-            let r = fleet.pods[victim]
+            r = fleet.pods[victim]
                 .metric_sum("kvmesh_kv_event_replays_total{outcome=\"ok\"}")
                 .await;
             if fleet.pods[victim].drop_batches.load(Ordering::Acquire) == 0
@@ -243,9 +244,16 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        let replays_by_outcome = fleet.pods[victim]
+            .metric_sum("kvmesh_kv_event_replays_total")
+            .await;
         assert!(
             replayed,
-            "pod{victim}'s sidecar saw no gap or replayed nothing after dropped batches"
+            "pod{victim}'s sidecar saw no gap or replayed nothing after dropped batches: \
+             {} of 3 batches still to drop ({} dropped in all), gaps {gaps} -> {g}, \
+             replays ok {replays} -> {r} ({replays_by_outcome} with any outcome)",
+            fleet.pods[victim].drop_batches.load(Ordering::Acquire),
+            fleet.pods[victim].dropped.load(Ordering::Acquire),
         );
         figures.push(Figure {
             fault: tag("KV event batches dropped (gap, replay)"),
