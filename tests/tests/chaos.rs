@@ -27,6 +27,8 @@
 //! namespaces; `chaos/partition.rs`); `scripts/chaos --partition` repeats it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "chaos/account.rs"]
+mod account;
 #[path = "chaos/fleet.rs"]
 mod fleet;
 #[path = "chaos/load.rs"]
@@ -36,11 +38,11 @@ mod migrations;
 #[path = "chaos/partition.rs"]
 mod partition;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use account::Figure;
 use fleet::{Fleet, Role};
 use load::{Control, Outcome};
 use serde_json::{json, Value};
@@ -61,35 +63,6 @@ const DECODE: usize = 5;
 
 /// How long load runs with a fault in place.
 const UNDER_FAULT: Duration = Duration::from_millis(1500);
-
-/// One fault's figures.
-#[derive(Debug, Clone)]
-struct Figure {
-    fault: String,
-    /// The requests in flight on what died, just before it died (0: nothing
-    /// died). Only a client whose own sidecar died may lose its request,
-    /// and those number at most this.
-    bound: u64,
-    converge_ms: u128,
-    note: String,
-    /// A front sidecar SIGKILLed, and when: its clients' connections are
-    /// cut with no error said, the one failure allowed.
-    killed_front: Option<(usize, Instant)>,
-}
-
-/// How long after a front sidecar's SIGKILL a request may still start on a
-/// kept-alive connection to it and be cut ([`POOL_NOTICE`] and a margin).
-const CUT_WINDOW: Duration = Duration::from_millis(200);
-
-/// Whether `r` is a request whose client's own sidecar died under it.
-fn cut_by_its_sidecar(r: &load::Record, figures: &[Figure]) -> bool {
-    matches!(r.outcome, Outcome::Cut(_))
-        && figures.iter().any(|f| {
-            f.killed_front.is_some_and(|(front, at)| {
-                r.front == Some(front) && r.started <= at + CUT_WINDOW && r.ended >= at
-            })
-        })
-}
 
 /// A rolling restart's step on pod `i`, as Kubernetes runs it: out of the
 /// Service's endpoints, the preStop hook's sleep, SIGTERM to both
@@ -455,93 +428,7 @@ async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
 
     // Accounting per fault.
     let migrated = migrations::collect(&fleet, &records);
-    let mut table = Vec::new();
-    let mut violations = Vec::new();
-    for (i, f) in figures.iter().enumerate() {
-        let mine: Vec<_> = records.iter().filter(|r| r.phase == i).collect();
-        let failed: Vec<_> = mine
-            .iter()
-            .filter(|r| r.outcome.failed() && !cut_by_its_sidecar(r, &figures))
-            .collect();
-        // Clients whose own sidecar this fault killed (whenever they began).
-        let cut = records
-            .iter()
-            .filter(|r| cut_by_its_sidecar(r, std::slice::from_ref(f)))
-            .count() as u64;
-        let hung = mine.iter().filter(|r| r.outcome == Outcome::Hung).count();
-        let abandoned = mine
-            .iter()
-            .filter(|r| r.outcome == Outcome::Abandoned)
-            .count();
-        let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
-        for r in &failed {
-            let k = match &r.outcome {
-                Outcome::CleanError(m)
-                | Outcome::StreamError(m)
-                | Outcome::Cut(m)
-                | Outcome::Wrong(m) => {
-                    let short: String = m.chars().take(90).collect();
-                    let kind = format!("{:?}", r.outcome);
-                    let kind = kind.split('(').next().unwrap_or("");
-                    format!("{kind}: {short}")
-                }
-                o => format!("{o:?}"),
-            };
-            *kinds.entry(k).or_default() += 1;
-        }
-        let lost = failed.len() as u64;
-        let moved: Vec<_> = migrated.iter().filter(|m| m.phase == i).collect();
-        let m = migrations::figures(&moved);
-        println!(
-            "chaos | {:<95} | requests {:>5} | lost {:>3} | cut with their own sidecar {:>3} | in flight on what died {:>3} | migrated {:>3} (carried {:>5} tokens, gap p50 {:>6} ms, p99 {:>6} ms) | abandoned {:>3} | converged in {:>5} ms {}",
-            f.fault,
-            mine.len(),
-            lost,
-            cut,
-            f.bound,
-            moved.len(),
-            m["tokens_carried"],
-            m["gap_ms"]["p50"],
-            m["gap_ms"]["p99"],
-            abandoned,
-            f.converge_ms,
-            f.note
-        );
-        for (k, n) in &kinds {
-            println!("chaos |   {n} x {k}");
-        }
-        for r in failed.iter().take(5) {
-            println!(
-                "chaos |   failed: {} on front {:?}, from {} ms to {} ms",
-                r.id,
-                r.front,
-                (r.started - started).as_millis(),
-                (r.ended - started).as_millis()
-            );
-        }
-        if hung > 0 {
-            violations.push(format!("{}: {hung} requests hung", f.fault));
-        }
-        if lost > 0 {
-            violations.push(format!(
-                "{}: {lost} requests failed whose client stayed connected: {kinds:?}",
-                f.fault
-            ));
-        }
-        if cut > f.bound {
-            violations.push(format!(
-                "{}: {cut} clients cut with their sidecar, more than the {} in flight on it",
-                f.fault, f.bound
-            ));
-        }
-        table.push(json!({
-            "fault": f.fault, "requests": mine.len(), "lost": lost,
-            "cut_with_their_sidecar": cut,
-            "in_flight_on_what_died": f.bound, "abandoned": abandoned,
-            "converge_ms": f.converge_ms, "note": f.note,
-            "failures": kinds, "migrated": m,
-        }));
-    }
+    let (table, violations) = account::per_fault(&figures, &records, &migrated, started);
     let total = records.len();
     let complete = records
         .iter()
