@@ -34,12 +34,13 @@ pub fn kv_bound_setup(
 }
 
 pub(super) fn kv_admission(opts: &PeersOpts) -> Result<Bench, DemoError> {
-    let n = opts.requests.unwrap_or(if opts.quick { 150 } else { 300 });
+    let n = opts.requests.unwrap_or(if opts.quick { 80 } else { 300 });
     let (spec, p) = kv_bound_setup(opts.engines, n)?;
     let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
         if opts.quick {
-            vec![4.0, 8.0]
+            // Round-robin's and SMG's capacity lies below 8, kvmesh's above.
+            vec![8.0, 16.0]
         } else {
             vec![4.0, 8.0, 12.0, 16.0]
         }
