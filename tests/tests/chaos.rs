@@ -111,7 +111,7 @@ async fn under_load(d: Duration) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_fleet_loses_nothing_but_what_was_in_flight_on_what_died() {
+async fn no_request_fails_whose_client_stayed_connected_and_every_migration_is_accounted_for() {
     let sim_bin = kvmesh_tests::simproc::engine_sim_bin();
     let proxy_bin = fleet::proxy_bin();
     let rounds = env_num("KVMESH_CHAOS_ROUNDS", 1.0).max(1.0) as usize;
