@@ -3,7 +3,7 @@
 
 use kvmesh_loadgen::workload::ChatParams;
 
-use super::{peers_spec, Bench, PeersOpts, Router, Slo};
+use super::{peers_spec, quick_routers, Bench, PeersOpts, Router, Slo};
 use crate::demo::fleet::FleetSpec;
 use crate::demo::DemoError;
 
@@ -65,23 +65,9 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
             vec![30.0, 60.0, 90.0]
         }
     });
-    // Quick: round-robin, SMG cache_aware and kvmesh (what the targets
-    // compare); full: every shared-prefix router.
-    let routers: Vec<Router> = opts
-        .routers
-        .iter()
-        .copied()
-        .filter(|r| {
-            !opts.quick
-                || matches!(
-                    r,
-                    Router::RoundRobin
-                        | Router::SmgCacheAware
-                        | Router::Kvmesh
-                        | Router::KvmeshValkey
-                )
-        })
-        .collect();
+    // Quick: round-robin, SMG cache_aware, kvmesh and kvmesh on Valkey
+    // (what the targets compare); full: every shared-prefix router.
+    let routers = quick_routers(opts, &[Router::KvmeshValkey]);
     let think = |rate: f64| p.sessions as f64 / rate;
     Ok(Bench {
         name: "multi-turn-chat",

@@ -7,7 +7,7 @@
 
 use kvmesh_loadgen::workload::PressureParams;
 
-use super::{peers_spec, Bench, PeersOpts, Router, Slo};
+use super::{peers_spec, pressure_bench, quick_routers, Bench, PeersOpts};
 use crate::demo::fleet::FleetSpec;
 use crate::demo::DemoError;
 
@@ -36,63 +36,25 @@ pub fn kv_bound_setup(
 pub(super) fn kv_admission(opts: &PeersOpts) -> Result<Bench, DemoError> {
     let n = opts.requests.unwrap_or(if opts.quick { 80 } else { 300 });
     let (spec, p) = kv_bound_setup(opts.engines, n)?;
-    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
     let rates = opts.rates.clone().unwrap_or_else(|| {
         if opts.quick {
-            // Round-robin's and SMG's capacity lies below 8, kvmesh's above.
+            // Round-robin's capacity lies below 8, kvmesh's and SMG's
+            // cache_aware's near 16 (docs/benchmarks.md §7).
             vec![8.0, 16.0]
         } else {
             vec![4.0, 8.0, 12.0, 16.0]
         }
     });
-    // Quick: round-robin, SMG cache_aware and kvmesh (what the target
-    // compares); full: every shared-prefix router.
-    let routers: Vec<Router> = opts
-        .routers
-        .iter()
-        .copied()
-        .filter(|r| {
-            !opts.quick
-                || matches!(
-                    r,
-                    Router::RoundRobin | Router::SmgCacheAware | Router::Kvmesh
-                )
-        })
-        .collect();
-    Ok(Bench {
-        name: "kv-admission",
-        description: format!(
-            "{} groups (Zipf s={}) of a {}-token system prompt, {}-token questions, {}-token answers; \
-             {} engines of {} blocks of {} tokens ({}, x{} time): each pod's KV holds about {} \
-             prompts at once; {} requests per run",
-            p.groups,
-            p.zipf_s,
-            p.system_tokens,
-            p.question_tokens,
-            p.output_tokens,
-            spec.engines,
-            spec.num_blocks,
-            spec.block_size,
-            spec.profile.name,
-            spec.time_scale,
-            spec.num_blocks * spec.block_size / (p.system_tokens + p.question_tokens),
-            p.requests,
-        ),
-        source: "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 6000-token prefix + \
-                 1200-token question, 1000-token answers), lengths halved and answers cut to 100 tokens so a \
-                 run takes seconds, on pods with little free KV so that admission, not prefill, limits them",
-        slo: Slo {
-            ttft_p90_ms: 1000.0,
-            itl_p99_ms: 200.0,
-        },
-        pressure: Some(pressure),
-        spec,
+    let held = spec.num_blocks * spec.block_size / (p.system_tokens + p.question_tokens);
+    Ok(pressure_bench(
+        "kv-admission",
+        "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 6000-token prefix + \
+         1200-token question, 1000-token answers), lengths halved and answers cut to 100 tokens so a \
+         run takes seconds, on pods with little free KV so that admission, not prefill, limits them",
+        format!(": each pod's KV holds about {held} prompts at once"),
+        (spec, p),
         rates,
-        routers,
-        build: Box::new({
-            let p = p.clone();
-            move |seed| p.build(seed)
-        }),
-        ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
-    })
+        // Quick: what the target compares; full: every shared-prefix router.
+        quick_routers(opts, &[]),
+    ))
 }

@@ -383,8 +383,7 @@ pub fn pd_setup(engines: usize, requests: usize) -> Result<(FleetSpec, PdParams)
 }
 
 fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
-    let (spec, p) = pressure_setup(opts.engines, requests(opts))?;
-    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
+    let fleet = pressure_setup(opts.engines, requests(opts))?;
     let rates = opts.rates.clone().unwrap_or_else(|| {
         // Quick: bisection's one probe lands at 45 where 60 misses (today's
         // grid there), above 60 where nothing does.
@@ -394,11 +393,36 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
             vec![20.0, 40.0, 60.0, 80.0]
         }
     });
-    Ok(Bench {
-        name: "shared-prefix-pressure",
+    Ok(pressure_bench(
+        "shared-prefix-pressure",
+        "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 150 groups x 5 users, \
+         6000-token prefix + 1200-token question, 1000-token answers, cache demand above one pod), \
+         scaled to 4 simulated engines; Zipf popularity as in web-cache traces (Breslau et al. 1999, s 0.64-0.83)",
+        String::new(),
+        fleet,
+        rates,
+        opts.routers.clone(),
+    ))
+}
+
+/// A workload of [`PressureParams`] on `fleet` (the shared-prefix and the
+/// KV-admission workloads): its description from the parameters, then
+/// `note`; the SLO both are judged by; the ideal placement's tokens.
+fn pressure_bench(
+    name: &'static str,
+    source: &'static str,
+    note: String,
+    fleet: (FleetSpec, PressureParams),
+    rates: Vec<f64>,
+    routers: Vec<Router>,
+) -> Bench {
+    let (spec, p) = fleet;
+    let pressure = p.pressure(spec.engines, spec.num_blocks, spec.block_size);
+    Bench {
+        name,
         description: format!(
             "{} groups (Zipf s={}) of a {}-token system prompt, {}-token questions, {}-token answers; \
-             {} engines of {} blocks of {} tokens ({}, x{} time); {} requests per run",
+             {} engines of {} blocks of {} tokens ({}, x{} time){note}; {} requests per run",
             p.groups,
             p.zipf_s,
             p.system_tokens,
@@ -411,9 +435,7 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
             spec.time_scale,
             p.requests,
         ),
-        source: "llm-d precise prefix-cache benchmark (docs/field-benchmarks.md P1: 150 groups x 5 users, \
-                 6000-token prefix + 1200-token question, 1000-token answers, cache demand above one pod), \
-                 scaled to 4 simulated engines; Zipf popularity as in web-cache traces (Breslau et al. 1999, s 0.64-0.83)",
+        source,
         slo: Slo {
             ttft_p90_ms: 1000.0,
             itl_p99_ms: 200.0,
@@ -421,13 +443,31 @@ fn shared_prefix_pressure(opts: &PeersOpts) -> Result<Bench, DemoError> {
         pressure: Some(pressure),
         spec,
         rates,
-        routers: opts.routers.clone(),
+        routers,
         build: Box::new({
             let p = p.clone();
             move |seed| p.build(seed)
         }),
         ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
-    })
+    }
+}
+
+/// The routers a quick run of a second shared-prefix workload keeps: those
+/// its targets compare (`also` besides round-robin, SMG cache_aware and
+/// kvmesh); a full run keeps every one asked for.
+fn quick_routers(opts: &PeersOpts, also: &[Router]) -> Vec<Router> {
+    opts.routers
+        .iter()
+        .copied()
+        .filter(|r| {
+            !opts.quick
+                || matches!(
+                    r,
+                    Router::RoundRobin | Router::SmgCacheAware | Router::Kvmesh
+                )
+                || also.contains(r)
+        })
+        .collect()
 }
 
 fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
