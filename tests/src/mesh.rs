@@ -16,15 +16,20 @@ use crate::route::{config, eventually, metric, sim_with, MODEL};
 
 /// A simulated engine serving [`MODEL`] that publishes KV events on loopback.
 pub async fn kv_sim() -> SimHandle {
+    kv_sim_with(|c| c).await
+}
+
+/// [`kv_sim`] with its configuration changed by `adjust` first.
+pub async fn kv_sim_with(adjust: impl FnOnce(SimConfig) -> SimConfig) -> SimHandle {
     let mut kv = KvEventsConfig::new("tcp://127.0.0.1:0");
     kv.bind = Some(true);
     kv.topic = format!("kv@sim@{MODEL}");
-    sim_with(
+    sim_with(adjust(
         SimConfig::new(MODEL)
             .with_time_scale(20.0)
             .with_block_size(16)
             .with_kv_events(kv),
-    )
+    ))
     .await
 }
 

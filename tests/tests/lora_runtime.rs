@@ -21,30 +21,20 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvmesh_proxy::mesh::subscriber::split_frames;
 use kvmesh_proxy::mesh::wire::Msg;
 
-use kvmesh_engine_sim::{KvEventsConfig, SimConfig, SimHandle};
+use kvmesh_engine_sim::SimHandle;
 use kvmesh_loadgen::valkey::ValkeyServer;
 use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
 use kvmesh_proxy::config::Duration as CfgDuration;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, post_json};
-use kvmesh_tests::mesh::{mesh_config, start_on, write_peers};
-use kvmesh_tests::route::{eventually, sim_with, MODEL};
+use kvmesh_tests::mesh::{kv_sim_with, mesh_config, start_on, write_peers};
+use kvmesh_tests::route::{eventually, MODEL};
 
 const ADAPTER: &str = "sql-lora";
 
 /// A simulated engine serving [`MODEL`] with LoRA on, publishing KV events.
 async fn lora_sim() -> SimHandle {
-    let mut kv = KvEventsConfig::new("tcp://127.0.0.1:0");
-    kv.bind = Some(true);
-    kv.topic = format!("kv@sim@{MODEL}");
-    sim_with(
-        SimConfig::new(MODEL)
-            .with_time_scale(20.0)
-            .with_block_size(16)
-            .with_kv_events(kv)
-            .with_max_loras(2),
-    )
-    .await
+    kv_sim_with(|c| c.with_max_loras(2)).await
 }
 
 /// A meshed sidecar in front of `engine` that reads `/v1/models` every 100 ms.

@@ -82,6 +82,20 @@ impl Mesh {
         indexes_converged(&self.sidecars).await;
     }
 
+    /// Sends group 400's first prompt to the first sidecar, every engine
+    /// holding its first byte for 2 s; the task ends with its status.
+    fn send_held(&self) -> tokio::task::JoinHandle<http::StatusCode> {
+        for e in &self.engines {
+            e.faults().delay_first_byte(Some(Duration::from_secs(2)));
+        }
+        let req = post_json(
+            self.sidecars[0].addr(),
+            "/v1/completions",
+            &shared_prefix_body(400, 0),
+        );
+        tokio::spawn(async move { fetch(&http1(), req).await.status })
+    }
+
     /// Prefix-cache (hits, queries) in tokens, summed over the engines.
     fn engine_hits(&self) -> (u64, u64) {
         self.engines.iter().fold((0, 0), |(h, q), e| {
@@ -476,15 +490,7 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
     );
     assert_eq!(fetch(&http1(), warm).await.status, 200);
     m.wait_converged().await;
-    for e in &m.engines {
-        e.faults().delay_first_byte(Some(Duration::from_secs(2)));
-    }
-    let req = post_json(
-        m.sidecars[0].addr(),
-        "/v1/completions",
-        &shared_prefix_body(400, 0),
-    );
-    let held = tokio::spawn(async move { fetch(&http1(), req).await.status });
+    let held = m.send_held();
     // Every sidecar counts it once: its own guard, or the publisher's report
     // (a forwarded request is published by its forwarder only).
     let total = |s: &SidecarHandle| -> u32 {
@@ -526,17 +532,8 @@ async fn in_flight_requests_are_seen_by_every_sidecar_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prompt_tokens_to_prefill_are_seen_by_every_sidecar_until_the_first_byte() {
     let m = mesh(2).await;
-    for e in &m.engines {
-        e.faults().delay_first_byte(Some(Duration::from_secs(2)));
-    }
-    // A cold prompt sent to A's client port goes somewhere with all of its
-    // tokens to compute.
-    let req = post_json(
-        m.sidecars[0].addr(),
-        "/v1/completions",
-        &shared_prefix_body(400, 0),
-    );
-    let held = tokio::spawn(async move { fetch(&http1(), req).await.status });
+    // A cold prompt: wherever it goes, all of its tokens are to compute.
+    let held = m.send_held();
     // Every sidecar sees the prompt's tokens on one pod: the sender's own
     // guard, or the sender's Prefill report.
     let pending = |s: &SidecarHandle| -> Vec<u64> {
