@@ -45,6 +45,17 @@ async fn sidecar(engine: &SimHandle, peers: &std::path::Path) -> SidecarHandle {
 }
 
 /// An engine-side adapter call (`load_lora_adapter` or `unload_lora_adapter`).
+/// Loads [`ADAPTER`] on `engine` (the simulator reads no adapter files).
+async fn load_adapter(engine: &SimHandle) {
+    let path = std::env::temp_dir().to_string_lossy().into_owned();
+    adapter_call(
+        engine,
+        "load",
+        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
+    )
+    .await;
+}
+
 async fn adapter_call(engine: &SimHandle, op: &str, body: serde_json::Value) {
     let path = format!("/v1/{op}_lora_adapter");
     let r = fetch(&http1(), post_json(engine.addr(), &path, &body.to_string())).await;
@@ -129,13 +140,7 @@ async fn an_adapter_loaded_at_run_time_is_routed_to_until_unloaded() {
     // Nothing serves the adapter yet: the sidecar's own 404.
     assert_eq!(complete(a.addr(), ADAPTER).await.0, 404);
 
-    let path = std::env::temp_dir().to_string_lossy().into_owned();
-    adapter_call(
-        &eb,
-        "load",
-        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
-    )
-    .await;
+    load_adapter(&eb).await;
     wait_adapter(&b, &b, true).await;
     wait_adapter(&a, &b, true).await;
     assert!(adapters_of(&a, &a).is_empty(), "A's engine loaded nothing");
@@ -248,13 +253,7 @@ async fn only_subscribers_that_ask_get_adapters_frames_and_snapshots_carry_the_s
     })
     .await;
 
-    let path = std::env::temp_dir().to_string_lossy().into_owned();
-    adapter_call(
-        &e,
-        "load",
-        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
-    )
-    .await;
+    load_adapter(&e).await;
     let seq = eventually("the new subscriber gets the set", || async {
         adapter_frames(&new)
             .into_iter()
@@ -333,13 +332,7 @@ async fn on_valkey_a_pod_is_found_by_an_adapter_it_loaded_at_run_time() {
         sidecars.push(s);
     }
     let a = &sidecars[0];
-    let path = std::env::temp_dir().to_string_lossy().into_owned();
-    adapter_call(
-        &eb,
-        "load",
-        serde_json::json!({"lora_name": ADAPTER, "lora_path": path}),
-    )
-    .await;
+    load_adapter(&eb).await;
     // B has served nothing for the adapter: only its registration under it
     // makes A's lookup name it.
     eventually("A finds B by the adapter", || async {
