@@ -105,7 +105,7 @@ pub struct ScaleArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct PeersArgs {
-    /// The small size: fewer rates, requests and probes (about 15 minutes on 2 cores since bisection and the kv-admission workload; the CI test runs a smaller sweep).
+    /// The small size: fewer rates, requests and probes (about 18 minutes on 2 cores since bisection and the kv-admission workload; the CI test runs a smaller sweep).
     #[arg(long)]
     quick: bool,
     /// Seeds; every point runs once per seed (default 1,2,3; 1,2 with --quick).
