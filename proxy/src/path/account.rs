@@ -68,27 +68,29 @@ pub(crate) fn served_pod(fleet: &Fleet, s: Served) -> String {
 /// disaggregated), for as long as the response lasts. Called by the execute
 /// stage for each target it tries, so a fallback moves the count.
 pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
-    let guard = if ctx.already_routed && *target == Target::LocalEngine {
-        // Forwarded here by a peer, which publishes it to the mesh itself.
-        a.fleet.begin_received()
-    } else {
-        let pod = pod_of(a.fleet, target);
-        if let (Target::Peer { .. }, Some(id), Some(_)) = (target, &pod, &ctx.view) {
-            // Counted when sent, not when answered: a request lost with its
-            // peer (a partition, a crash) was still forwarded there.
-            a.mesh.metrics.forwarded(id);
+    if ctx.already_routed && *target == Target::LocalEngine {
+        // Forwarded here by a peer, which publishes it to the mesh itself,
+        // and counts its prompt tokens.
+        if let Some(in_flight) = ctx.in_flight.as_mut() {
+            in_flight.hold_target(a.fleet.begin_received());
         }
-        pod.and_then(|id| a.fleet.begin(&id))
-    };
-    let prefill = match target {
-        // Its forwarder counts the prompt of a request routed here.
-        Target::LocalEngine if ctx.already_routed => None,
-        // The prefill pod computes a split's prompt, and the P/D leg counts it.
-        Target::Disaggregated { .. } => None,
-        _ => pod_of(a.fleet, target).and_then(|id| {
-            let (_, tokens) = ctx.uncached_tokens.iter().find(|(p, _)| *p == id)?;
-            a.fleet.begin_prefill(&id, *tokens)
-        }),
+        return;
+    }
+    let pod = pod_of(a.fleet, target);
+    if let (Target::Peer { .. }, Some(id), Some(_)) = (target, &pod, &ctx.view) {
+        // Counted when sent, not when answered: a request lost with its
+        // peer (a partition, a crash) was still forwarded there.
+        a.mesh.metrics.forwarded(id);
+    }
+    let guard = pod.as_ref().and_then(|id| a.fleet.begin(id));
+    let prefill = match (target, &pod) {
+        // A split's prompt is computed on its prefill pod, whose tokens are
+        // not counted (docs/filters.md, token-cost-scorer).
+        (Target::Disaggregated { .. }, _) | (_, None) => None,
+        (_, Some(id)) => {
+            let tokens = ctx.uncached_tokens.iter().find(|(p, _)| p == id);
+            tokens.and_then(|(_, n)| a.fleet.begin_prefill(id, *n))
+        }
     };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);
