@@ -90,8 +90,7 @@ struct Hub {
     closed: bool,
 }
 
-/// One subscriber's queue, and whether it asked for `Stats` and `Adapters`
-/// frames (a sidecar that predates them would end the stream on one).
+/// One subscriber's queue, and the frames outside the sequence it asked for.
 struct Sub {
     tx: mpsc::Sender<Bytes>,
     takes: Takes,
@@ -116,6 +115,18 @@ enum Audience {
     Stats,
     Adapters,
     Prefill,
+}
+
+impl Audience {
+    /// Whether a subscriber that asked for `takes` is among this audience.
+    fn includes(self, takes: Takes) -> bool {
+        match self {
+            Audience::All => true,
+            Audience::Stats => takes.stats,
+            Audience::Adapters => takes.adapters,
+            Audience::Prefill => takes.prefill,
+        }
+    }
 }
 
 /// A new subscriber's stream: the snapshot frames, then its queue.
@@ -290,7 +301,7 @@ impl Mesh {
     /// later delta, consistent because both are taken under the hub lock.
     /// `None` when [`crate::config::Mesh::max_subscribers`] are served, or
     /// when the sidecar is shutting down. `takes`: the frames outside the
-    /// sequence it also takes (see [`Hub::publish_stats`]).
+    /// sequence it also takes (see [`Hub::publish_aside`]).
     pub fn subscribe(&self, takes: Takes) -> Option<Subscription> {
         let metrics = &self.metrics;
         let mut hub = self.hub.lock();
@@ -394,8 +405,7 @@ impl Mesh {
         let mut hub = self.hub.lock();
         if let Some(a) = adapters.filter(|a| *a != hub.adapters) {
             hub.adapters.clone_from(&a);
-            let frame = wire::encode(hub.seq, &Msg::Adapters(a));
-            hub.send(&self.metrics, &frame, Audience::Adapters);
+            hub.publish_aside(&self.metrics, Audience::Adapters, || Msg::Adapters(a));
         }
         if let Some(l) = load {
             hub.last_load = Some(l);
@@ -403,16 +413,15 @@ impl Mesh {
         }
         hub.last_in_flight = in_flight.clone();
         hub.publish(&self.metrics, &Msg::InFlight(in_flight));
-        if hub.subs.iter().any(|s| s.takes.prefill) {
+        hub.publish_aside(&self.metrics, Audience::Prefill, || {
             let mut prefill: Vec<(String, u64)> = fleet.published_prefill().into_iter().collect();
             prefill.sort_unstable();
-            let frame = wire::encode(hub.seq, &Msg::Prefill(prefill));
-            hub.send(&self.metrics, &frame, Audience::Prefill);
-        }
+            Msg::Prefill(prefill)
+        });
         let scraped = fleet.stats().remove(fleet.local_id()).unwrap_or_default();
         let stats =
             crate::stat::local_stats(scraped, self.metrics.served_total(), shared.pd.totals());
-        hub.publish_stats(&self.metrics, stats);
+        hub.publish_aside(&self.metrics, Audience::Stats, || Msg::Stats(stats));
     }
 }
 
@@ -427,13 +436,13 @@ impl Hub {
         self.send(metrics, &frame, Audience::All);
     }
 
-    /// Queues the local pod's counters to the subscribers that asked for
-    /// them. Outside the sequence: the frame carries the last delta's number
+    /// Queues `msg()` to the subscribers of `to`, built only when there are
+    /// some. Outside the sequence: the frame carries the last delta's number
     /// and takes none, so the other subscribers see no gap.
-    fn publish_stats(&mut self, metrics: &MeshMetrics, stats: crate::stat::PodStats) {
-        if self.subs.iter().any(|s| s.takes.stats) {
-            let frame = wire::encode(self.seq, &Msg::Stats(stats));
-            self.send(metrics, &frame, Audience::Stats);
+    fn publish_aside(&mut self, metrics: &MeshMetrics, to: Audience, msg: impl FnOnce() -> Msg) {
+        if self.subs.iter().any(|s| to.includes(s.takes)) {
+            let frame = wire::encode(self.seq, &msg());
+            self.send(metrics, &frame, to);
         }
     }
 
@@ -444,12 +453,7 @@ impl Hub {
         let mut slow = 0;
         let mut sent = 0u64;
         self.subs.retain(|s| {
-            let takes = match to {
-                Audience::All => true,
-                Audience::Stats => s.takes.stats,
-                Audience::Adapters => s.takes.adapters,
-                Audience::Prefill => s.takes.prefill,
-            };
+            let takes = to.includes(s.takes);
             if !takes {
                 return true;
             }
