@@ -593,34 +593,38 @@ impl Fleet {
     /// Peers' published in-flight counts and prompt tokens to prefill,
     /// summed per target.
     fn mesh_load(&self) -> MeshLoad {
-        let mut prefill: HashMap<String, u64> = HashMap::new();
-        for tokens in self.remote_prefill.read().values() {
-            // Unlike request counts, the local pod's tokens count too: a
-            // request a peer forwarded here is counted by that peer only.
-            for (target, n) in tokens {
-                let slot = prefill.entry(target.clone()).or_default();
-                *slot = slot.saturating_add(*n);
-            }
-        }
         MeshLoad {
             in_flight: self.mesh_in_flight(),
-            prefill,
+            // Unlike request counts, the local pod's tokens count too: a
+            // request a peer forwarded here is counted by that peer only.
+            prefill: sum_reports(&self.remote_prefill.read(), None, u64::saturating_add),
         }
     }
 
-    /// Peers' published in-flight counts, summed per target.
+    /// Peers' published in-flight counts, summed per target. The local
+    /// pod's own count is exact (requests forwarded here are counted on
+    /// arrival); peers' reports of it would count them twice.
     fn mesh_in_flight(&self) -> HashMap<String, u32> {
-        let mut sum: HashMap<String, u32> = HashMap::new();
-        for counts in self.remote_in_flight.read().values() {
-            // The local pod's own count is exact (requests forwarded here are
-            // counted on arrival); peers' reports of it would count them twice.
-            for (target, n) in counts.iter().filter(|(t, _)| **t != self.local_id) {
-                let slot = sum.entry(target.clone()).or_default();
-                *slot = slot.saturating_add(*n);
-            }
-        }
-        sum
+        let local = Some(self.local_id.as_str());
+        sum_reports(&self.remote_in_flight.read(), local, u32::saturating_add)
     }
+}
+
+/// Peers' reports (reporter -> target -> amount) summed per target with
+/// `add`, leaving out the target `skip`.
+fn sum_reports<N: Copy + Default>(
+    reports: &HashMap<String, HashMap<String, N>>,
+    skip: Option<&str>,
+    add: fn(N, N) -> N,
+) -> HashMap<String, N> {
+    let mut sum: HashMap<String, N> = HashMap::new();
+    for (target, n) in reports.values().flatten() {
+        if Some(target.as_str()) != skip {
+            let slot = sum.entry(target.clone()).or_default();
+            *slot = add(*slot, *n);
+        }
+    }
+    sum
 }
 
 impl std::fmt::Debug for Fleet {
