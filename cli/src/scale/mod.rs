@@ -19,12 +19,15 @@ pub mod report;
 pub mod sut;
 pub mod tags;
 
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use kvmesh_loadgen::client::{Client, ClientConfig};
 use kvmesh_loadgen::fake::{FastEngine, FastEngineConfig};
 use kvmesh_loadgen::overhead::procs::cpu_of;
@@ -416,6 +419,11 @@ async fn load_phase(opts: &ScaleOpts, sut: &Sut, n: usize, mut probe: Probe<'_>)
     let mut pod = 0usize;
     let mut salt = 0u64;
     let mut freshness = Vec::new();
+    // The probes wait beside the churn, never in its way: a fleet's block
+    // changes do not pause while somebody watches for one of them (a churn
+    // that paused for each probe caught up in bursts of hundreds of writes,
+    // which the lookups then queued behind).
+    let mut watches = FuturesUnordered::new();
     while started.elapsed() < opts.load {
         let now = Instant::now();
         // Churn the pods in turn, catching up in bursts if behind.
@@ -433,9 +441,19 @@ async fn load_phase(opts: &ScaleOpts, sut: &Sut, n: usize, mut probe: Probe<'_>)
             next_probe += Duration::from_secs_f64(1.0 / PROBES_PER_S);
             salt += 1;
             let k = (salt as usize * 7919) % n;
-            freshness.push(fresh_ms(&mut probe, sut, k, salt).await);
+            watches.push(plant(&mut probe, sut, k, salt).await);
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        let tick = tokio::time::sleep(Duration::from_millis(2));
+        tokio::pin!(tick);
+        loop {
+            tokio::select! {
+                _ = &mut tick => break,
+                Some(ms) = watches.next(), if !watches.is_empty() => freshness.push(ms),
+            }
+        }
+    }
+    while let Some(ms) = watches.next().await {
+        freshness.push(ms);
     }
     let (requests, failed) = sender.await.context("request sender")?;
     let c1 = sut.cpu_seconds()?;
@@ -460,20 +478,27 @@ async fn load_phase(opts: &ScaleOpts, sut: &Sut, n: usize, mut probe: Probe<'_>)
     })
 }
 
-/// Stores a fresh block on pod `k` and waits until a router sees it there:
-/// on Valkey, a lookup; on the mesh, the sidecar under test's index (its
-/// `/debug/route` view of the block). Milliseconds.
-async fn fresh_ms(probe: &mut Probe<'_>, sut: &Sut, k: usize, salt: u64) -> f64 {
+/// Stores a fresh block on pod `k`; the future returned waits until a
+/// router sees it there (on Valkey, a lookup; on the mesh, the sidecar under
+/// test's index, its `/debug/route` view of the block) and gives the
+/// milliseconds since it was stored, at most [`FRESHNESS_CAP`].
+async fn plant<'a>(
+    probe: &mut Probe<'a>,
+    sut: &'a Sut,
+    k: usize,
+    salt: u64,
+) -> Pin<Box<dyn Future<Output = f64> + 'a>> {
     let started = Instant::now();
-    let seen = async {
-        match probe {
-            Probe::Valkey {
-                fleet,
-                lookup,
-                metrics,
-            } => {
-                let key = fleet.probe(k, salt).await;
-                let id = fleet.id(k).to_owned();
+    let seen: Pin<Box<dyn Future<Output = ()> + 'a>> = match probe {
+        Probe::Valkey {
+            fleet,
+            lookup,
+            metrics,
+        } => {
+            let key = fleet.probe(k, salt).await;
+            let id = fleet.id(k).to_owned();
+            let (lookup, metrics) = (*lookup, *metrics);
+            Box::pin(async move {
                 loop {
                     if let Ok(found) = lookup.find(metrics, MODEL, &[key]).await {
                         if found
@@ -486,12 +511,14 @@ async fn fresh_ms(probe: &mut Probe<'_>, sut: &Sut, k: usize, salt: u64) -> f64 
                     }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-            }
-            Probe::Mesh { fleet } => {
-                let tokens = fleet.probe(k, salt);
-                let id = fleet.id(k);
-                let body = serde_json::json!({"model": MODEL, "prompt": tokens, "max_tokens": 1})
-                    .to_string();
+            })
+        }
+        Probe::Mesh { fleet } => {
+            let tokens = fleet.probe(k, salt);
+            let id = fleet.id(k);
+            let body =
+                serde_json::json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
+            Box::pin(async move {
                 loop {
                     if let Ok(v) = sut.admin_json("/debug/route", Some(body.clone())).await {
                         let held = v["endpoints"].as_array().is_some_and(|eps| {
@@ -506,13 +533,15 @@ async fn fresh_ms(probe: &mut Probe<'_>, sut: &Sut, k: usize, salt: u64) -> f64 
                     }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-            }
+            })
         }
     };
-    match tokio::time::timeout(FRESHNESS_CAP, seen).await {
-        Ok(()) => started.elapsed().as_secs_f64() * 1e3,
-        Err(_) => FRESHNESS_CAP.as_secs_f64() * 1e3,
-    }
+    Box::pin(async move {
+        match tokio::time::timeout(FRESHNESS_CAP, seen).await {
+            Ok(()) => started.elapsed().as_secs_f64() * 1e3,
+            Err(_) => FRESHNESS_CAP.as_secs_f64() * 1e3,
+        }
+    })
 }
 
 /// An open loop of `rate` requests a second for `dur`: shared-prefix prompts
