@@ -18,7 +18,7 @@ use crate::sched::plugin::{Filter, PdDecider, Picker, ProfileHandler, Scorer};
 use crate::sched::producer::{self, ProducerSpec};
 use crate::sched::profile::{self, DisaggParams, DisaggProfileHandler, SingleProfileHandler};
 use crate::sched::scorers::{
-    active, affinity, cost, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
+    active, affinity, cost, eviction, kv_util, load_aware, lora, no_hit_lru, prefix, queue, session,
 };
 use crate::sched::view::Role;
 
@@ -214,6 +214,13 @@ pub fn register_builtin_plugins(r: &mut PluginRegistry) {
         let params: cost::TokenCostParams = parse(p)?;
         params.validate()?;
         Ok(Plugin::Scorer(Arc::new(cost::TokenCostScorer { params })))
+    });
+    r.register(eviction::TYPE, K::Scorer, |p, _| {
+        let params: eviction::EvictionCostParams = parse(p)?;
+        params.validate()?;
+        Ok(Plugin::Scorer(Arc::new(eviction::EvictionCostScorer::new(
+            params,
+        ))))
     });
     r.register(session::TYPE, K::Scorer, |p, _| {
         parse::<NoParams>(p)?;

@@ -5,6 +5,7 @@
 pub mod active;
 pub mod affinity;
 pub mod cost;
+pub mod eviction;
 pub mod kv_util;
 pub mod load_aware;
 pub mod lora;
