@@ -57,7 +57,8 @@ struct Line {
     rank: Option<u32>,
     prefill: Option<String>,
     decode: Option<String>,
-    /// `disaggregated`, `recompute`, `fallback_aggregated`, `decode_refused`, `failed`.
+    /// `disaggregated`, `recompute`, `fallback_aggregated`, `decode_refused`,
+    /// `decode_resent`, `decode_lease_expired`, `decode_kv_gone`, `failed`.
     pd: Option<&'static str>,
     attempts: u8,
     /// Times the stream went on on another pod after its upstream failed

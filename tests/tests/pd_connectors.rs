@@ -571,23 +571,23 @@ async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &
     assert_eq!(inference(&prefill).len(), 1, "one prefill leg");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
-    // This sidecar fronts a prefill engine; the decode pods are peers: one whose sidecar refuses
-    // connections (idle, so the scheduler prefers it) and a busier one that serves both roles.
+/// A split made by a sidecar fronting a prefill engine, whose decode pods are peers: `failing`
+/// (idle, so the scheduler prefers it) and a busier spare engine that serves both roles, behind
+/// its own sidecar. The prefill engine, the spare engine, the sidecar and the spare's sidecar.
+async fn split_with_a_failing_decode_pod(
+    failing: std::net::SocketAddr,
+    tune: impl FnOnce(&mut Config),
+) -> (SimHandle, SimHandle, SidecarHandle, SidecarHandle) {
     let prefill = engine(SimRole::Prefill, Flavor::Vllm).await;
     let spare = engine(SimRole::Both, Flavor::Vllm).await;
     let spare_sidecar = start(config(&spare, &[], None)).await;
     let sidecar = decode_sidecar(&prefill, |c| {
         c.pod.role = Role::Prefill;
         c.pd.min_uncached_tokens = Some(64);
+        tune(c);
     })
     .await;
-    let refusing = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
-    add_peer(&sidecar, refusing, Role::Decode, EngineLoad::default());
+    add_peer(&sidecar, failing, Role::Decode, EngineLoad::default());
     let busier = EngineLoad {
         waiting: 2,
         running: 6,
@@ -595,20 +595,117 @@ async fn a_decode_pod_that_refuses_hands_the_request_to_the_next_pod_whole() {
         ..EngineLoad::default()
     };
     add_peer(&sidecar, spare_sidecar.addr(), Role::Both, busier);
+    (prefill, spare, sidecar, spare_sidecar)
+}
 
-    // The split was made and its prefill leg ran (once: no aggregated retry there) ...
+async fn pd_outcome(sidecar: &SidecarHandle, outcome: &str) -> Option<f64> {
+    metric(
+        sidecar,
+        &format!(r#"kvmesh_pd_requests_total{{connector="nixl",outcome="{outcome}"}}"#),
+    )
+    .await
+}
+
+// On one thread: the access lines are captured on the test's thread.
+#[tokio::test]
+async fn a_decode_pod_that_refuses_gets_its_decode_leg_resent_to_the_next_pod() {
+    let lines = kvmesh_tests::access_lines::AccessLines::default();
+    let _guard = lines.capture();
+    // The first decode pod's sidecar refuses connections: nothing reached it.
+    let refusing = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(refusing, |c| c.logging.access_log = true).await;
+
+    // The split was made and its prefill leg ran once ...
     let (prompt, _) = split_long_prompt(&sidecar, &prefill).await;
-    // ... the refusing decode pod was not tried again whole, and the spare pod served the
-    // request whole, as a request its sidecar runs locally.
+    // ... and the spare pod got the decode leg, with the prefill's parameters: it fetched the
+    // prompt's KV from the prefill engine instead of computing it.
+    let s_reqs = inference(&spare);
+    assert_eq!(s_reqs.len(), 1, "{s_reqs:?}");
+    let served = s_reqs[0].json().unwrap();
+    assert_eq!(
+        served["kv_transfer_params"]["remote_engine_id"],
+        json!(prefill.engine_id()),
+        "{served}"
+    );
+    assert_eq!(served["prompt"], json!(prompt));
+    assert!(external_tokens(&spare) > 0);
+    assert_eq!(pd_outcome(&sidecar, "decode_resent").await, Some(1.0));
+    assert_eq!(pd_outcome(&sidecar, "decode_refused").await, Some(0.0));
+    let line = eventually("the split's access line", || async {
+        lines.all().into_iter().find(|l| l["pd"].is_string())
+    })
+    .await;
+    assert_eq!(line["pd"], "decode_resent", "{line}");
+}
+
+/// A decode pod whose engine answers 503 (after `delay`) to everything, behind its own sidecar:
+/// the engine and the sidecar.
+async fn failing_decode_pod(delay: Option<Duration>) -> (SimHandle, SidecarHandle) {
+    let engine = engine(SimRole::Decode, Flavor::Vllm).await;
+    engine.faults().fail_all(Some(503));
+    engine.faults().delay_first_byte(delay);
+    let sidecar = start(config(&engine, &[], None)).await;
+    (engine, sidecar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv_transfer_params() {
+    let (failing, failing_sidecar) = failing_decode_pod(None).await;
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(failing_sidecar.addr(), |_| {}).await;
+
+    split_long_prompt(&sidecar, &prefill).await;
+    // The failed engine and the spare got the same decode leg, parameters and all; the prefill
+    // engine was not called again (split_long_prompt counts its legs).
+    let first = inference(&failing);
+    assert_eq!(first.len(), 1, "{first:?}");
+    let second = inference(&spare);
+    assert_eq!(second.len(), 1, "{second:?}");
+    let (first, second) = (first[0].json().unwrap(), second[0].json().unwrap());
+    assert_eq!(
+        first["kv_transfer_params"]["do_remote_prefill"],
+        json!(true),
+        "{first}"
+    );
+    assert_eq!(first, second, "the decode leg was sent again as it was");
+    assert!(external_tokens(&spare) > 0, "the spare fetched the KV");
+    assert_eq!(pd_outcome(&sidecar, "decode_resent").await, Some(1.0));
+    assert_eq!(pd_outcome(&sidecar, "disaggregated").await, Some(0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_pod_that_fails_after_the_lease_has_the_request_recomputed_whole() {
+    // The decode engine answers 503 only after the prefill pod's lease passed.
+    let (failing, failing_sidecar) = failing_decode_pod(Some(Duration::from_millis(400))).await;
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(failing_sidecar.addr(), |c| {
+            c.migration.pd_kv_lease = CfgDuration::from_millis(100);
+        })
+        .await;
+
+    let (prompt, _) = split_long_prompt(&sidecar, &prefill).await;
+    assert_eq!(inference(&failing).len(), 1);
+    // The spare served the request whole, its prompt computed there, and no new prefill leg
+    // was made (split_long_prompt counts them).
     let s_reqs = inference(&spare);
     assert_eq!(s_reqs.len(), 1, "{s_reqs:?}");
     let served = s_reqs[0].json().unwrap();
     assert!(served.get("kv_transfer_params").is_none(), "{served}");
     assert_eq!(served["prompt"], json!(prompt));
+    assert_eq!(external_tokens(&spare), 0);
+    assert_eq!(
+        pd_outcome(&sidecar, "decode_lease_expired").await,
+        Some(1.0)
+    );
+    assert_eq!(pd_outcome(&sidecar, "decode_resent").await, Some(0.0));
     assert_eq!(
         metric(
             &sidecar,
-            r#"kvmesh_pd_requests_total{connector="nixl",outcome="decode_refused"}"#
+            r#"kvmesh_pd_abandoned_transfers_total{connector="nixl"}"#
         )
         .await,
         Some(1.0)

@@ -8,11 +8,12 @@
 //! client's inference requests, other pods the fleet knows, up to
 //! `migration.max_migrations` (`elsewhere`); when none serves it, the last
 //! 5xx answer is relayed. Any later failure (a body that breaks, a deadline) is final,
-//! because the upstream may be working on it. So does a
-//! disaggregated target whose decode pod fails before any byte (refuses, or
-//! answers 5xx): the client has no byte yet, and the next fallback serves the
-//! request whole (the prefill pod frees the blocks it held
-//! for that decode when its own hold timeout expires).
+//! because the upstream may be working on it. A disaggregated target whose
+//! decode pod fails before any byte (refuses, or answers 5xx) has its decode
+//! leg sent again with the same `kv_transfer_params` to the next decode pod
+//! while the prefill pod's lease holds (`crate::pd`); after that, the next
+//! fallback serves the request whole (the prefill pod frees the blocks it
+//! held for that decode when its lease expires).
 
 use std::sync::atomic::AtomicBool;
 
@@ -76,8 +77,8 @@ pub async fn execute(
     let mut retried = 0;
     let mut last = None;
     let mut last_reply: Option<(Upstream, Unserved)> = None;
-    // A decode pod that failed before any byte: not tried again whole.
-    let mut refused_decode = None;
+    // Decode pods that failed before any byte: not tried again whole.
+    let mut refused_decodes: Vec<Served> = Vec::new();
     loop {
         let target = match targets.pop_front() {
             Some(t) => t,
@@ -90,7 +91,7 @@ pub async fn execute(
             },
         };
         attempted.push(target.clone());
-        if refused_decode.as_ref() == Some(&target) {
+        if refused_decodes.contains(&served_on(&target)) {
             continue;
         }
         super::account::predict(h.books, ctx, &target);
@@ -105,9 +106,6 @@ pub async fn execute(
             Target::Peer { sidecar_addr } => Upstream::Peer(sidecar_addr),
             Target::Disaggregated { prefill, decode } => {
                 ctx.attempts += 1;
-                let decode_upstream = leg_upstream(&decode);
-                let decode_name = decode_upstream.name(h.up.engine_url);
-                let whole_on_decode = decode.whole();
                 let prefill_fallbacks = std::mem::take(&mut prefill_fallbacks);
                 let mut access = ctx.access.take();
                 if let Some(a) = access.as_mut() {
@@ -116,25 +114,45 @@ pub async fn execute(
                         leg_pod(h.books.fleet, &decode),
                     );
                 }
-                let pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
+                let mut pd = crate::pd::PdPlan::scheduled(prefill, prefill_fallbacks, decode);
+                // A decode leg that fails before any byte goes again to the
+                // pod a migrating stream would go on on.
+                let model = ctx.view.as_ref().and_then(|v| v.model.clone());
+                let left: Vec<Target> = targets.iter().cloned().collect();
+                let next_decode = |failed: &[Upstream]| {
+                    let avoid: Vec<Served> = failed.iter().map(Upstream::served).collect();
+                    let next = super::migrate::pick(h, model.as_deref(), &avoid, &left)?;
+                    Some(super::migrate::upstream_of(next))
+                };
                 let split = crate::pd::Pd {
                     up: h.up,
                     metrics: h.pd,
                     fleet: h.books.fleet,
+                    lease: h.migration.pd_kv_lease.get(),
+                    max_resends: h.migration.max_migrations,
+                    next_decode: &next_decode,
                 };
-                let pd = Box::pin(crate::pd::execute(split, ctx, pd, &req));
-                let r = crate::access::pd_scope(access.as_deref_mut(), pd).await;
+                let run = Box::pin(crate::pd::execute(split, ctx, &mut pd, &req));
+                let r = crate::access::pd_scope(access.as_deref_mut(), run).await;
                 ctx.access = access;
+                for failed in pd.failed_decodes() {
+                    super::account::failed(h.books, failed);
+                    refused_decodes.push(failed.served());
+                }
+                let decode = pd.decode();
+                let decode_name = decode.name(h.up.engine_url);
                 match r {
                     Ok(resp) => {
                         let all = tried_and_left(&attempted, &targets);
-                        let serving = whole_on_decode.clone();
+                        let serving = whole_on(decode);
+                        if !pd.failed_decodes().is_empty() {
+                            // The re-sent decode leg counts at its pod now.
+                            super::account::track(h.books, ctx, &serving);
+                        }
                         return Ok(migrating(h, ctx, &req, all, &serving, decode_name, resp));
                     }
-                    Err(e) if failed_before_any_byte(&e, &decode_name) => {
-                        super::account::failed(h.books, &decode_upstream);
+                    Err(e) if failed_before_any_byte(&e, pd.failed_decodes(), h.up.engine_url) => {
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
-                        refused_decode = Some(whole_on_decode);
                         last = Some(e);
                         continue;
                     }
@@ -353,12 +371,29 @@ fn served_on(t: &Target) -> Served {
     }
 }
 
-/// Whether `e` is `upstream` failing before any byte reached the client, so
-/// that another pod may serve the request (a refusal, a connection broken
-/// before the head, a decode leg's 5xx).
-fn failed_before_any_byte(e: &ProxyError, upstream: &UpstreamName) -> bool {
+/// Whether `e` is the last of the `failed` decode pods failing before any
+/// byte reached the client, so that another pod may serve the request (a
+/// refusal, a connection broken before the head, a decode leg's 5xx).
+fn failed_before_any_byte(
+    e: &ProxyError,
+    failed: &[Upstream],
+    engine_url: &crate::config::EngineUrl,
+) -> bool {
+    let Some(upstream) = failed.last().map(|u| u.name(engine_url)) else {
+        return false;
+    };
     crate::error::next_target_may_serve(e)
-        && matches!(e, ProxyError::Connect { upstream: u, .. } | ProxyError::UpstreamFailed { upstream: u, .. } if u == upstream)
+        && matches!(e, ProxyError::Connect { upstream: u, .. } | ProxyError::UpstreamFailed { upstream: u, .. } if *u == upstream)
+}
+
+/// The whole request on `u`'s pod.
+fn whole_on(u: &Upstream) -> Target {
+    match u {
+        Upstream::Peer(sidecar_addr) => Target::Peer {
+            sidecar_addr: *sidecar_addr,
+        },
+        Upstream::Engine | Upstream::Direct(_) => Target::LocalEngine,
+    }
 }
 
 /// The pod a P/D leg goes to, for the access line.

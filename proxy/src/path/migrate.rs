@@ -31,7 +31,8 @@ pub fn pick_named(
     Some((s, upstream_of(s).name(h.up.engine_url)))
 }
 
-fn upstream_of(s: Served) -> Upstream {
+/// The call to the pod `s`.
+pub(super) fn upstream_of(s: Served) -> Upstream {
     match s {
         Served::LocalEngine => Upstream::Engine,
         Served::Peer(a) => Upstream::Peer(a),

@@ -20,9 +20,21 @@ pub enum Outcome {
     /// Prefill failed for good: the decode pod served the request whole.
     FallbackAggregated,
     /// The decode pod failed before any byte reached the client (it refused the connection, the
-    /// connection broke before a response head, or it answered 5xx): the request went on to the
-    /// plan's next fallback pod, served whole (the prompt recomputed there).
+    /// connection broke before a response head, or it answered 5xx), and its leg could not be
+    /// sent again (another connector, no parameters, no other decode pod, the re-send limit):
+    /// the request went on to the plan's next fallback pod, served whole (the prompt recomputed
+    /// there).
     DecodeRefused,
+    /// The decode pod failed before any byte, and the decode leg, sent again with the same
+    /// `kv_transfer_params` to another decode pod while the prefill pod's lease held, was served
+    /// there: the prompt was not computed again.
+    DecodeResent,
+    /// The decode pod failed before any byte after the prefill pod's lease
+    /// (`migration.pd_kv_lease`) had passed: served whole on the next pod.
+    DecodeLeaseExpired,
+    /// A re-sent decode leg was answered 500, as vLLM answers one whose KV it could not load:
+    /// served whole on the next pod.
+    DecodeKvGone,
     /// The request failed.
     Failed,
 }
@@ -44,6 +56,9 @@ impl Outcome {
             Self::Recompute => "recompute",
             Self::FallbackAggregated => "fallback_aggregated",
             Self::DecodeRefused => "decode_refused",
+            Self::DecodeResent => "decode_resent",
+            Self::DecodeLeaseExpired => "decode_lease_expired",
+            Self::DecodeKvGone => "decode_kv_gone",
             Self::Failed => "failed",
         }
     }
@@ -71,8 +86,9 @@ pub struct PdMetrics {
     prefill_retries: Counter,
     abandoned: Family<ConnectorLabels, Counter>,
     leg_latency: Family<LegLabels, Histogram, fn() -> Histogram>,
-    /// Split requests and, of them, those not served disaggregated or by
-    /// recompute (fallback, refused, failed), for `stat`.
+    /// Split requests and, of them, those not served disaggregated, by
+    /// recompute or by a re-sent decode leg (fallback, refused, failed), for
+    /// `stat`.
     splits: AtomicU64,
     failures: AtomicU64,
 }
@@ -95,7 +111,7 @@ impl PdMetrics {
         };
         r.register(
             "pd_requests",
-            "Disaggregated requests by connector and outcome (disaggregated, recompute, fallback_aggregated, failed)",
+            "Disaggregated requests by connector and outcome (disaggregated, recompute, fallback_aggregated, decode_refused, decode_resent, decode_lease_expired, decode_kv_gone, failed)",
             m.requests.clone(),
         );
         r.register(
@@ -123,6 +139,9 @@ impl PdMetrics {
                 Outcome::Recompute,
                 Outcome::FallbackAggregated,
                 Outcome::DecodeRefused,
+                Outcome::DecodeResent,
+                Outcome::DecodeLeaseExpired,
+                Outcome::DecodeKvGone,
                 Outcome::Failed,
             ] {
                 let _ = m.requests.get_or_create(&RequestLabels {
@@ -140,7 +159,10 @@ impl PdMetrics {
     pub fn outcome(&self, connector: &'static str, outcome: Outcome) {
         crate::access::pd_outcome(outcome.label());
         self.splits.fetch_add(1, Ordering::Relaxed);
-        if !matches!(outcome, Outcome::Disaggregated | Outcome::Recompute) {
+        if !matches!(
+            outcome,
+            Outcome::Disaggregated | Outcome::Recompute | Outcome::DecodeResent
+        ) {
             self.failures.fetch_add(1, Ordering::Relaxed);
         }
         self.requests

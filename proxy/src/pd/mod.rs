@@ -9,7 +9,10 @@
 //!
 //! Failure rules (docs/pd.md): prefill is retried, with backoff, only after a
 //! connect error or a retryable status, on the next prefill pod; a prefill
-//! that answers without parameters lets decode recompute; a prefill that fails
+//! that answers without parameters lets decode recompute; a `nixl` decode
+//! leg that fails before any byte is sent again, with the same parameters,
+//! to another decode pod while the prefill pod's lease holds (after it, the
+//! execute stage serves the request whole); a prefill that fails
 //! for good serves the request aggregated on the decode pod, or fails it, as
 //! `pd.on_prefill_failure` says; a client that disconnects drops both legs,
 //! which cancels them; every leg has a deadline.
@@ -42,6 +45,16 @@ pub struct Pd<'a> {
     pub metrics: &'a PdMetrics,
     /// Where each leg counts in flight.
     pub fleet: &'a crate::fleet::Fleet,
+    /// How long after the prefill answered a decode leg that failed before
+    /// any byte is sent again with the same `kv_transfer_params`
+    /// (`migration.pd_kv_lease`).
+    pub lease: std::time::Duration,
+    /// Most re-sends of one decode leg (`migration.max_migrations`).
+    pub max_resends: u8,
+    /// The next decode-capable pod, none of those given (the pods that
+    /// failed this request): the execute stage's choice, as for a
+    /// migrating stream.
+    pub next_decode: &'a (dyn Fn(&[Upstream]) -> Option<Upstream> + Sync),
 }
 
 /// Where the legs of one disaggregated request go.
@@ -49,7 +62,10 @@ pub struct Pd<'a> {
 pub struct PdPlan {
     /// Prefill pods, best first (retries walk this list).
     prefill: Vec<Upstream>,
+    /// The decode pod; once a decode leg was re-sent, the pod it went to.
     decode: Upstream,
+    /// Decode pods that failed this request before any byte, in order.
+    failed: Vec<Upstream>,
 }
 
 impl PdPlan {
@@ -61,7 +77,19 @@ impl PdPlan {
                 .map(|leg| leg_upstream(&leg))
                 .collect(),
             decode: leg_upstream(&decode),
+            failed: Vec::new(),
         }
+    }
+
+    /// The decode pod that served the request (after a re-send, not the
+    /// planned one).
+    pub fn decode(&self) -> &Upstream {
+        &self.decode
+    }
+
+    /// The decode pods that failed before any byte, in order.
+    pub fn failed_decodes(&self) -> &[Upstream] {
+        &self.failed
     }
 }
 
@@ -69,7 +97,7 @@ impl PdPlan {
 pub async fn execute(
     h: Pd<'_>,
     ctx: &mut RequestCtx,
-    plan: PdPlan,
+    plan: &mut PdPlan,
     req: &ClientRequest,
 ) -> Result<Response<ResponseBody>, ProxyError> {
     let up = h.up;
@@ -80,12 +108,12 @@ pub async fn execute(
     };
     let client = body::object(bytes)?;
     match up.pd.connector {
-        PdConnector::Nixl => twoleg::run(h, ctx, &plan, req, &client, "nixl", &Map::new()).await,
+        PdConnector::Nixl => twoleg::run(h, ctx, plan, req, &client, "nixl", &Map::new()).await,
         PdConnector::Kvagent => {
-            let extra = kvagent_params(up, &plan);
-            twoleg::run(h, ctx, &plan, req, &client, "kvagent", &extra).await
+            let extra = kvagent_params(up, plan);
+            twoleg::run(h, ctx, plan, req, &client, "kvagent", &extra).await
         }
-        PdConnector::Sglang => sglang::run(h, ctx, &plan, req, &client).await,
+        PdConnector::Sglang => sglang::run(h, ctx, plan, req, &client).await,
     }
 }
 

@@ -18,9 +18,12 @@ use crate::backoff::Backoff;
 use crate::body::{ResponseBody, UpstreamBody};
 use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
+use crate::error::UpstreamName;
+use crate::otel::Hop;
 use crate::request::ClientRequest;
 use crate::request::RequestCtx;
 use crate::request::{relay, send, Upstream};
+use crate::upstream::ReplyBody;
 
 /// Largest prefill response read (it holds one token and the parameters).
 const MAX_PREFILL_RESPONSE: usize = 4 << 20;
@@ -33,7 +36,7 @@ fn retryable(status: StatusCode) -> bool {
 pub async fn run(
     h: Pd<'_>,
     ctx: &mut RequestCtx,
-    plan: &PdPlan,
+    plan: &mut PdPlan,
     req: &ClientRequest,
     client: &Map<String, Value>,
     connector: &'static str,
@@ -65,48 +68,121 @@ pub async fn run(
             }
         },
     };
-    let sent = Instant::now();
-    let body = UpstreamBody::full(decode_body);
-    let decode = send(
-        &up,
-        ctx,
-        &plan.decode,
-        &req.head,
-        body,
-        DECODE,
-        ctx.attempts,
-    )
-    .await;
-    let decode = match decode {
-        // A 5xx head, before any byte reached the client: the decode pod
-        // failed after accepting. The execute stage gives the request to its
-        // next fallback whole, as for a refusal.
-        Ok((resp, name, _hop)) if resp.status().is_server_error() => {
-            Err(ProxyError::UpstreamFailed {
-                upstream: name,
-                reason: format!("the decode leg answered {} before any byte", resp.status()),
-            })
-        }
-        other => other,
-    };
-    match decode {
-        Ok((resp, name, hop)) => {
-            metrics.leg("decode", sent.elapsed().as_secs_f64());
-            metrics.outcome(connector, outcome);
-            super::traced(ctx, connector, outcome);
-            Ok(relay(&up, ctx, name, resp, hop))
-        }
-        Err(e) => {
-            if outcome == Outcome::Disaggregated {
-                // Prefill holds blocks for this decode; nobody fetches them now.
-                metrics.abandoned(connector);
+    // The prefill pod holds the blocks for a decode from its answer until
+    // its lease passes (`migration.pd_kv_lease`, docs/pd.md).
+    let lease_ends = Instant::now() + h.lease;
+    let resendable = outcome == Outcome::Disaggregated && connector == "nixl";
+    let mut to = plan.decode.clone();
+    loop {
+        let sent = Instant::now();
+        let failure = match decode_once(h, ctx, &to, req, decode_body.clone()).await {
+            Ok((resp, name, hop)) => {
+                metrics.leg("decode", sent.elapsed().as_secs_f64());
+                let outcome = if plan.failed.is_empty() {
+                    outcome
+                } else {
+                    Outcome::DecodeResent
+                };
+                metrics.outcome(connector, outcome);
+                super::traced(ctx, connector, outcome);
+                plan.decode = to;
+                return Ok(relay(&up, ctx, name, resp, hop));
             }
-            let outcome = Outcome::of_decode_error(&e);
-            metrics.outcome(connector, outcome);
-            super::traced(ctx, connector, outcome);
-            Err(e)
+            Err(f) => f,
+        };
+        // Failed before any byte reached the client: another pod may serve it.
+        let before_any_byte = crate::error::next_target_may_serve(&failure.error);
+        let next = if before_any_byte {
+            plan.failed.push(to);
+            if resendable {
+                resend_to(h, plan, &failure, lease_ends)
+            } else {
+                Err(Outcome::DecodeRefused)
+            }
+        } else {
+            Err(Outcome::Failed)
+        };
+        match next {
+            Ok(next) => {
+                tracing::info!(request_id = ctx.id(), error = %failure.error, ?next, "the decode pod failed before any byte; re-sending the decode leg with the same kv_transfer_params");
+                ctx.attempts = ctx.attempts.saturating_add(1);
+                to = next;
+            }
+            Err(end) => {
+                if outcome == Outcome::Disaggregated {
+                    // Prefill holds blocks for this decode; nobody fetches them now.
+                    metrics.abandoned(connector);
+                }
+                metrics.outcome(connector, end);
+                super::traced(ctx, connector, end);
+                return Err(failure.error);
+            }
         }
     }
+}
+
+/// How a decode leg failed: the error, and the status of a 5xx head.
+struct DecodeFailure {
+    error: ProxyError,
+    status: Option<StatusCode>,
+}
+
+/// One decode leg to `to`; a 5xx head (before any byte reached the
+/// client) is a failure, as a refusal is.
+async fn decode_once(
+    h: Pd<'_>,
+    ctx: &RequestCtx,
+    to: &Upstream,
+    req: &ClientRequest,
+    body: Bytes,
+) -> Result<(Response<ReplyBody>, UpstreamName, Hop), DecodeFailure> {
+    let body = UpstreamBody::full(body);
+    match send(&h.up, ctx, to, &req.head, body, DECODE, ctx.attempts).await {
+        // The decode pod failed after accepting. The execute stage gives
+        // the request to its next fallback whole, as for a refusal, unless
+        // the decode leg is sent again ([`resend_to`]).
+        Ok((resp, name, _hop)) if resp.status().is_server_error() => Err(DecodeFailure {
+            status: Some(resp.status()),
+            error: ProxyError::UpstreamFailed {
+                upstream: name,
+                reason: format!("the decode leg answered {} before any byte", resp.status()),
+            },
+        }),
+        Ok(ok) => Ok(ok),
+        Err(error) => Err(DecodeFailure {
+            error,
+            status: None,
+        }),
+    }
+}
+
+/// Where the decode leg goes again, with the same `kv_transfer_params`,
+/// after `plan.failed`'s last pod failed before any byte: another
+/// decode-capable pod, while the prefill pod's lease holds (`lease_ends`)
+/// and within `migration.max_migrations` re-sends. `Err` is why not: the
+/// execute stage then serves the request whole (the prompt recomputed).
+///
+/// A re-send answered 500 ends it: vLLM answers a request whose KV it could
+/// not load with 500 (`kv_load_failure_policy: fail`), so the blocks may
+/// be gone. A refusal, 502-504, or a connection broken before the head
+/// says nothing of the blocks.
+fn resend_to(
+    h: Pd<'_>,
+    plan: &PdPlan,
+    failure: &DecodeFailure,
+    lease_ends: Instant,
+) -> Result<Upstream, Outcome> {
+    let resends = plan.failed.len() - 1;
+    if resends > 0 && failure.status == Some(StatusCode::INTERNAL_SERVER_ERROR) {
+        return Err(Outcome::DecodeKvGone);
+    }
+    if resends >= usize::from(h.max_resends) {
+        return Err(Outcome::DecodeRefused);
+    }
+    if Instant::now() >= lease_ends {
+        return Err(Outcome::DecodeLeaseExpired);
+    }
+    (h.next_decode)(&plan.failed).ok_or(Outcome::DecodeRefused)
 }
 
 /// The prefill leg, retried on the plan's prefill pods in turn: the transfer
