@@ -15,6 +15,18 @@
 //!   valkey:
 //!     urls: ["redis://valkey-0.valkey:6379", "redis://valkey-1.valkey:6379"]
 //! ```
+//!
+//! Behind Valkey Sentinel, the sentinels and the name they monitor the
+//! primary under, instead of `urls`:
+//!
+//! ```yaml
+//! index:
+//!   backend: valkey
+//!   valkey:
+//!     sentinel:
+//!       urls: ["redis://valkey-sentinel:26379"]
+//!       master: kvmesh
+//! ```
 
 use serde::{Deserialize, Serialize};
 
@@ -62,6 +74,10 @@ pub struct Valkey {
     pub urls: Vec<String>,
     /// The URLs are seeds of a Valkey cluster (slots, `MOVED` redirects).
     pub cluster: bool,
+    /// Find the primary through Valkey Sentinel instead of `urls` (which
+    /// then stay empty): the sentinels are asked for the primary of
+    /// `master`, and asked again whenever it fails or they switch it.
+    pub sentinel: Option<ValkeySentinel>,
     /// TLS files for `rediss://` URLs. Without them a `rediss://` server is
     /// verified against the system's roots and no client certificate is sent.
     pub tls: Option<ValkeyTls>,
@@ -107,6 +123,25 @@ pub struct Valkey {
     pub forget_after: Duration,
 }
 
+/// `index.valkey.sentinel`: where the sentinels are and which primary.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValkeySentinel {
+    /// The sentinels, `redis://[user:password@]host:port` (port 26379 by
+    /// convention; `rediss://` over TLS, and then the primary too), asked
+    /// in this order. A user and password here are the sentinel's own.
+    pub urls: Vec<String>,
+    /// The name the sentinels monitor the primary under (`sentinel monitor
+    /// NAME ...` in their configuration).
+    pub master: String,
+    /// The user and password of the primary the sentinels name (ACL or
+    /// `requirepass`), when it asks for them.
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// The database number on the primary.
+    pub db: u16,
+}
+
 /// `index.valkey.tls`: PEM files for TLS to Valkey (every URL `rediss://`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -132,6 +167,7 @@ impl Default for Valkey {
         Self {
             urls: Vec::new(),
             cluster: false,
+            sentinel: None,
             tls: None,
             key_prefix: "kvmesh".to_owned(),
             stripes: 1,
@@ -159,24 +195,32 @@ pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
     if c.index.backend != Backend::Valkey {
         return Ok(());
     }
-    if v.urls.is_empty() {
-        return err(
-            "valkey.urls",
-            "backend valkey needs at least one URL (redis://host:port)".to_owned(),
-        );
-    }
-    for u in &v.urls {
-        if !(u.starts_with("redis://") || u.starts_with("valkey://") || is_tls_url(u)) {
+    let (servers, field) = match &v.sentinel {
+        Some(s) => {
+            sentinel(v, s)?;
+            (&s.urls, "valkey.sentinel.urls")
+        }
+        None if v.urls.is_empty() => {
             return err(
                 "valkey.urls",
+                "backend valkey needs at least one URL (redis://host:port), or sentinel: {urls, master}"
+                    .to_owned(),
+            )
+        }
+        None => (&v.urls, "valkey.urls"),
+    };
+    for u in servers {
+        if !(u.starts_with("redis://") || u.starts_with("valkey://") || is_tls_url(u)) {
+            return err(
+                field,
                 format!("{u:?} must start with redis://, rediss:// (TLS), valkey:// or valkeys://"),
             );
         }
     }
-    let tls_urls = v.urls.iter().filter(|u| is_tls_url(u)).count();
-    if tls_urls != 0 && tls_urls != v.urls.len() {
+    let tls_urls = servers.iter().filter(|u| is_tls_url(u)).count();
+    if tls_urls != 0 && tls_urls != servers.len() {
         return err(
-            "valkey.urls",
+            field,
             "mixes TLS (rediss://) and plain URLs: use one or the other for every server"
                 .to_owned(),
         );
@@ -258,6 +302,42 @@ pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
     Ok(())
 }
 
+/// The rules of `index.valkey.sentinel`.
+fn sentinel(v: &Valkey, s: &ValkeySentinel) -> Result<(), (String, String)> {
+    let err = |f: &str, m: &str| Err((format!("index.valkey.{f}"), m.to_owned()));
+    if !v.urls.is_empty() {
+        return err(
+            "urls",
+            "with sentinel the sentinels name the primary: leave urls empty \
+             and list the sentinels in sentinel.urls",
+        );
+    }
+    if v.cluster {
+        return err(
+            "sentinel",
+            "Sentinel watches a primary and its replicas, and a Valkey cluster \
+             fails over by itself: set sentinel or cluster, not both",
+        );
+    }
+    if s.urls.is_empty() {
+        return err(
+            "sentinel.urls",
+            "needs at least one sentinel (redis://host:26379)",
+        );
+    }
+    if s.master.trim().is_empty() {
+        return err(
+            "sentinel.master",
+            "needs the name the sentinels monitor the primary under \
+             (sentinel monitor NAME ... in their configuration)",
+        );
+    }
+    if s.username.is_some() && s.password.is_none() {
+        return err("sentinel.username", "a username needs its password");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +368,57 @@ mod tests {
         let mut c = super::super::Config::default();
         c.index.valkey.urls.clear();
         assert_eq!(validate(&c), Ok(()));
+    }
+
+    #[test]
+    fn sentinel_needs_sentinels_and_a_master_and_no_primary_or_cluster() {
+        let with = |f: &dyn Fn(&mut Valkey, &mut ValkeySentinel)| {
+            let mut c = valkey();
+            c.index.valkey.urls.clear();
+            let mut s = ValkeySentinel {
+                urls: vec!["redis://sentinel:26379".into()],
+                master: "kvmesh".into(),
+                ..ValkeySentinel::default()
+            };
+            f(&mut c.index.valkey, &mut s);
+            c.index.valkey.sentinel = Some(s);
+            validate(&c).err().map(|(field, _)| field)
+        };
+        assert_eq!(with(&|_, _| {}), None);
+        let field = |f: &dyn Fn(&mut Valkey, &mut ValkeySentinel)| with(f).unwrap_or_default();
+        assert_eq!(field(&|_, s| s.urls.clear()), "index.valkey.sentinel.urls");
+        assert_eq!(
+            field(&|_, s| s.master.clear()),
+            "index.valkey.sentinel.master"
+        );
+        assert_eq!(
+            field(&|v, _| v.urls = vec!["redis://a:6379".into()]),
+            "index.valkey.urls"
+        );
+        assert_eq!(field(&|v, _| v.cluster = true), "index.valkey.sentinel");
+        assert_eq!(
+            field(&|_, s| s.urls = vec!["http://sentinel:26379".into()]),
+            "index.valkey.sentinel.urls"
+        );
+        assert_eq!(
+            field(&|_, s| s.urls.push("rediss://tls-sentinel:26379".into())),
+            "index.valkey.sentinel.urls"
+        );
+        assert_eq!(
+            field(&|_, s| s.username = Some("kvmesh".into())),
+            "index.valkey.sentinel.username"
+        );
+        // TLS files go with rediss:// sentinels (and then the primary).
+        assert_eq!(
+            field(&|v, _| v.tls = Some(ValkeyTls::default())),
+            "index.valkey.tls"
+        );
+        assert_eq!(
+            with(&|v, s| {
+                s.urls = vec!["rediss://sentinel:26379".into()];
+                v.tls = Some(ValkeyTls::default());
+            }),
+            None
+        );
     }
 }

@@ -8,8 +8,9 @@
 //! * [`lookup`]: a routing decision asks once which pods hold the request's
 //!   prefix and how loaded they and a few others are ([`Valkey::candidates`]);
 //!   the answer becomes fleet entries and the decision's candidate set.
-//! * [`store`]: the connection (single server, primary and replicas, or a
-//!   cluster), reconnects and failover; `functions.lua` the server side.
+//! * [`store`]: the connection (single server, primary and replicas, found
+//!   through Sentinel or not, or a cluster), reconnects and failover;
+//!   `functions.lua` the server side.
 //! * When Valkey is slow or away, a lookup fails within its deadline and the
 //!   request is routed on what the sidecar knows: its own pod, the pods of
 //!   recent lookups with their last loads, and its recent decisions. Nothing
@@ -22,6 +23,7 @@ pub mod keys;
 pub mod lookup;
 pub mod metrics;
 pub mod record;
+mod sentinel;
 pub mod store;
 pub mod writer;
 

@@ -9,6 +9,10 @@
 //!   the connection; [`Store::run`] connects again, trying every URL and
 //!   taking the one whose `ROLE` is primary, loads `functions.lua`, and
 //!   backs off with jitter while none answers.
+//! * With `index.valkey.sentinel`, the primary is the one the sentinels name
+//!   ([`super::sentinel`]), asked at every connect; their `+switch-master`
+//!   drops a connection to an old primary and cuts a reconnect's backoff
+//!   short.
 //! * Every call has a deadline; redis-rs's own timeouts are only a backstop.
 //! * `rediss://` URLs speak TLS (rustls): the server is verified against
 //!   `index.valkey.tls.ca` or the system's roots, and `tls.cert`/`tls.key`
@@ -34,7 +38,7 @@ pub const FUNCTIONS: &str = include_str!("functions.lua");
 pub const FUNCTIONS_VERSION: &str = "4";
 
 /// Deadline of connecting and loading the functions.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a call to Valkey did not answer.
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +69,7 @@ impl StoreError {
 }
 
 #[derive(Clone)]
-enum Link {
+pub(super) enum Link {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
 }
@@ -87,6 +91,9 @@ pub struct Store {
     generation: AtomicU64,
     /// Rung when the connection is dropped, so [`Store::run`] reconnects.
     lost: Notify,
+    /// Rung when the sentinels switched the primary: a reconnect waiting
+    /// out its backoff tries again at once.
+    switched: Notify,
     /// Which URL the connection goes to (for `/debug/index` and logs).
     server: RwLock<String>,
     /// Why the last attempt to connect failed ("" once connected).
@@ -109,6 +116,7 @@ impl Store {
             link: RwLock::new(None),
             generation: AtomicU64::new(0),
             lost: Notify::new(),
+            switched: Notify::new(),
             server: RwLock::new(String::new()),
             last_error: RwLock::new(String::new()),
         }
@@ -187,8 +195,37 @@ impl Store {
         }
     }
 
-    /// Keeps a connection up until shutdown (see the module docs).
+    /// The sentinels switched the primary to `to` (`redis://host:port`): a
+    /// connection to another server is dropped, and a reconnect waiting
+    /// out its backoff tries again now.
+    pub(super) fn primary_moved(&self, to: &str) {
+        let mut link = self.link.write();
+        let server = self.server.read().clone();
+        if link.is_some() && server != to {
+            tracing::warn!(from = %server, %to, "valkey: the sentinels switched the primary; reconnecting");
+            *link = None;
+            self.server.write().clear();
+            self.lost.notify_one();
+        }
+        drop(link);
+        self.switched.notify_one();
+    }
+
+    /// Keeps a connection up until shutdown (see the module docs), and
+    /// with Sentinel follows its switches.
     pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
+        let watcher = self
+            .cfg
+            .sentinel
+            .is_some()
+            .then(|| tokio::spawn(super::sentinel::watch(self.clone(), shutdown.clone())));
+        self.keep_up(&shutdown).await;
+        if let Some(w) = watcher {
+            let _ = w.await;
+        }
+    }
+
+    async fn keep_up(&self, shutdown: &Shutdown) {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
         // Failed attempts since the last connection: the first is a warning,
         // the retries after it are not.
@@ -211,7 +248,8 @@ impl Store {
                     }
                     Err(e) => {
                         if failures == 0 {
-                            tracing::warn!(urls = ?self.cfg.urls, error = %e, "valkey: cannot connect; routing on what this sidecar knows until it can");
+                            let sentinels = self.cfg.sentinel.as_ref().map(|s| s.urls.len());
+                            tracing::warn!(urls = ?self.cfg.urls, ?sentinels, error = %e, "valkey: cannot connect; routing on what this sidecar knows until it can");
                         } else {
                             tracing::debug!(error = %e, "valkey: no server answered");
                         }
@@ -220,6 +258,7 @@ impl Store {
                         tokio::select! {
                             _ = shutdown.triggered() => return,
                             _ = tokio::time::sleep(backoff.next_delay()) => continue,
+                            _ = self.switched.notified() => continue,
                         }
                     }
                 }
@@ -233,6 +272,9 @@ impl Store {
 
     async fn connect(&self) -> Result<(Link, String), StoreError> {
         let certs = tls_files(&self.cfg)?;
+        if let Some(s) = &self.cfg.sentinel {
+            return super::sentinel::connect(s, certs).await;
+        }
         if self.cfg.cluster {
             let mut builder = redis::cluster::ClusterClient::builder(self.cfg.urls.clone())
                 .connection_timeout(CONNECT_TIMEOUT)
@@ -250,7 +292,11 @@ impl Store {
         }
         let mut last = StoreError::Down;
         for url in &self.cfg.urls {
-            match connect_primary(url, certs.clone()).await {
+            let connected = match open(url.as_str(), certs.clone()) {
+                Ok(client) => connect_primary(client, url).await,
+                Err(e) => Err(e),
+            };
+            match connected {
                 Ok(link) => return Ok((link, url.clone())),
                 Err(e) => last = e,
             }
@@ -262,7 +308,7 @@ impl Store {
 /// The files of `index.valkey.tls`, read at each connect (so a rotated
 /// certificate is picked up by the next one); `None` without them, when a
 /// `rediss://` server is verified against the system's roots.
-fn tls_files(cfg: &Config) -> Result<Option<redis::TlsCertificates>, StoreError> {
+pub(super) fn tls_files(cfg: &Config) -> Result<Option<redis::TlsCertificates>, StoreError> {
     let Some(t) = &cfg.tls else {
         return Ok(None);
     };
@@ -283,15 +329,20 @@ fn tls_files(cfg: &Config) -> Result<Option<redis::TlsCertificates>, StoreError>
     }))
 }
 
-/// Connects to `url` and keeps the connection if the server is a primary.
-async fn connect_primary(
-    url: &str,
+/// A client of `info`, over TLS with `certs` when given.
+pub(super) fn open(
+    info: impl redis::IntoConnectionInfo,
     certs: Option<redis::TlsCertificates>,
-) -> Result<Link, StoreError> {
-    let client = match certs {
-        Some(certs) => redis::Client::build_with_tls(url, certs)?,
-        None => redis::Client::open(url)?,
-    };
+) -> Result<redis::Client, StoreError> {
+    Ok(match certs {
+        Some(certs) => redis::Client::build_with_tls(info, certs)?,
+        None => redis::Client::open(info)?,
+    })
+}
+
+/// Connects `client` (to `url`) and keeps the connection if the server is a
+/// primary.
+pub(super) async fn connect_primary(client: redis::Client, url: &str) -> Result<Link, StoreError> {
     let cfg = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(CONNECT_TIMEOUT)
         .set_response_timeout(CONNECT_TIMEOUT);
@@ -335,7 +386,7 @@ async fn load_functions(link: &mut Link, always: bool) -> Result<(), StoreError>
     Ok(())
 }
 
-async fn timed<T>(
+pub(super) async fn timed<T>(
     f: impl std::future::Future<Output = Result<T, RedisError>>,
 ) -> Result<T, StoreError> {
     match tokio::time::timeout(CONNECT_TIMEOUT, f).await {
