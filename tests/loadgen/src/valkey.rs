@@ -1,6 +1,7 @@
 //! Real Valkey servers for tests and benchmarks, never a mock: one server
-//! ([`ValkeyServer`]), a primary with a replica ([`ValkeyReplicaSet`]) and a
-//! cluster of three primaries ([`ValkeyCluster`]), each a `valkey-server`
+//! ([`ValkeyServer`]), a primary with a replica ([`ValkeyReplicaSet`]), the
+//! same watched by Sentinel ([`ValkeySentinelSet`]) and a cluster of three
+//! primaries ([`ValkeyCluster`]), each a `valkey-server`
 //! child on loopback with ports from the OS, its own temporary `--dir`,
 //! nothing persisted, and every wait bounded. A server is SIGKILLed and
 //! reaped when its owner drops it.
@@ -35,8 +36,10 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, FromRedisValue, RedisError};
 use tempfile::TempDir;
 
+mod sentinel;
 mod topology;
 
+pub use sentinel::ValkeySentinelSet;
 pub use topology::{ValkeyCluster, ValkeyReplicaSet};
 
 /// How long a server has to answer after it is spawned.
@@ -93,6 +96,9 @@ pub enum ValkeyError {
 #[derive(Debug)]
 pub struct ValkeyServer {
     binary: PathBuf,
+    /// The configuration file given first, if any (a sentinel's: it
+    /// rewrites it).
+    conf: Option<PathBuf>,
     /// Every argument after `--port`, the caller's extras included.
     args: Vec<String>,
     port: u16,
@@ -164,7 +170,8 @@ impl ValkeyServer {
         self.kill();
         let mut tries = 1;
         let (child, pid) = loop {
-            match spawn_ready(&self.binary, self.port, &self.args, &self.log).await {
+            let conf = self.conf.as_deref();
+            match spawn_ready(&self.binary, conf, self.port, &self.args, &self.log).await {
                 // Someone took the port in between: it may let go of it.
                 Err(e) if bind_failed(&e) && tries < BIND_TRIES => {
                     tries += 1;
@@ -273,6 +280,17 @@ impl ValkeyServer {
     /// Spawns on a fresh port (and, for a cluster node, a fresh bus port)
     /// until one binds, then waits for the server to answer.
     async fn launch(binary: &Path, extra: &[&str], cluster: bool) -> Result<Self, ValkeyError> {
+        Self::launch_conf(binary, None, extra, cluster).await
+    }
+
+    /// [`Self::launch`] with a configuration file of text `conf` written
+    /// into the server's directory and given first.
+    async fn launch_conf(
+        binary: &Path,
+        conf: Option<&str>,
+        extra: &[&str],
+        cluster: bool,
+    ) -> Result<Self, ValkeyError> {
         let dir = tempfile::Builder::new()
             .prefix("kvmesh-valkey-")
             .tempdir()
@@ -281,6 +299,17 @@ impl ValkeyServer {
                 source,
             })?;
         let log = dir.path().join("valkey.log");
+        let conf = match conf {
+            Some(text) => {
+                let path = dir.path().join("valkey.conf");
+                std::fs::write(&path, text).map_err(|source| ValkeyError::Io {
+                    what: format!("write {}", path.display()),
+                    source,
+                })?;
+                Some(path)
+            }
+            None => None,
+        };
         let mut last = None;
         for _ in 0..BIND_TRIES {
             let port = free_port()?;
@@ -315,10 +344,11 @@ impl ValkeyServer {
                 );
             }
             args.extend(extra.iter().map(|a| a.to_string()));
-            match spawn_ready(binary, port, &args, &log).await {
+            match spawn_ready(binary, conf.as_deref(), port, &args, &log).await {
                 Ok((child, pid)) => {
                     return Ok(ValkeyServer {
                         binary: binary.to_path_buf(),
+                        conf,
                         args,
                         port,
                         pid,
@@ -433,11 +463,13 @@ pub fn rss_bytes(pid: u32) -> Result<u64, ValkeyError> {
         })
 }
 
-/// Spawns `binary --port PORT ARGS` with its output appended to `log`, and
-/// waits until it answers as itself (`INFO server`'s `process_id` is the
-/// child's: not some other process that holds the port).
+/// Spawns `binary [CONF] --port PORT ARGS` with its output appended to
+/// `log`, and waits until it answers as itself (`INFO server`'s
+/// `process_id` is the child's: not some other process that holds the
+/// port).
 async fn spawn_ready(
     binary: &Path,
+    conf: Option<&Path>,
     port: u16,
     args: &[String],
     log: &Path,
@@ -459,6 +491,7 @@ async fn spawn_ready(
         .try_clone()
         .map_err(|e| fail(format!("open log {}: {e}", log.display())))?;
     let mut child = Command::new(binary)
+        .args(conf)
         .arg("--port")
         .arg(port.to_string())
         .args(args)
