@@ -121,6 +121,12 @@ pub struct Valkey {
     pub max_pending: usize,
     /// A pod not seen in any lookup this long is forgotten by this sidecar.
     pub forget_after: Duration,
+    /// Approximate mode (`prefix.tokenizer: none`): a routing decision's
+    /// guess that its pod holds the prompt's text blocks stays in Valkey
+    /// this long after the last decision that sent the prompt there (less
+    /// up to a quarter of it: a sidecar rewrites one guess at most every
+    /// quarter), then attracts no request any more.
+    pub approx_ttl: Duration,
 }
 
 /// `index.valkey.sentinel`: where the sentinels are and which primary.
@@ -184,6 +190,9 @@ impl Default for Valkey {
             resync_rate: 20_000,
             max_pending: 1 << 18,
             forget_after: Duration::from_secs(30),
+            // Dynamo's router keeps a guess as long without KV events
+            // (`--router-ttl-secs`).
+            approx_ttl: Duration::from_secs(120),
         }
     }
 }
@@ -279,6 +288,12 @@ pub fn validate(c: &super::Config) -> Result<(), (String, String)> {
             "matched must be in 1..=256, random and ring at most 64".to_owned(),
         );
     }
+    if v.approx_ttl.get() < std::time::Duration::from_millis(100) {
+        return err(
+            "valkey.approx_ttl",
+            format!("{} is shorter than 100ms", v.approx_ttl),
+        );
+    }
     if v.resync_rate == 0 || v.max_pending == 0 {
         return err(
             "valkey.resync_rate",
@@ -368,6 +383,9 @@ mod tests {
         let mut c = super::super::Config::default();
         c.index.valkey.urls.clear();
         assert_eq!(validate(&c), Ok(()));
+        let mut c = valkey();
+        c.index.valkey.approx_ttl = Duration::from_millis(10);
+        assert_eq!(validate(&c).unwrap_err().0, "index.valkey.approx_ttl");
     }
 
     #[test]

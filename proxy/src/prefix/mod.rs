@@ -45,6 +45,30 @@ pub use tokenize::{LocalTokenizer, PrefixError, Tokenized};
 
 /// Local KV updates buffered for slow mesh subscribers before they lag.
 pub const LOCAL_UPDATES_CAPACITY: usize = 4096;
+/// Approximate decisions buffered for the Valkey index's writer before it lags.
+const DECISIONS_CAPACITY: usize = 4096;
+
+/// An approximate routing decision: a request of `model` whose prompt has
+/// text block keys `keys` was sent to pod `pod` (for the Valkey index,
+/// which shares it with the other sidecars; the mesh publishes its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApproxDecision {
+    pub model: String,
+    pub pod: String,
+    pub keys: Vec<u64>,
+}
+
+/// How `config` matches prompts, as [`PrefixState::mode`] will.
+pub fn mode_of(config: &Config) -> Mode {
+    match config
+        .prefix
+        .tokenizer
+        .resolve(config.engine.kv_events.is_some())
+    {
+        TokenizerChoice::None | TokenizerChoice::Auto => Mode::Approximate,
+        _ => Mode::Precise,
+    }
+}
 
 /// What computing one request's keys reads besides [`PrefixState`]: the
 /// engine's address and the pooled client (`tokenizer: engine`), and the
@@ -90,6 +114,8 @@ pub struct PrefixState {
     adapters: Vec<String>,
     config: crate::config::Prefix,
     local_updates: broadcast::Sender<LocalKvUpdate>,
+    /// Approximate decisions, for the Valkey index's writer.
+    decisions: broadcast::Sender<Arc<ApproxDecision>>,
     /// Local updates carry the block keys each batch touched (the Valkey
     /// writer reads them; the mesh does not).
     track_touched: bool,
@@ -139,6 +165,7 @@ impl PrefixState {
         });
         let predicted = PredictedIndex::new(p.predict_ttl.get(), p.predict_blocks_per_pod);
         let (local_updates, _) = broadcast::channel(LOCAL_UPDATES_CAPACITY);
+        let (decisions, _) = broadcast::channel(DECISIONS_CAPACITY);
         Ok(Self {
             source,
             index,
@@ -151,6 +178,7 @@ impl PrefixState {
             adapters: config.pod.lora_adapters.clone(),
             config: p.clone(),
             local_updates,
+            decisions,
             track_touched: config.index.backend == crate::config::index::Backend::Valkey,
             metrics: PrefixMetrics::register(registry),
         })
@@ -260,6 +288,13 @@ impl PrefixState {
             });
         }
         stats
+    }
+
+    /// Approximate decisions from now on ([`Self::record`]). Bounded: a
+    /// receiver more than a few thousand behind gets `Lagged` and has lost
+    /// some.
+    pub fn subscribe_decisions(&self) -> broadcast::Receiver<Arc<ApproxDecision>> {
+        self.decisions.subscribe()
     }
 
     /// Whether local updates carry the keys each batch touched.
@@ -469,10 +504,19 @@ impl PrefixState {
     }
 
     /// Records that this request was sent to `pod_id` (approximate mode; a
-    /// no-op in precise mode, where the engine's events say what it cached).
+    /// no-op in precise mode, where the engine's events say what it cached),
+    /// and hands the decision to its subscribers (the Valkey index).
     pub fn record(&self, pod_id: &str, ctx: &RequestCtx) {
         if self.mode() == Mode::Approximate && !ctx.block_keys.is_empty() {
             self.approx.record(pod_id, &ctx.block_keys);
+            if self.decisions.receiver_count() > 0 {
+                let model = ctx.view.as_ref().and_then(|v| v.model.as_deref());
+                let _ = self.decisions.send(Arc::new(ApproxDecision {
+                    model: self.request_model(model).to_owned(),
+                    pod: pod_id.to_owned(),
+                    keys: ctx.block_keys.clone(),
+                }));
+            }
         }
     }
 }

@@ -6,6 +6,9 @@
 -- Every key of one call shares one hash tag, {PREFIX:MODEL:STRIPE}, so a
 -- call runs on one cluster slot. Under a tag T:
 --   T:b:<16 hex>  HASH  member id -> media bitmask: who holds this block
+--   T:a:<16 hex>  HASH  member id -> 13-digit expiry (server ms): routing
+--                       decisions' guesses of who holds this approximate
+--                       (text) block, without KV events (kvmesh_guess)
 --   T:recs        HASH  member id -> 13-digit lease expiry (server ms) '|'
 --                       the member's pod record (JSON)
 --   T:members     SET   member ids registered under T
@@ -16,7 +19,7 @@
 -- block entries expire later. Leases are checked against the server's own
 -- clock, so the sidecars' clocks never matter.
 
-local VERSION = '4'
+local VERSION = '5'
 
 local function version()
   return VERSION
@@ -83,6 +86,26 @@ local function write(keys, args)
   return #keys - 1
 end
 
+-- KEYS: recs, then approximate block keys. ARGV: member, ttl ms. Records
+-- the guess that the member holds each block, until now + ttl: the field's
+-- value is its own expiry (a hash field has none of its own before Valkey
+-- 9), and the key's is the latest of its fields'. Returns the number of
+-- blocks written, or -1 when the member's record is gone (fenced).
+local function guess(keys, args)
+  if redis.call('HEXISTS', keys[1], args[1]) == 0 then
+    return -1
+  end
+  local member, ttl = args[1], tonumber(args[2])
+  local expires = string.format('%013d', now_ms() + ttl)
+  for i = 2, #keys do
+    redis.call('HSET', keys[i], member, expires)
+    if redis.call('PTTL', keys[i]) < ttl then
+      redis.call('PEXPIRE', keys[i], ttl)
+    end
+  end
+  return #keys - 1
+end
+
 -- The ring position of a block key's name: its first 52 bits, exact in a
 -- Lua number.
 local function ring_pos(key)
@@ -91,7 +114,9 @@ end
 
 -- KEYS: members, ring, recs, then the request's block keys in order. ARGV:
 -- most matched members, random members, ring members, how many blocks past
--- the deepest match the ring anchor is taken. Returns
+-- the deepest match the ring anchor is taken, and 'approx' when the block
+-- keys are guesses (T:a:): a member holds one while its expiry is ahead
+-- (lapsed guesses met on the way are deleted). Returns
 --   { deepest block any live member holds, member, depth, record, ms left
 --     of its lease, ... }
 -- for the matched members (deepest first, depth >= 1) and then the ring and
@@ -104,6 +129,42 @@ local function lookup(keys, args)
   local n = #keys - 3
   local function block(i) return keys[i + 3] end
   local now = now_ms()
+  local approx = args[5] == 'approx'
+
+  -- Whether member holds block key.
+  local function holds(key, member)
+    if not approx then
+      return redis.call('HEXISTS', key, member) == 1
+    end
+    local until_ms = tonumber(redis.call('HGET', key, member) or '')
+    return until_ms ~= nil and until_ms > now
+  end
+
+  -- Up to about budget * 2 members holding block key (sampled when more
+  -- do).
+  local function holders(key, budget)
+    local big = redis.call('HLEN', key) > budget * 2
+    if not approx then
+      if big then return redis.call('HRANDFIELD', key, budget * 2) end
+      return redis.call('HKEYS', key)
+    end
+    local pairs_
+    if big then
+      pairs_ = redis.call('HRANDFIELD', key, budget * 2, 'WITHVALUES')
+    else
+      pairs_ = redis.call('HGETALL', key)
+    end
+    local live, lapsed = {}, {}
+    for i = 1, #pairs_, 2 do
+      if (tonumber(pairs_[i + 1]) or 0) > now then
+        table.insert(live, pairs_[i])
+      else
+        table.insert(lapsed, pairs_[i])
+      end
+    end
+    if #lapsed > 0 then redis.call('HDEL', key, unpack(lapsed)) end
+    return live
+  end
 
   -- The deepest block anybody holds. Chained keys make holding prefix-closed
   -- (a block's key names its whole prefix, and engines evict the tail of a
@@ -124,13 +185,7 @@ local function lookup(keys, args)
   local probe, step, above = deepest, 1, deepest + 1
   while probe >= 1 and #found < most do
     local key = block(probe)
-    local budget = most - #found
-    local fields
-    if redis.call('HLEN', key) > budget * 2 then
-      fields = redis.call('HRANDFIELD', key, budget * 2)
-    else
-      fields = redis.call('HKEYS', key)
-    end
+    local fields = holders(key, most - #found)
     for _, member in ipairs(fields) do
       if not seen[member] then
         seen[member] = true
@@ -189,7 +244,7 @@ local function lookup(keys, args)
         local lo2, hi2 = f[2], f[3]
         while lo2 < hi2 do
           local mid = math.floor((lo2 + hi2 + 1) / 2)
-          if redis.call('HEXISTS', block(mid), member) == 1 then lo2 = mid else hi2 = mid - 1 end
+          if holds(block(mid), member) then lo2 = mid else hi2 = mid - 1 end
         end
         depth = lo2
       end
@@ -223,5 +278,6 @@ end
 redis.register_function('kvmesh_version', version)
 redis.register_function('kvmesh_register', register)
 redis.register_function('kvmesh_write', write)
+redis.register_function('kvmesh_guess', guess)
 redis.register_function('kvmesh_lookup', lookup)
 redis.register_function('kvmesh_members', members)

@@ -25,6 +25,12 @@ impl Tag {
         format!("{}:b:{key:016x}", self.0)
     }
 
+    /// The hash of approximate block `key` (text chunks, `prefix.tokenizer:
+    /// none`): whom routing decisions sent it to, each guess with its expiry.
+    pub fn guess(&self, key: BlockKey) -> String {
+        format!("{}:a:{key:016x}", self.0)
+    }
+
     /// The members' pod records, each with its lease's expiry.
     pub fn records(&self) -> String {
         format!("{}:recs", self.0)
@@ -71,6 +77,10 @@ mod tests {
             "{kvmesh:Qwen/Qwen3-32B:3}:b:00000000000000ab"
         );
         assert_eq!(t.members(), "{kvmesh:Qwen/Qwen3-32B:3}:members");
+        assert_eq!(
+            t.guess(0xab),
+            "{kvmesh:Qwen/Qwen3-32B:3}:a:00000000000000ab"
+        );
         assert_eq!(t.records(), "{kvmesh:Qwen/Qwen3-32B:3}:recs");
         assert_eq!(Tag::new("p", "a}b{", 0).ring(), "{p:a_b_:0}:ring");
     }

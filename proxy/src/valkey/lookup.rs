@@ -8,6 +8,10 @@
 //! Answers are kept for `cache_ttl` per (model, keys), so a burst of the same
 //! prompt costs one round trip; the sidecar's own in-flight counts keep
 //! moving underneath, so a cached answer does not herd requests.
+//!
+//! In approximate mode ([`Lookup::approximate`]) the keys are text chunks
+//! and a pod "holds" one while a routing decision's guess that sent it there
+//! has not expired ([`super::guesses`]); the same function answers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -58,6 +62,8 @@ pub struct Found {
 /// See the module docs.
 pub struct Lookup {
     store: Arc<Store>,
+    /// The keys are approximate (text chunks, guessed by routing decisions).
+    approx: bool,
     cache: Mutex<HashMap<u64, (Instant, Arc<Found>)>>,
 }
 
@@ -68,10 +74,21 @@ impl std::fmt::Debug for Lookup {
 }
 
 impl Lookup {
+    /// Lookups of block keys from KV events (precise mode).
     pub fn new(store: Arc<Store>) -> Self {
         Self {
             store,
+            approx: false,
             cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Lookups of approximate keys, held by the guesses of routing
+    /// decisions (`prefix.tokenizer: none`).
+    pub fn approximate(store: Arc<Store>) -> Self {
+        Self {
+            approx: true,
+            ..Self::new(store)
         }
     }
 
@@ -160,13 +177,17 @@ impl Lookup {
         names.push(tag.members());
         names.push(tag.ring());
         names.push(tag.records());
-        names.extend(keys.iter().map(|&k| tag.block(k)));
+        match self.approx {
+            true => names.extend(keys.iter().map(|&k| tag.guess(k))),
+            false => names.extend(keys.iter().map(|&k| tag.block(k))),
+        }
+        let mode = if self.approx { "approx" } else { "precise" };
         let reply: Value = self
             .store
             .fcall(
                 "kvmesh_lookup",
                 &names,
-                (cfg.matched, cfg.random, cfg.ring, RING_AHEAD),
+                (cfg.matched, cfg.random, cfg.ring, RING_AHEAD, mode),
                 deadline,
             )
             .await?;

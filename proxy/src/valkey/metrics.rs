@@ -35,6 +35,7 @@ pub struct IndexMetrics {
     registrations: StaticSeries<1, ReasonLabels, Counter>,
     rewritten: Counter<u64, AtomicU64>,
     up: Gauge,
+    guesses: StaticSeries<1, OutcomeLabels, Counter>,
 }
 
 /// 10 µs .. ~1.3 s in steps of 1.25x: fine enough to read a p99 of a
@@ -70,6 +71,7 @@ impl IndexMetrics {
             registrations: StaticSeries::new(|[reason]| ReasonLabels { reason }),
             rewritten: Counter::default(),
             up: Gauge::default(),
+            guesses: StaticSeries::new(|[outcome]| OutcomeLabels { outcome }),
         };
         r.register(
             "index_lookups",
@@ -111,6 +113,13 @@ impl IndexMetrics {
             "index_rewritten_blocks",
             "Blocks rewritten whole (after a registration, or the periodic refresh)",
             m.rewritten.clone(),
+        );
+        r.register(
+            "index_guesses",
+            "Approximate mode: block keys of routing decisions written to the index as guesses, \
+             by outcome (written; skipped: written for that pod lately; unknown_pod: no lookup \
+             named the pod's member yet; fenced; dropped: the writer fell behind; error)",
+            m.guesses.family(),
         );
         r.register(
             "index_up",
@@ -173,6 +182,16 @@ impl IndexMetrics {
 
     pub fn rewritten(&self, n: usize) {
         self.rewritten.inc_by(n as u64);
+    }
+
+    /// `keys` block keys of guesses ended with `outcome`.
+    pub fn guesses(&self, outcome: &'static str, keys: usize) {
+        self.guesses.get([outcome]).inc_by(keys as u64);
+    }
+
+    /// Guess keys written so far.
+    pub fn guesses_written(&self) -> u64 {
+        self.guesses.get(["written"]).get()
     }
 
     pub fn up(&self, up: bool) {

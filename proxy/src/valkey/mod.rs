@@ -8,6 +8,9 @@
 //! * [`lookup`]: a routing decision asks once which pods hold the request's
 //!   prefix and how loaded they and a few others are ([`Valkey::candidates`]);
 //!   the answer becomes fleet entries and the decision's candidate set.
+//! * [`guesses`]: in approximate mode (`prefix.tokenizer: none`, no KV
+//!   events), each routing decision's text block keys, written as guesses
+//!   for the pod it chose, which expire; lookups then read those.
 //! * [`store`]: the connection (single server, primary and replicas, found
 //!   through Sentinel or not, or a cluster), reconnects and failover;
 //!   `functions.lua` the server side.
@@ -19,6 +22,7 @@
 //!
 //! [`run`] owns the tasks; they stop on shutdown.
 
+pub mod guesses;
 pub mod keys;
 pub mod lookup;
 pub mod metrics;
@@ -27,6 +31,7 @@ mod sentinel;
 pub mod store;
 pub mod writer;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +59,12 @@ pub use writer::Writer;
 pub struct Valkey {
     store: Arc<Store>,
     lookup: Lookup,
+    /// Approximate mode: lookups read routing decisions' guesses, and the
+    /// sidecar writes its own ([`guesses`]).
+    approx: bool,
+    /// Approximate mode: the member each pod of a recent lookup is
+    /// registered as (pod id to member), whom its guesses are written for.
+    members: Mutex<HashMap<String, String>>,
     status: Mutex<WriterStatus>,
     /// The whole fleet of the local pod's models, as last read, and when.
     fleet_view: tokio::sync::Mutex<Option<(Instant, Arc<Vec<PodSnapshot>>)>>,
@@ -86,8 +97,14 @@ impl Valkey {
     /// The index of `config.index.valkey`, its metrics registered in `registry`.
     pub fn new(config: &Config, registry: &mut Registry) -> Self {
         let store = Arc::new(Store::new(config.index.valkey.clone()));
+        let approx = crate::prefix::mode_of(config) == crate::prefix::Mode::Approximate;
         Self {
-            lookup: Lookup::new(store.clone()),
+            lookup: match approx {
+                true => Lookup::approximate(store.clone()),
+                false => Lookup::new(store.clone()),
+            },
+            approx,
+            members: Mutex::new(HashMap::new()),
             store,
             status: Mutex::new(WriterStatus::default()),
             fleet_view: tokio::sync::Mutex::new(None),
@@ -123,6 +140,9 @@ impl Valkey {
         keys: &[u64],
     ) -> Option<Vec<(String, u32)>> {
         let found = self.lookup.find(&self.metrics, model, keys).await.ok()?;
+        if self.approx {
+            self.learn_members(&found.candidates);
+        }
         let now = Instant::now();
         let mut out = Vec::with_capacity(found.candidates.len());
         for c in &found.candidates {
@@ -146,6 +166,40 @@ impl Valkey {
             out.push((r.id.clone(), c.depth));
         }
         Some(out)
+    }
+}
+
+/// Most pods whose member an approximate-mode sidecar remembers; past it the
+/// map starts over from the next lookups.
+const MAX_MEMBERS: usize = 1 << 16;
+
+impl Valkey {
+    fn learn_members(&self, candidates: &[Candidate]) {
+        let mut members = self.members.lock();
+        for c in candidates {
+            if members.get(&c.record.id) != Some(&c.member) {
+                if members.len() >= MAX_MEMBERS {
+                    members.clear();
+                }
+                members.insert(c.record.id.clone(), c.member.clone());
+            }
+        }
+    }
+
+    /// The member pod `pod` is registered as, if a lookup named it (the
+    /// local pod `local`: the writer's, once registered).
+    pub fn member_of(&self, pod: &str, local: &str) -> Option<String> {
+        if pod == local {
+            let s = self.status.lock();
+            return s.registered.then(|| s.member.clone());
+        }
+        self.members.lock().get(pod).cloned()
+    }
+
+    /// Forgets `member`, whose record is gone (a lookup names the pod's
+    /// new one).
+    pub fn forget_member(&self, member: &str) {
+        self.members.lock().retain(|_, m| m != member);
     }
 }
 
@@ -232,11 +286,20 @@ pub struct Tasks {
     pub mesh_addr: Option<std::net::SocketAddr>,
 }
 
-/// The index tasks: the connection, the local pod's writer, and forgetting
-/// pods no lookup named for `forget_after`. Returns on shutdown.
+/// The index tasks: the connection, the local pod's writer, in approximate
+/// mode the writer of its routing decisions' guesses, and forgetting pods
+/// no lookup named for `forget_after`. Returns on shutdown.
 pub async fn run(t: Tasks, shutdown: Shutdown) {
     let store = t.valkey.store.clone();
     let conn = tokio::spawn(store.clone().run(shutdown.clone()));
+    let guesses = t.valkey.approx.then(|| {
+        tokio::spawn(guesses::run(
+            t.valkey.clone(),
+            t.fleet.local_id().to_owned(),
+            t.prefix.subscribe_decisions(),
+            shutdown.clone(),
+        ))
+    });
     let forget = tokio::spawn(forget(
         t.fleet.clone(),
         t.prefix.clone(),
@@ -246,6 +309,9 @@ pub async fn run(t: Tasks, shutdown: Shutdown) {
     write(t, shutdown).await;
     let _ = conn.await;
     let _ = forget.await;
+    if let Some(g) = guesses {
+        let _ = g.await;
+    }
 }
 
 /// The local pod's writer loop: applies local updates as they come, writes

@@ -35,7 +35,7 @@ use crate::shutdown::Shutdown;
 /// The server-side functions every call uses.
 pub const FUNCTIONS: &str = include_str!("functions.lua");
 /// The library version `functions.lua` reports (`kvmesh_version`).
-pub const FUNCTIONS_VERSION: &str = "4";
+pub const FUNCTIONS_VERSION: &str = "5";
 
 /// Deadline of connecting and loading the functions.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
