@@ -2,8 +2,11 @@
 //! writers and lookups agree on who holds what, leases fence a pod that
 //! stopped renewing, an engine restart fences the old member; sidecars in
 //! front of simulated engines route by prefix through Valkey as the mesh
-//! does; and no request fails while Valkey is slow, gone, restarted empty,
-//! or failed over to its replica, after which the index is whole again.
+//! does, in approximate mode too (each sidecar's decisions are guesses the
+//! others route on, until they expire); and no request fails while Valkey
+//! is slow, gone, restarted empty, or failed over to its replica (by hand,
+//! or by Sentinel, which the sidecars find the primary through), after
+//! which the index is whole again.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -14,9 +17,9 @@ use kvmesh_engine_sim::SimHandle;
 use kvmesh_filters::prefix::index::{PrefixIndex, Touched};
 use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use kvmesh_filters::sched::view::Role;
-use kvmesh_loadgen::valkey::{ValkeyCluster, ValkeyReplicaSet, ValkeyServer};
-use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
-use kvmesh_proxy::config::{Config, Duration as CfgDuration};
+use kvmesh_loadgen::valkey::{ValkeyCluster, ValkeyReplicaSet, ValkeySentinelSet, ValkeyServer};
+use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig, ValkeySentinel};
+use kvmesh_proxy::config::{Config, Duration as CfgDuration, TokenizerChoice};
 use kvmesh_proxy::valkey::metrics::IndexMetrics;
 use kvmesh_proxy::valkey::{Lookup, PodRecord, Store, Writer};
 use kvmesh_proxy::{Shutdown, SidecarHandle};
@@ -694,5 +697,247 @@ async fn the_autoscaling_hook_on_valkey_sizes_the_whole_fleet_not_the_pods_one_s
         (autoscale(admin).await["aggregated"]["pods"] == 2).then_some(())
     })
     .await;
+    f.shutdown().await;
+}
+
+/// `fast`, the primary found through `set`'s sentinels.
+fn through_sentinel(set: &ValkeySentinelSet, master: &str) -> ValkeyConfig {
+    ValkeyConfig {
+        sentinel: Some(ValkeySentinel {
+            urls: set.sentinel_urls(),
+            master: master.to_owned(),
+            ..ValkeySentinel::default()
+        }),
+        ..fast(Vec::new())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sidecars_find_the_primary_through_sentinel_and_follow_its_failover() {
+    let mut set = ValkeySentinelSet::start(1).await.unwrap();
+    let shutdown = Shutdown::new();
+    // A name the sentinels do not monitor: down, and it says why.
+    let unknown = tries(through_sentinel(&set, "nope"), &shutdown, false).await;
+    assert!(
+        unknown
+            .last_error()
+            .contains("knows no primary named \"nope\""),
+        "{}",
+        unknown.last_error()
+    );
+    shutdown.trigger();
+
+    let f = fleet(2, through_sentinel(&set, ValkeySentinelSet::MASTER)).await;
+    let addrs: Vec<SocketAddr> = f.sidecars.iter().map(|s| s.addr()).collect();
+    let primary = set.primary().url();
+    for s in &f.sidecars {
+        assert_eq!(s.index().unwrap().status().server, primary);
+    }
+    assert!(shared_prefix_round(&f, 0..4, |i| addrs[i % 2]).await > 0.5);
+
+    // The primary dies; requests keep coming while the sentinel notices,
+    // promotes the replica and the sidecars follow it. None fails.
+    set.kill_primary();
+    let killed = std::time::Instant::now();
+    let replica = set.replica().url();
+    let (mut sent, mut failed) = (0, 0);
+    let end = killed + Duration::from_secs(30);
+    loop {
+        failed += failures(addrs[sent % 2], 2, 0).await;
+        sent += 2;
+        let followed = f.sidecars.iter().all(|s| {
+            let st = s.index().unwrap().status();
+            st.up && st.server == replica && st.writer.registered
+        });
+        if followed {
+            break;
+        }
+        let now: Vec<_> = f
+            .sidecars
+            .iter()
+            .map(|s| s.index().unwrap().status())
+            .collect();
+        assert!(
+            std::time::Instant::now() < end,
+            "the sidecars did not follow the sentinel to {replica}: {now:?}"
+        );
+    }
+    eprintln!(
+        "sentinel failover: the sidecars on the promoted replica {:?} after the kill, {sent} requests sent meanwhile",
+        killed.elapsed()
+    );
+    assert_eq!(
+        failed, 0,
+        "{failed} of {sent} requests failed during the failover"
+    );
+    // The sentinel's own view agrees (the sidecars had no other way to learn
+    // the replica: urls is empty).
+    set.wait_failover().await.unwrap();
+    f.written().await;
+    let (h0, q0) = f.engine_hits();
+    assert_eq!(failures(addrs[1], 8, 0).await, 0);
+    let (h1, q1) = f.engine_hits();
+    let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
+    assert!(rate > 0.5, "prefix hit rate after the failover {rate}");
+    f.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_sentinel_switch_moves_the_store_while_the_old_primary_still_answers() {
+    let set = ValkeySentinelSet::start(1).await.unwrap();
+    let shutdown = Shutdown::new();
+    let store = connected(through_sentinel(&set, ValkeySentinelSet::MASTER), &shutdown).await;
+    assert_eq!(store.server(), set.primary().url());
+    let generation = store.generation();
+    // Nothing is sent, so no error or READONLY can tell the store: only the
+    // sentinels' +switch-master does.
+    set.failover().await.unwrap();
+    set.wait_failover().await.unwrap();
+    let replica = set.replica().url();
+    eventually("the store on the new primary", || async {
+        (store.is_up() && store.server() == replica).then_some(())
+    })
+    .await;
+    assert!(store.generation() > generation);
+    assert!(set.primary().is_running(), "the old primary was not killed");
+    shutdown.trigger();
+}
+
+/// A sidecar in front of `engine` on the Valkey backend in approximate
+/// mode: an engine without KV events, no tokenizer.
+fn approx_sidecar(engine: &SimHandle, cfg: ValkeyConfig) -> Config {
+    let mut c = kvmesh_tests::route::config(engine, &[], None);
+    c.prefix.tokenizer = TokenizerChoice::None;
+    c.engine.kv_events = None;
+    c.index.backend = Backend::Valkey;
+    c.index.valkey = cfg;
+    c
+}
+
+async fn approx_fleet(n: usize, cfg: ValkeyConfig) -> Fleet {
+    let mut engines = Vec::new();
+    let mut sidecars = Vec::new();
+    for _ in 0..n {
+        let e = kvmesh_tests::route::sim().await;
+        sidecars.push(start_on(approx_sidecar(&e, cfg.clone()), None).await);
+        engines.push(e);
+    }
+    for s in &sidecars {
+        eventually("registered in valkey", || async {
+            s.index()?.status().writer.registered.then_some(())
+        })
+        .await;
+    }
+    Fleet { engines, sidecars }
+}
+
+impl Fleet {
+    /// Sends `body` through sidecar `via`; the index of the engine that ran it.
+    async fn served_by(&self, via: usize, body: &str) -> usize {
+        let before: Vec<u64> = self
+            .engines
+            .iter()
+            .map(|e| e.stats().prompt_tokens)
+            .collect();
+        assert_eq!(complete(self.sidecars[via].addr(), body).await, 200);
+        let ran: Vec<usize> = (0..self.engines.len())
+            .filter(|&i| self.engines[i].stats().prompt_tokens > before[i])
+            .collect();
+        assert_eq!(ran.len(), 1, "one engine ran it: {ran:?}");
+        ran[0]
+    }
+
+    /// The depths sidecar `at`'s index lookup gives `body`'s prompt, by pod
+    /// id (pods it holds none of left out).
+    async fn depths(&self, at: usize, body: &str) -> Vec<(String, u64)> {
+        let r = fetch(
+            &http1(),
+            request(
+                "POST",
+                self.sidecars[at].admin_addr(),
+                "/debug/route",
+                body.to_owned(),
+                &[("content-type", "application/json")],
+            ),
+        )
+        .await;
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        let mut out: Vec<(String, u64)> = v["index"]["candidates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| Some((c[0].as_str()?.to_owned(), c[1].as_u64()?)))
+            .filter(|(_, depth)| *depth > 0)
+            .collect();
+        out.sort();
+        out
+    }
+
+    fn pod_id(&self, i: usize) -> String {
+        self.sidecars[i].fleet().local_id().to_owned()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn approximate_sidecars_on_valkey_route_a_prefix_another_sidecar_routed_to_the_same_pod() {
+    let server = ValkeyServer::start().await.unwrap();
+    let f = approx_fleet(3, fast(vec![server.url()])).await;
+    for g in 0..6 {
+        let (a, b, c) = (g % 3, (g + 1) % 3, (g + 2) % 3);
+        let first = f.served_by(a, &shared_prefix_body(g, 0)).await;
+        // b never routed this prompt: it knows where a sent it from Valkey.
+        let pod = f.pod_id(first);
+        let seen = eventually("a's guess seen by b", || async {
+            let d = f.depths(b, &shared_prefix_body(g, 1)).await;
+            d.iter().any(|(id, _)| *id == pod).then_some(d)
+        })
+        .await;
+        assert_eq!(seen.len(), 1, "only the pod a chose holds it: {seen:?}");
+        assert_eq!(
+            f.served_by(b, &shared_prefix_body(g, 1)).await,
+            first,
+            "group {g} via b"
+        );
+        assert_eq!(
+            f.served_by(c, &shared_prefix_body(g, 2)).await,
+            first,
+            "group {g} via c"
+        );
+    }
+    for s in &f.sidecars {
+        assert!(s.index().unwrap().metrics.guesses_written() > 0);
+        assert!(
+            metric(s, r#"kvmesh_index_lookups_total{outcome="ok"}"#)
+                .await
+                .unwrap_or(0.0)
+                > 0.0
+        );
+    }
+    f.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_approximate_guess_on_valkey_attracts_until_it_expires() {
+    let server = ValkeyServer::start().await.unwrap();
+    let cfg = ValkeyConfig {
+        approx_ttl: CfgDuration::from_millis(1500),
+        ..fast(vec![server.url()])
+    };
+    let f = approx_fleet(2, cfg).await;
+    let first = f.served_by(0, &shared_prefix_body(7, 0)).await;
+    let pod = f.pod_id(first);
+    let probe = shared_prefix_body(7, 1);
+    eventually("the guess seen by the other sidecar", || async {
+        (f.depths(1, &probe).await.iter().any(|(id, _)| *id == pod)).then_some(())
+    })
+    .await;
+    // Nobody sends the prompt again: the guess lapses, and no pod holds it
+    // for the sidecar that never routed it (nor in Valkey).
+    eventually("the guess expired", || async {
+        f.depths(1, &probe).await.is_empty().then_some(())
+    })
+    .await;
+    let left: Vec<String> = server.query(redis::cmd("KEYS").arg("*:a:*")).await.unwrap();
+    assert!(left.is_empty(), "guess keys left after their ttl: {left:?}");
     f.shutdown().await;
 }
