@@ -24,8 +24,8 @@ use vllm::recorder::{self, Recorder};
 use vllm::report::Timings;
 use vllm::sidecar::SidecarUnderTest;
 use vllm::{
-    case_dp, case_faults, case_fidelity, case_hashes, case_lora, case_mesh, case_openai, case_pd,
-    case_shapes, engines_lock,
+    case_dp, case_faults, case_fidelity, case_hashes, case_lora, case_mesh, case_migration,
+    case_openai, case_pd, case_shapes, engines_lock,
 };
 
 /// KV-cache size of the single engine, in 32-token blocks (tiny-llama: 64 KiB per block).
@@ -394,6 +394,61 @@ fn vllm_pair_group() -> Result<()> {
         for s in [sa, sb, prefill_side, decode_side, strict_side] {
             s.shutdown().await;
         }
+    });
+    Ok(())
+}
+
+/// Group "migration" (issue 42): two engines (cores 0 and 1), each behind its sidecar, the sidecars
+/// meshed; sidecar a's filter config keeps the client's requests on engine a.
+///
+/// * case 10: two uninterrupted greedy runs (one per engine) agree; then a completion stream
+///   (`return_token_ids`) and a chat stream through sidecar a, engine a SIGKILLed after 8 events
+///   of each: both finish on engine b with the uninterrupted run's text (and token ids), one `id`,
+///   `usage` counting the whole, and sidecar a counts two migrations.
+#[test]
+fn vllm_migration_group() -> Result<()> {
+    let _one_group_at_a_time = engines_lock();
+    let mut t = Timings::new("migration");
+    let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
+    let work = work_dir();
+    let spec = |name, cpu| EngineSpec {
+        kv_cache_bytes: PAIR_KV_BLOCKS * 65_536,
+        ..EngineSpec::new(name, cpu)
+    };
+    let mut engines = t.step("start two vLLM engines", || {
+        Engine::start_all(&venv, work.path(), &[spec("a", 0), spec("b", 1)])
+    })?;
+    let rt = runtime();
+    let http = Http::default();
+    let peers = [work.path().join("peers-a"), work.path().join("peers-b")];
+    let filters = work.path().join("filters-a.yaml");
+    let [sa, sb] = t.step("start a sidecar per engine, meshed", || {
+        rt.block_on(async {
+            std::fs::write(&filters, case_migration::FILTERS_A)?;
+            let mut out = Vec::new();
+            for (i, label) in ["a", "b"].into_iter().enumerate() {
+                std::fs::write(&peers[i], "")?;
+                let f = (i == 0).then_some(filters.as_path());
+                let yaml = case_migration::sidecar_yaml(&engines[i], label, &peers[i], f);
+                let s = SidecarUnderTest::from_yaml(yaml).await?;
+                wait_ready(&http, &s.admin_url).await?;
+                out.push(s);
+            }
+            let [a, b]: [SidecarUnderTest; 2] = out
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("two sidecars"))?;
+            case_mesh::join([&a, &b], [&peers[0], &peers[1]]).await?;
+            case_migration::wait_peer_healthy(&a, &b).await?;
+            anyhow::Ok([a, b])
+        })
+    })?;
+    t.step(
+        "case 10: engine a SIGKILLed mid-stream: the streams go on on b, as an uninterrupted run",
+        || rt.block_on(case_migration::killed_mid_stream(&http, &mut engines, &sa)),
+    )?;
+    rt.block_on(async {
+        sa.shutdown().await;
+        sb.shutdown().await;
     });
     Ok(())
 }

@@ -21,6 +21,7 @@ pub mod case_fidelity;
 pub mod case_hashes;
 pub mod case_lora;
 pub mod case_mesh;
+pub mod case_migration;
 pub mod case_openai;
 pub mod case_pd;
 pub mod case_shapes;
