@@ -892,6 +892,7 @@ async fn run_one(
     let result = outcome?;
     let scale = b.spec.time_scale;
     let summary = report::to_simulated(&result.summary(), scale);
+    report_failures(&router.name(), rate, seed, &result.records);
     let goodput = goodput(&result.records, &b.slo, scale);
     let sent_share = workload
         .ordered_per_user
@@ -953,6 +954,27 @@ async fn drive(
     let cfg = super::run_config(&stand.urls(), &b.spec.model, seed)?;
     let load = Load::poisson(rate * b.spec.time_scale, workload.len());
     Ok(runner::run(&cfg, workload, &load).await?)
+}
+
+/// Says on stderr why a run's failed requests failed (up to three distinct
+/// reasons, with how many had each), so a run with errors can be read.
+fn report_failures(router: &str, rate: f64, seed: u64, records: &[kvmesh_loadgen::RequestRecord]) {
+    let mut why: Vec<(String, usize)> = Vec::new();
+    for r in records.iter().filter(|r| !r.is_ok()) {
+        let text = match (&r.status, &r.error) {
+            (Some(s), Some(e)) => format!("HTTP {s}: {e}"),
+            (Some(s), None) => format!("HTTP {s}"),
+            (None, Some(e)) => e.clone(),
+            (None, None) => "no status".to_owned(),
+        };
+        match why.iter_mut().find(|(t, _)| *t == text) {
+            Some((_, n)) => *n += 1,
+            None => why.push((text, 1)),
+        }
+    }
+    for (text, n) in why.iter().take(3) {
+        eprintln!("  {router} rate {rate} seed {seed}: {n} failed: {text}");
+    }
 }
 
 /// The share of requests that completed within the SLO: TTFT within the
