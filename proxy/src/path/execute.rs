@@ -217,8 +217,8 @@ fn tried_and_left(tried: &[Target], left: &std::collections::VecDeque<Target>) -
 
 /// `resp`, a stream `serving` began, able to go on on another pod if that
 /// one fails mid-way (`crate::request::migrate`): the client's own streamed
-/// completions and chat completions, answered `200` with an event stream,
-/// with migration on. Anything else is returned as it is.
+/// completions, chat completions and responses, answered `200` with an
+/// event stream, with migration on. Anything else is returned as it is.
 fn migrating(
     h: Execute<'_>,
     ctx: &RequestCtx,
@@ -239,7 +239,9 @@ fn migrating(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let route_ok = matches!(
         ctx.route,
-        crate::metrics::Route::Completions | crate::metrics::Route::ChatCompletions
+        crate::metrics::Route::Completions
+            | crate::metrics::Route::ChatCompletions
+            | crate::metrics::Route::Responses
     );
     if !h.migration.enabled()
         || ctx.already_routed

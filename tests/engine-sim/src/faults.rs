@@ -1,6 +1,7 @@
 //! Scriptable faults: what the next requests should suffer.
 //!
-//! Counted over inference requests (`/v1/completions`, `/v1/chat/completions`)
+//! Counted over inference requests (`/v1/completions`, `/v1/chat/completions`,
+//! `/v1/responses`)
 //! received since the engine started, 1-based. Set from a test through
 //! [`crate::SimHandle::faults`] or over HTTP at `POST /sim/faults`.
 

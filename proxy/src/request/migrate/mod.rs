@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `mod.rs` | [`Migration`] (the transcript, the continuation's events rewritten), [`Reroute`] |
 //! | `continuation.rs` | the continuation's body, and what no continuation can carry |
+//! | `responses.rs` | `/v1/responses` streams: their typed events read and rewritten |
 //! | `sse.rs` | SSE framing |
 //!
 //! [`Migration`] is the relay's [`Migrate`]: it forwards whole SSE events
@@ -27,6 +28,10 @@
 //! - Chat: the partial answer appended as an assistant message, rendered
 //!   open with `continue_final_message: true` and `add_generation_prompt:
 //!   false` (vLLM's continuation of a final message).
+//! - Responses (`responses.rs`): the partial answer appended to `input` as
+//!   an assistant message with `status: in_progress`, which vLLM renders
+//!   open; the continuation's typed events renumbered and rewritten as the
+//!   first stream's.
 //!
 //! A stream does not migrate (the reason is counted in
 //! `kvmesh_migrations_total{outcome}` and it ends with an error event, as
@@ -56,9 +61,11 @@ use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
 use crate::otel::{Hop, RequestTrace};
 use continuation::{continuation, unsupported_request};
+use responses::ResponsesState;
 use sse::{data_of, ends_event, event_end, sse_event};
 
 mod continuation;
+mod responses;
 mod sse;
 
 /// Longest SSE event held while its end is awaited; a longer one ends the
@@ -170,6 +177,8 @@ struct Transcript {
     events: u64,
     /// Chat: the opening chunk (`delta.role`) reached the client.
     role_sent: bool,
+    /// Responses: the response, its item, and the events' numbering.
+    responses: ResponsesState,
     finished: bool,
     done: bool,
 }
@@ -243,6 +252,9 @@ impl Migration {
         let Some(payload) = data_of(&ev) else {
             return Ok(Some(ev)); // a comment or an empty event
         };
+        if self.start.route == Route::Responses {
+            return self.responses_event(ev, &payload);
+        }
         if payload.trim_ascii() == b"[DONE]" {
             self.out.done = true;
             return Ok(Some(ev));
@@ -417,6 +429,10 @@ impl Migration {
         if self.start.started.elapsed() >= self.start.deadline {
             return Some("deadline");
         }
+        if self.start.route == Route::Responses && self.out.finished {
+            // The text is whole; only the closing events were lost.
+            return Some("finished");
+        }
         None
     }
 }
@@ -458,6 +474,10 @@ impl Migrate for Migration {
     }
 
     fn complete(&mut self) -> Option<Bytes> {
+        if self.start.route == Route::Responses {
+            // `response.completed` is the end; nothing stands in for it.
+            return self.out.done.then(Bytes::new);
+        }
         match (self.out.done, self.out.finished) {
             (true, _) => Some(Bytes::new()),
             (false, true) => {

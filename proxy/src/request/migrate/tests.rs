@@ -407,6 +407,227 @@ fn what_cannot_migrate_says_why() {
     assert_eq!(counted(&metrics, "deadline"), 1);
 }
 
+/// A Responses stream's typed event, `sequence_number` `seq`.
+fn rev(kind: &str, seq: u64, mut v: serde_json::Value) -> String {
+    v["type"] = json!(kind);
+    v["sequence_number"] = json!(seq);
+    format!("event: {kind}\ndata: {v}\n\n")
+}
+
+/// The events of a Responses stream `id` (item `item`) up to its deltas.
+fn responses_opening(id: &str, created: u64, item: &str, deltas: &[&str]) -> String {
+    let r = json!({"id": id, "created_at": created, "status": "in_progress", "output": [], "usage": null});
+    let mut out = rev("response.created", 0, json!({"response": r}));
+    out += &rev("response.in_progress", 1, json!({"response": r}));
+    out += &rev(
+        "response.output_item.added",
+        2,
+        json!({"output_index": 0, "item": {"id": item, "type": "message", "role": "assistant", "content": [], "status": "in_progress"}}),
+    );
+    out += &rev(
+        "response.content_part.added",
+        3,
+        json!({"output_index": 0, "item_id": item, "content_index": 0, "part": {"type": "output_text", "text": ""}}),
+    );
+    for (i, d) in deltas.iter().enumerate() {
+        out += &rev(
+            "response.output_text.delta",
+            4 + i as u64,
+            json!({"output_index": 0, "item_id": item, "content_index": 0, "delta": d, "logprobs": []}),
+        );
+    }
+    out
+}
+
+/// A Responses stream's closing events after `n` deltas of `text`.
+fn responses_closing(
+    id: &str,
+    created: u64,
+    item: &str,
+    n: u64,
+    text: &str,
+    usage: serde_json::Value,
+) -> String {
+    let seq = 4 + n;
+    let part = json!({"type": "output_text", "text": text, "annotations": []});
+    let message = json!({"id": item, "type": "message", "role": "assistant", "content": [part], "status": "completed"});
+    let mut out = rev(
+        "response.output_text.done",
+        seq,
+        json!({"output_index": 0, "content_index": 0, "item_id": item, "text": text}),
+    );
+    out += &rev(
+        "response.content_part.done",
+        seq + 1,
+        json!({"output_index": 0, "content_index": 0, "item_id": item, "part": part}),
+    );
+    out += &rev(
+        "response.output_item.done",
+        seq + 2,
+        json!({"output_index": 0, "item": message}),
+    );
+    out += &rev(
+        "response.completed",
+        seq + 3,
+        json!({"response": {"id": id, "created_at": created, "status": "completed", "max_output_tokens": 3,
+                            "output": [message], "usage": usage}}),
+    );
+    out
+}
+
+/// The events of an SSE body: (type, JSON).
+fn typed_events(body: &[u8]) -> Vec<(String, serde_json::Value)> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (kind, data) = e.split_once('\n').unwrap();
+            let kind = kind.strip_prefix("event: ").unwrap().to_owned();
+            (
+                kind,
+                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_responses_stream_continues_as_one_numbered_stream_of_one_response() {
+    let usage = json!({"input_tokens": 12, "output_tokens": 3, "total_tokens": 15,
+                       "input_tokens_details": {"cached_tokens": 0}});
+    let fake = Fake {
+        answer: Bytes::from(
+            responses_opening("resp_2", 9, "msg_2", &[" c", " d", " e"])
+                + &responses_closing("resp_2", 9, "msg_2", 3, " c d e", usage),
+        ),
+        ..Fake::default()
+    };
+    let body =
+        json!({"input": "hi", "instructions": "be brief", "max_output_tokens": 5, "stream": true});
+    let (mut m, _) = migration(start(Route::Responses, body), &fake);
+    let first = responses_opening("resp_1", 7, "msg_1", &[" a", " b"]);
+    assert_eq!(
+        m._fwd(Bytes::from(first.clone())).unwrap(),
+        first.as_bytes()
+    );
+    assert!(m.complete().is_none(), "not over before response.completed");
+    let cont = resume(&mut m).await;
+    // The continuation: the answer so far as the open assistant message vLLM continues.
+    let sent = sent_json(&fake);
+    assert_eq!(
+        sent["input"],
+        json!([{"role": "user", "content": "hi"},
+               {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": " a b", "annotations": []}]}])
+    );
+    assert_eq!(sent["max_output_tokens"], 3);
+    assert_eq!(sent["instructions"], "be brief");
+    // Its events go on from the client's: the next numbers, the first item and response.
+    let out = m._fwd(cont).unwrap();
+    let events = typed_events(&out);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed"
+        ]
+    );
+    for (i, (kind, v)) in events.iter().enumerate() {
+        assert_eq!(v["type"], kind.as_str());
+        assert_eq!(v["sequence_number"], 6 + i as u64, "{v}");
+        if let Some(item) = v.get("item_id") {
+            assert_eq!(item, "msg_1", "{v}");
+        }
+    }
+    let whole = " a b c d e";
+    assert_eq!(events[3].1["text"], whole);
+    assert_eq!(events[4].1["part"]["text"], whole);
+    assert_eq!(events[5].1["item"]["id"], "msg_1");
+    assert_eq!(events[5].1["item"]["content"][0]["text"], whole);
+    let r = &events[6].1["response"];
+    assert_eq!((&r["id"], &r["created_at"]), (&json!("resp_1"), &json!(7)));
+    assert_eq!(r["max_output_tokens"], 5);
+    assert_eq!(r["output"][0]["id"], "msg_1");
+    assert_eq!(r["output"][0]["content"][0]["text"], whole);
+    assert_eq!(r["usage"]["input_tokens"], 10);
+    assert_eq!(r["usage"]["output_tokens"], 5);
+    assert_eq!(r["usage"]["total_tokens"], 15);
+    assert_eq!(m.complete(), Some(Bytes::new()));
+}
+
+#[tokio::test]
+async fn a_responses_input_the_client_left_open_is_extended() {
+    let fake = Fake::default();
+    let body = json!({"input": [{"role": "user", "content": "hi"},
+        {"type": "message", "id": "m0", "role": "assistant", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "Sure,", "annotations": []}]}]});
+    let (mut m, _) = migration(start(Route::Responses, body), &fake);
+    m._fwd(Bytes::from(responses_opening("r", 1, "msg_1", &[" yes"])))
+        .unwrap();
+    resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(sent["input"].as_array().unwrap().len(), 2);
+    assert_eq!(sent["input"][1]["content"][0]["text"], "Sure, yes");
+}
+
+#[test]
+fn what_cannot_migrate_on_responses_says_why() {
+    let fake = Fake::default();
+    let item = |t: &str| {
+        rev(
+            "response.output_item.added",
+            2,
+            json!({"output_index": 0, "item": {"id": "x", "type": t}}),
+        )
+    };
+    let cases = [
+        (
+            json!({"input": "p", "previous_response_id": "resp_0"}),
+            None,
+            "previous_response",
+        ),
+        (
+            json!({"input": "p", "background": true}),
+            None,
+            "background",
+        ),
+        (
+            json!({"input": "p"}),
+            Some(item("function_call")),
+            "tool_calls",
+        ),
+        (json!({"input": "p"}), Some(item("reasoning")), "reasoning"),
+        (
+            json!({"input": "p"}),
+            Some(rev("response.output_text.done", 5, json!({"text": "all"}))),
+            "finished",
+        ),
+    ];
+    for (body, event, why) in cases {
+        let (mut m, metrics) = migration(start(Route::Responses, body), &fake);
+        if let Some(e) = event {
+            m._fwd(Bytes::from(e)).unwrap();
+        }
+        assert!(m.resume(&died(), None).is_none(), "{why}");
+        assert_eq!(counted(&metrics, why), 1, "{why}");
+    }
+    // An error event is the upstream failing, and is not forwarded.
+    let (mut m, _) = migration(start(Route::Responses, json!({"input": "p"})), &fake);
+    let err = rev(
+        "error",
+        4,
+        json!({"code": "InternalServerError", "message": "boom"}),
+    );
+    let (out, failed) = m.forward(Bytes::from(err));
+    assert!(out.is_empty() && failed.is_some());
+}
+
 /// Not a test of behaviour: what reading one token's event costs
 /// (`cargo test --release -p kvmesh-proxy --lib migrate_cost -- --ignored --nocapture`).
 #[test]

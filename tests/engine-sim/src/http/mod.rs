@@ -215,7 +215,10 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
         body: body.clone(),
         at: Instant::now(),
     });
-    let inference = matches!(path.as_str(), "/v1/completions" | "/v1/chat/completions");
+    let inference = matches!(
+        path.as_str(),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/responses"
+    );
     if inference {
         if method != Method::POST {
             return detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed");
@@ -227,6 +230,9 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
         if let Some(status) = verdict.status {
             let e = shapes::error(status, &format!("injected fault: status {status}"), None);
             return json_response(status, &e, &verdict);
+        }
+        if path == "/v1/responses" {
+            return openai::responses::serve(shared, body, verdict).await;
         }
         return openai::serve(shared, body, path == "/v1/chat/completions", verdict).await;
     }

@@ -1,6 +1,9 @@
 //! `/v1/completions` and `/v1/chat/completions`: parse the body, tokenize,
 //! work out the P/D mode, hand the request to the core, and answer as vLLM
 //! does (one JSON body, or SSE chunks ending in `data: [DONE]`).
+//! `/v1/responses` is [`responses`], on the same steps.
+
+pub(crate) mod responses;
 
 use std::sync::Arc;
 use std::time::Instant;
