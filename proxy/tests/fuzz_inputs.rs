@@ -334,6 +334,7 @@ fn msg() -> impl Strategy<Value = Msg> {
                                     prompt_tokens,
                                     cached_tokens,
                                     generation_tokens,
+                                    prompt_spread: None,
                                 }
                             },
                         ),

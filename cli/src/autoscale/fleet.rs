@@ -293,7 +293,13 @@ impl ElasticFleet {
             .filter_map(|p| p.sidecar.mesh_addr())
             .map(|a| format!("{a}\n"))
             .collect();
-        if let Err(e) = std::fs::write(&self.peers_file, peers) {
+        // Written beside and renamed over, as Kubernetes updates a mounted
+        // ConfigMap: a sidecar re-reading the file mid-write would see its
+        // peers gone (truncated) and forget them until the next read.
+        let tmp = self.peers_file.with_extension("peers.tmp");
+        if let Err(e) =
+            std::fs::write(&tmp, peers).and_then(|()| std::fs::rename(&tmp, &self.peers_file))
+        {
             eprintln!("autoscale: the peers file could not be written: {e}");
         }
         let uris: Vec<Uri> = ready

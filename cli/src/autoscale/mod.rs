@@ -113,8 +113,13 @@ pub struct Timing {
     pub startup: Duration,
     /// KEDA's polling interval.
     pub poll: Duration,
-    /// The HPA's scale-down stabilisation window (and the hook's).
+    /// The HPA's scale-down stabilisation window: KEDA's default, which
+    /// the queue policies run with.
     pub stabilization: Duration,
+    /// The window the shipped ScaledObjects set for the SLO hook's triggers
+    /// (`deploy/autoscaling/`), which `kvmesh-slo` runs with: the hook
+    /// stabilises scale-down itself (docs/autoscaling.md).
+    pub hook_stabilization: Duration,
     /// The hook's rate window and sampling interval.
     pub hook_window: Duration,
     pub hook_sample: Duration,
@@ -132,6 +137,7 @@ impl Timing {
             startup: Duration::from_secs(30),
             poll: Duration::from_secs(15),
             stabilization: Duration::from_secs(300),
+            hook_stabilization: shipped_scale_down_window(),
             hook_window: Duration::from_secs(60),
             hook_sample: Duration::from_secs(5),
             pre_stop: Duration::from_secs(5),
@@ -149,11 +155,30 @@ impl Timing {
             startup: f.startup / k,
             poll: f.poll / k,
             stabilization: f.stabilization / k,
+            hook_stabilization: f.hook_stabilization / k,
             hook_window: f.hook_window / k,
             hook_sample: f.hook_sample / k,
             pre_stop: f.pre_stop / k,
         }
     }
+}
+
+/// The scale-down stabilisation window of the shipped ScaledObjects for
+/// the hook (`behavior.scaleDown.stabilizationWindowSeconds`, the largest
+/// they set; KEDA's 300 s default where they set none).
+pub fn shipped_scale_down_window() -> Duration {
+    let yaml = include_str!("../../assets/deploy/autoscaling/keda-scaledobjects.yaml");
+    let secs = yaml
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter_map(|l| l.split("stabilizationWindowSeconds:").nth(1))
+        .filter_map(|v| {
+            let digits: String = v.trim().chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<u64>().ok()
+        })
+        .max()
+        .unwrap_or(300);
+    Duration::from_secs(secs)
 }
 
 /// How many times faster than Kubernetes' clocks a run goes by default.
@@ -234,6 +259,9 @@ pub struct PolicyRun {
     pub failed_starts: usize,
     /// Up to five distinct reasons requests were lost.
     pub errors: Vec<String>,
+    /// Per trace minute, the requests sent in it that missed the SLO (or
+    /// failed): where the attainment went.
+    pub misses_per_minute: Vec<u32>,
     /// The most pods each pool was asked to run.
     pub pool_max: std::collections::BTreeMap<String, u32>,
     /// Simulated seconds from the trace's start to the last response's end.
@@ -274,11 +302,19 @@ pub async fn run(opts: &AutoscaleOpts) -> Result<AutoscaleReport> {
                     for e in &r.errors {
                         eprintln!("  lost: {e}");
                     }
+                    let misses: Vec<String> = r
+                        .misses_per_minute
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, n)| **n > 0)
+                        .map(|(m, n)| format!("{m}:{n}"))
+                        .collect();
+                    eprintln!("  misses by trace minute: {}", misses.join(" "));
                 }
                 runs.push(r);
             }
         }
-        report.add_fleet(fleet, runs);
+        report.add_fleet(fleet, runs, ideal_pods(opts, &profile, fleet));
     }
     Ok(report)
 }
@@ -291,8 +327,8 @@ pub fn model_pods(
     role: Role,
     rate: f64,
 ) -> u32 {
-    let sizes = fleet.sizes();
-    let (prompt, output) = (sizes.prompt.1, sizes.output.1);
+    let (prompt, prompt_sq, output) = trace_moments(opts, fleet);
+    let prompt_sq = Some(prompt_sq);
     let w = match role {
         // A prefill pod computes every prompt and streams one token.
         Role::Prefill => Workload {
@@ -300,6 +336,7 @@ pub fn model_pods(
             prompt_tokens: prompt,
             uncached_tokens: prompt,
             output_tokens: 1.0,
+            prompt_tokens_sq: prompt_sq,
             window_s: 60.0,
         },
         // A decode pod receives the prompt's KV and generates.
@@ -308,6 +345,7 @@ pub fn model_pods(
             prompt_tokens: prompt,
             uncached_tokens: 0.0,
             output_tokens: output,
+            prompt_tokens_sq: prompt_sq,
             window_s: 60.0,
         },
         Role::Both => Workload {
@@ -315,6 +353,7 @@ pub fn model_pods(
             prompt_tokens: prompt,
             uncached_tokens: prompt,
             output_tokens: output,
+            prompt_tokens_sq: prompt_sq,
             window_s: 60.0,
         },
     };
@@ -327,6 +366,49 @@ pub fn model_pods(
     let pod = pod_profile(&role_profile(profile, role), 1.0);
     slo::pods_needed(&pod, &targets, &w, opts.max_pods_per_pool).0
 }
+
+/// The pods the hook's model asks for at each trace minute's scheduled
+/// rate, summed over the fleet's pools, as (simulated second the minute
+/// starts, pods): a fleet that followed the trace exactly, with no start-up,
+/// no stabilisation and no noise in its rate.
+fn ideal_pods(opts: &AutoscaleOpts, profile: &LatencyProfile, kind: FleetKind) -> Vec<(f64, u32)> {
+    let s = opts.schedule();
+    let minute = s.minute.as_secs_f64();
+    (0..trace::CONV_MINUTES.len())
+        .map(|m| {
+            let at = m as f64 * minute;
+            let rate = s.rate_at(at);
+            let pods = kind
+                .pools()
+                .iter()
+                .map(|&(_, role)| model_pods(opts, profile, kind, role, rate))
+                .sum();
+            (at, pods)
+        })
+        .collect()
+}
+
+/// The mean prompt, its mean square and the mean output of the requests
+/// the fleet is sent (drawn as the run draws them, clipped to the context),
+/// over enough draws that the moments are the trace's.
+fn trace_moments(opts: &AutoscaleOpts, fleet: FleetKind) -> (f64, f64, f64) {
+    let many = Schedule {
+        base: 50.0,
+        minute: opts.timing.minute,
+    };
+    let a = many.arrivals(&fleet.sizes(), MAX_MODEL_LEN, 0);
+    let n = a.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&Arrival) -> f64| a.iter().map(f).sum::<f64>() / n;
+    (
+        mean(&|r| f64::from(r.prompt_tokens)),
+        mean(&|r| f64::from(r.prompt_tokens).powi(2)),
+        mean(&|r| f64::from(r.output_tokens)),
+    )
+}
+
+/// The engines' context (prompt and output), which the trace's sizes are
+/// clipped to.
+const MAX_MODEL_LEN: u32 = 8192;
 
 /// The GPU profile with the chunked-prefill budget of a pod in `role`.
 fn role_profile(p: &LatencyProfile, role: Role) -> LatencyProfile {
@@ -489,7 +571,14 @@ async fn run_one(
         };
         let n = model_pods(opts, profile, kind, role, at);
         fleet.start_warm(role, n as usize);
-        let hold = opts.timing.stabilization.as_secs_f64();
+        // The queue policies keep KEDA's default; the SLO hook's triggers
+        // run with the window the shipped ScaledObjects set.
+        let hold = if policy == ScalePolicy::KvmeshSlo {
+            opts.timing.hook_stabilization
+        } else {
+            opts.timing.stabilization
+        }
+        .as_secs_f64();
         hpas.push(Hpa::new(1, opts.max_pods_per_pool, hold, n));
     }
     let want: usize = kind.pools().iter().map(|&(_, r)| fleet.replicas(r)).sum();
@@ -519,7 +608,7 @@ async fn run_one(
     // The trace starts now.
     clock.t0 = tokio::time::Instant::now();
     fleet.set_clock(clock);
-    let arrivals = schedule.arrivals(&kind.sizes(), 8192, seed);
+    let arrivals = schedule.arrivals(&kind.sizes(), MAX_MODEL_LEN, seed);
     let outcomes = Arc::new(std::sync::Mutex::new(Vec::with_capacity(arrivals.len())));
     let load = tokio::spawn(drive(
         arrivals.clone(),
@@ -777,12 +866,14 @@ fn judge(
     let minutes = trace::CONV_MINUTES.len();
     let mut held = 0usize;
     let mut violated = vec![false; minutes];
+    let mut misses_per_minute = vec![0u32; minutes];
     for (m, v) in violated.iter_mut().enumerate() {
         let (a, b) = (m as f64 * minute, (m + 1) as f64 * minute);
         let of: Vec<&Outcome> = outcomes
             .iter()
             .filter(|o| o.sent_s >= a && o.sent_s < b)
             .collect();
+        misses_per_minute[m] = of.iter().filter(|o| !within(o)).count() as u32;
         let mut ttft: Vec<f64> = of
             .iter()
             .map(|o| {
@@ -829,6 +920,7 @@ fn judge(
             e.truncate(5);
             e
         },
+        misses_per_minute,
         elapsed_s: outcomes.iter().map(|o| o.done_s).fold(0.0, f64::max),
         harness_lag_s: outcomes.iter().map(|o| o.late_s).fold(0.0, f64::max),
     }

@@ -6,7 +6,9 @@
 //! scales up at once but by at most `max(100%, 4 pods)` a poll (the HPA's
 //! default scale-up policies), and scales down only to the largest
 //! recommendation of the last `stabilization` (the HPA's default
-//! `scaleDown.stabilizationWindowSeconds` is 300 s).
+//! `scaleDown.stabilizationWindowSeconds` is 300 s, which the queue policies
+//! keep; `kvmesh-slo` runs with the window the shipped ScaledObjects set for
+//! the hook, which slows scale-down itself).
 
 use std::collections::VecDeque;
 
@@ -138,6 +140,23 @@ mod tests {
         assert_eq!(h.decide(331.0, 14, 3.0), 3);
         assert_eq!(h.decide(346.0, 3, 0.0), 3, "the window still holds 3");
         assert_eq!(h.decide(640.0, 3, 0.0), 1, "bounded by min");
+    }
+
+    #[test]
+    fn the_slo_hook_runs_with_the_window_the_shipped_scaledobjects_set() {
+        let yaml = include_str!("../../assets/deploy/autoscaling/keda-scaledobjects.yaml");
+        let set: Vec<&str> = yaml
+            .lines()
+            .filter(|l| l.contains("stabilizationWindowSeconds: 60}"))
+            .collect();
+        assert_eq!(set.len(), 2, "one per pool: {set:?}");
+        let secs = |d: std::time::Duration| d.as_secs_f64();
+        assert_eq!(secs(super::super::shipped_scale_down_window()), 60.0);
+        let t = super::super::Timing::compressed(5);
+        assert_eq!(
+            (secs(t.hook_stabilization), secs(t.stabilization)),
+            (12.0, 60.0)
+        );
     }
 
     #[test]

@@ -41,6 +41,12 @@ pub struct FleetRuns {
     pub ttft_p90_ms: f64,
     pub itl_p99_ms: f64,
     pub policies: Vec<PolicySummary>,
+    /// The hook's model at each trace minute's rate, (simulated second, pods
+    /// over the pools): the fleet that follows the trace exactly.
+    pub ideal_pods: Vec<(f64, u32)>,
+    /// Its pod-seconds, and over fixed-peak's.
+    pub ideal_pod_seconds: f64,
+    pub ideal_vs_peak: Option<f64>,
 }
 
 /// One policy over every seed: medians, with `[min, max]` ranges.
@@ -79,7 +85,12 @@ impl AutoscaleReport {
         }
     }
 
-    pub fn add_fleet(&mut self, fleet: FleetKind, runs: Vec<PolicyRun>) {
+    pub fn add_fleet(
+        &mut self,
+        fleet: FleetKind,
+        runs: Vec<PolicyRun>,
+        ideal_pods: Vec<(f64, u32)>,
+    ) {
         let mut policies: Vec<PolicySummary> = Vec::new();
         for p in ScalePolicy::ALL {
             let of: Vec<PolicyRun> = runs.iter().filter(|r| r.policy == p).cloned().collect();
@@ -117,6 +128,8 @@ impl AutoscaleReport {
         for p in &mut policies {
             p.pod_seconds_vs_peak = peak.filter(|&x| x > 0.0).map(|x| p.pod_seconds / x);
         }
+        let minute = self.setup.timing.minute.as_secs_f64();
+        let ideal_pod_seconds: f64 = ideal_pods.iter().map(|(_, n)| f64::from(*n) * minute).sum();
         self.runs.push(FleetRuns {
             fleet,
             ttft_p90_ms: fleet.slo().0,
@@ -129,6 +142,9 @@ impl AutoscaleReport {
                 }
             ),
             policies,
+            ideal_vs_peak: peak.filter(|&x| x > 0.0).map(|x| ideal_pod_seconds / x),
+            ideal_pods,
+            ideal_pod_seconds,
         });
     }
 
@@ -170,6 +186,12 @@ impl AutoscaleReport {
                     p.lost,
                 ));
             }
+            out.push_str(&format!(
+                "the hook's model at each minute's rate (no start-up, no stabilisation): {:.0} pod-s ({})\n",
+                f.ideal_pod_seconds,
+                f.ideal_vs_peak
+                    .map_or("-".to_owned(), |r| format!("{r:.2}x fixed-peak")),
+            ));
         }
         out
     }
@@ -204,6 +226,26 @@ impl AutoscaleReport {
                     .collect()
             };
             let pods = stem.with_file_name(format!("{base}-{}-pods.png", f.fleet.name()));
+            let mut pod_lines = lines(|s| f64::from(s.1));
+            // The model at the trace's rate, as steps.
+            let steps: Vec<(f64, f64, f64, f64)> = f
+                .ideal_pods
+                .iter()
+                .zip(f.ideal_pods.iter().skip(1).map(|p| p.0).chain([f64::NAN]))
+                .flat_map(|(&(t, n), next)| {
+                    let n = f64::from(n);
+                    let end = if next.is_finite() {
+                        next
+                    } else {
+                        t + self.setup.timing.minute.as_secs_f64()
+                    };
+                    [(t, n, n, n), (end, n, n, n)]
+                })
+                .collect();
+            pod_lines.push(Series {
+                name: "model at the trace's rate".to_owned(),
+                points: steps,
+            });
             sweep_plot::write_png(
                 &format!(
                     "{} fleet: pods asked for, against time (seed {})",
@@ -211,7 +253,7 @@ impl AutoscaleReport {
                     seed
                 ),
                 "simulated seconds",
-                &lines(|s| f64::from(s.1)),
+                &pod_lines,
                 &pods,
             )?;
             let ttft = stem.with_file_name(format!("{base}-{}-ttft.png", f.fleet.name()));

@@ -12,16 +12,20 @@
 //! - **By SLO** (`autoscale.slo`): the pool runs the pods a queueing model
 //!   ([`slo`]) says meet TTFT p90 and ITL p99, at the arrival rate and
 //!   tokens per request measured over the last window ([`rates`]; the last
-//!   three samples' rate when it is higher, so a burst counts at once), on pods
-//!   that cost what `autoscale.slo.pod` says. The queue rule stays as a
-//!   guard (a queue or a full KV cache still grows the pool), and the pool
-//!   never drops below what its requests in flight hold.
+//!   few samples' rate when it is past the window's by more than their
+//!   noise, so a burst counts at once), on pods that cost what
+//!   `autoscale.slo.pod` says. The queue rule stays as a guard (a queue or a
+//!   full KV cache still grows the pool), and the pool never drops below
+//!   what its requests in flight hold.
 //!
 //! Every sidecar samples the fleet every `sample_interval` whether polled or
 //! not ([`run`]), so whichever sidecar a poller reaches answers from the
 //! same window; one that has watched less than a window keeps the pool's
-//! size. Slowing scale-down is the HPA's `behavior.scaleDown`
-//! (stabilisation over every answer it got, whichever sidecar gave it).
+//! size. With an SLO the hook slows scale-down itself: the window's rate
+//! falls a window after the load, and a pool shrinks only to a size that
+//! holds one standard error above it; the HPA's `behavior.scaleDown` window
+//! (the shipped ScaledObjects set one rate window) smooths the sidecars'
+//! answers. The queue rule keeps no history: there, slowing it is the HPA's.
 //! Each answer explains itself: `GET /autoscale` on the admin port (JSON)
 //! and `kvmesh_autoscale_*` in `/metrics`.
 //!
@@ -117,8 +121,10 @@ fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
     pods.iter().filter(|p| p.info.role == role).collect()
 }
 
-/// Samples whose rate counts at once when it is above the window's.
-const RECENT_SAMPLES: usize = 3;
+/// The last samples whose rate counts at once when it is past the
+/// window's: two, three and four sample intervals (a burst passes the test
+/// over the shortest span it is clear in).
+const RECENT_SAMPLES: [usize; 3] = [3, 4, 5];
 
 /// The hook: the config, the samples of the last window, and the metrics
 /// the answers set.
@@ -173,9 +179,14 @@ impl Hook {
         for (i, &(name, role)) in POOLS.iter().enumerate() {
             let measured = st.history.workload(role).map(|mut w| {
                 // Up at once: a rate that jumped counts before the window's
-                // average catches up (the last three samples' rate).
-                if let Some(recent) = st.history.recent_rate(role, RECENT_SAMPLES) {
-                    w.arrival_rate = w.arrival_rate.max(recent);
+                // average catches up (the last few samples' rate), when it
+                // is past the noise of so few arrivals.
+                for samples in RECENT_SAMPLES {
+                    if let Some((recent, span)) = st.history.recent_rate(role, samples) {
+                        if burst(w.arrival_rate, recent, span) {
+                            w.arrival_rate = w.arrival_rate.max(recent);
+                        }
+                    }
                 }
                 w
             });
@@ -230,7 +241,21 @@ impl Hook {
             itl_p99_ms: slo.itl_p99.get().as_secs_f64() * 1000.0,
             kv_usage: cfg.target_kv_usage.get(),
         };
-        let (needed, predicted) = slo::pods_needed(profile, &targets, &w, cfg.max_replicas);
+        let (mut needed, mut predicted) = slo::pods_needed(profile, &targets, &w, cfg.max_replicas);
+        // Down only past the noise: a smaller pool must also hold at one
+        // standard error above the window's rate, so a rate that wobbles
+        // around a size's limit does not flap the pool.
+        if needed < by_queue.pods && w.window_s > 0.0 {
+            let high = Workload {
+                arrival_rate: w.arrival_rate + (w.arrival_rate / w.window_s).sqrt(),
+                ..w
+            };
+            let (n, _) = slo::pods_needed(profile, &targets, &high, cfg.max_replicas);
+            if n > needed {
+                needed = n.min(by_queue.pods);
+                predicted = slo::predict(profile, &targets, &w, needed);
+            }
+        }
         let rate_per_pod = slo::rate_per_pod(profile, &targets, &w, needed);
         // The batch a pod holds within the SLO: what its KV share and
         // max_num_seqs allow.
@@ -275,6 +300,16 @@ impl Hook {
             ..by_queue
         }
     }
+}
+
+/// Whether the arrivals at `recent_rate` over the last `span_s` seconds are
+/// a burst against the window's `rate`: more than three standard deviations
+/// (Poisson) above what that rate brings in the same time. Tested every
+/// sample, two would pass by chance every forty samples or so, and so few
+/// arrivals' rate is far off the window's when they do.
+fn burst(rate: f64, recent_rate: f64, span_s: f64) -> bool {
+    let expected = rate.max(0.0) * span_s;
+    recent_rate * span_s > expected + 3.0 * expected.sqrt() + 1.0
 }
 
 fn saturating_u32(v: f64) -> u32 {
@@ -519,6 +554,7 @@ mod tests {
             prompt_tokens: finished * 1155,
             cached_tokens: 0,
             generation_tokens: finished * 211,
+            prompt_spread: None,
         });
         p
     }
@@ -554,7 +590,7 @@ mod tests {
             "{json}"
         );
         // The rate falls to 0.4 req/s: once the window has passed the high
-        // rate, the model asks for one pod (slowing that is the HPA's job).
+        // rate, the model asks for one pod (well past the rate's noise).
         let mut finished = 50;
         for n in [15, 20, 25, 30] {
             finished += 1;
@@ -565,15 +601,71 @@ mod tests {
         assert_eq!((a.desired, a.signal), (1, "slo"), "{a:?}");
         // Requests in flight floor the pool: 160 running need 160 / the
         // batch a pod holds (0.75 of 29424 KV tokens over 1260.5 per
-        // sequence = 17.5), more than the rate they arrived at asks for.
+        // sequence = 17.5), once the rate they arrived at has left the
+        // window and the model asks for fewer.
+        for n in [40, 45, 50, 55, 60] {
+            finished += 1;
+            hook.answer(&[busy(1, finished, 80), busy(2, finished, 80)], s(n));
+        }
         let a = &hook.answer(
-            &[busy(1, finished + 2, 80), busy(2, finished + 2, 80)],
-            s(40),
+            &[busy(1, finished + 1, 80), busy(2, finished + 1, 80)],
+            s(65),
         )["aggregated"];
         let slo = a.slo.as_ref().unwrap();
         assert_eq!(slo.in_flight_floor, 10, "{a:?}");
         assert!(slo.needed < 10, "{a:?}");
         assert_eq!((a.desired, a.signal), (10, "in_flight"), "{a:?}");
+    }
+
+    #[test]
+    fn a_burst_is_a_rate_past_the_noise_of_a_few_samples() {
+        // 3 req/s expect 6 arrivals in 2 s: 18 are a 3x burst, 10 are noise.
+        assert!(burst(3.0, 9.0, 2.0));
+        assert!(!burst(3.0, 5.0, 2.0));
+        // Over a longer span a smaller surge is past the noise.
+        assert!(burst(3.0, 4.5, 20.0));
+        assert!(
+            !burst(0.0, 0.4, 2.0),
+            "one arrival after none is not a burst"
+        );
+    }
+
+    #[test]
+    fn a_pool_shrinks_only_to_a_size_that_holds_past_the_noise_of_its_rate() {
+        let cfg = slo_config();
+        let slo = cfg.slo.clone().unwrap();
+        let targets = Targets {
+            ttft_p90_ms: 2000.0,
+            itl_p99_ms: 250.0,
+            kv_usage: cfg.target_kv_usage.get(),
+        };
+        let conv = Workload {
+            arrival_rate: 1.0,
+            prompt_tokens: 1155.0,
+            uncached_tokens: 1155.0,
+            output_tokens: 211.0,
+            prompt_tokens_sq: None,
+            window_s: 20.0,
+        };
+        // The most two pods hold, by the model.
+        let two = slo::rate_per_pod(&slo.pod, &targets, &conv, 2) * 2.0;
+        // Three pods that finished `total` requests over the 20 s window.
+        let answer = |total: u64| {
+            let hook = Hook::new(&cfg, &mut Registry::default());
+            let t0 = Instant::now();
+            hook.answer(&[busy(1, 0, 0), busy(2, 0, 0), busy(3, 0, 0)], t0);
+            let (a, b) = (total / 3, total / 3);
+            let later = [busy(1, a, 0), busy(2, b, 0), busy(3, total - a - b, 0)];
+            let at = t0 + std::time::Duration::from_secs(20);
+            hook.answer(&later, at)["aggregated"].clone()
+        };
+        // Just under what two pods hold: within the rate's noise of it.
+        let near = (two * 0.97 * 20.0).floor() as u64;
+        let a = answer(near);
+        assert_eq!((a.desired, a.signal), (3, "slo"), "{two} req/s: {a:?}");
+        // Well under it: the pool shrinks.
+        let a = answer((two * 0.6 * 20.0).floor() as u64);
+        assert!(a.desired <= 2, "{a:?}");
     }
 
     #[test]

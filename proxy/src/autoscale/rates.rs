@@ -46,6 +46,11 @@ pub struct Workload {
     pub prompt_tokens: f64,
     pub uncached_tokens: f64,
     pub output_tokens: f64,
+    /// The mean square of a finished request's prompt (tokens²), from the
+    /// engines' prompt-length histograms ([`crate::fleet::PromptSpread`]);
+    /// `None` where no pod of the pool exports one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_sq: Option<f64>,
     /// Seconds the rates span.
     pub window_s: f64,
 }
@@ -113,10 +118,11 @@ impl History {
     }
 
     /// The arrival rate of the pods of `role` over the last `samples`
-    /// samples only (at least two): what the window's average has not
-    /// caught up with yet when the rate jumps.
-    pub fn recent_rate(&self, role: Role, samples: usize) -> Option<f64> {
-        Some(self.workload_over(role, samples.max(2))?.arrival_rate)
+    /// samples only (at least two), and the seconds they span: what the
+    /// window's average has not caught up with yet when the rate jumps.
+    pub fn recent_rate(&self, role: Role, samples: usize) -> Option<(f64, f64)> {
+        let w = self.workload_over(role, samples.max(2))?;
+        Some((w.arrival_rate, w.window_s))
     }
 
     fn workload_over(&self, role: Role, samples: usize) -> Option<Workload> {
@@ -127,6 +133,9 @@ impl History {
             return None;
         }
         let (mut finished, mut prompt, mut cached, mut generated) = (0u64, 0u64, 0u64, 0u64);
+        // Over the pods whose engines export the prompt histogram: finished,
+        // prompt tokens, and the histogram's two sums.
+        let mut spread = [0u64; 4];
         let mut in_system_change = 0i64;
         for now in last.pods.iter().filter(|p| p.role == role) {
             let Some(then) = self
@@ -142,6 +151,16 @@ impl History {
             prompt += delta(now.work.prompt_tokens, then.work.prompt_tokens);
             cached += delta(now.work.cached_tokens, then.work.cached_tokens);
             generated += delta(now.work.generation_tokens, then.work.generation_tokens);
+            if let (Some(a), Some(b)) = (now.work.prompt_spread, then.work.prompt_spread) {
+                for (sum, d) in spread.iter_mut().zip([
+                    delta(now.work.finished, then.work.finished),
+                    delta(now.work.prompt_tokens, then.work.prompt_tokens),
+                    delta(a.tokens, b.tokens),
+                    delta(a.tokens_sq, b.tokens_sq),
+                ]) {
+                    *sum = sum.saturating_add(d);
+                }
+            }
             in_system_change += i64::try_from(now.in_system).unwrap_or(i64::MAX)
                 - i64::try_from(then.in_system).unwrap_or(i64::MAX);
         }
@@ -155,9 +174,22 @@ impl History {
             prompt_tokens: per(prompt),
             uncached_tokens: per(prompt.saturating_sub(cached)),
             output_tokens: per(generated),
+            prompt_tokens_sq: mean_square(spread),
             window_s: span,
         })
     }
+}
+
+/// The mean square of a prompt from `[finished, prompt tokens, histogram
+/// tokens, histogram tokens²]` summed over a window: the histogram's mean
+/// square, scaled by how far its mean is from the exact counters' (bucket
+/// midpoints sit off the prompts they hold).
+fn mean_square([finished, prompt, tokens, tokens_sq]: [u64; 4]) -> Option<f64> {
+    if finished == 0 || tokens == 0 || prompt == 0 {
+        return None;
+    }
+    let scale = prompt as f64 / tokens as f64;
+    Some(tokens_sq as f64 / finished as f64 * scale * scale)
 }
 
 #[cfg(test)]
@@ -175,6 +207,7 @@ mod tests {
             prompt_tokens: finished * 1000,
             cached_tokens: finished * 400,
             generation_tokens: finished * 200,
+            prompt_spread: None,
         });
         p
     }
@@ -246,8 +279,42 @@ mod tests {
             &[pod("a", Role::Prefill, 90, 0)],
         );
         let long = h.workload(Role::Prefill).unwrap().arrival_rate;
-        let recent = h.recent_rate(Role::Prefill, 2).unwrap();
+        let (recent, span) = h.recent_rate(Role::Prefill, 2).unwrap();
         assert!((recent - 10.0).abs() < 1e-9, "{recent}");
+        assert!((span - 5.0).abs() < 1e-9, "{span}");
         assert!((long - 6.0).abs() < 1e-9, "{long}"); // (90 - 30) / 10 s
+    }
+
+    #[test]
+    fn the_prompts_mean_square_comes_from_the_histogram_scaled_to_the_exact_mean() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        let spread = |finished: u64| {
+            let mut p = pod("a", Role::Prefill, finished, 0);
+            if let Some(w) = p.load.work.as_mut() {
+                // Bucket means 10% above the exact 1000 tokens a prompt.
+                w.prompt_spread = Some(crate::fleet::PromptSpread {
+                    tokens: finished * 1100,
+                    tokens_sq: finished * 1100 * 1100 * 2,
+                });
+            }
+            p
+        };
+        h.record(t0, &[spread(10)]);
+        h.record(t0 + Duration::from_secs(10), &[spread(30)]);
+        let w = h.workload(Role::Prefill).unwrap();
+        // 2 × 1100² scaled by (1000 / 1100)²: 2 × 1000².
+        let sq = w.prompt_tokens_sq.unwrap();
+        assert!((sq - 2.0e6).abs() < 1.0, "{w:?}");
+        // A pool without the histogram has no spread.
+        h.record(
+            t0 + Duration::from_secs(20),
+            &[pod("b", Role::Decode, 5, 0)],
+        );
+        h.record(
+            t0 + Duration::from_secs(30),
+            &[pod("b", Role::Decode, 9, 0)],
+        );
+        assert_eq!(h.workload(Role::Decode).unwrap().prompt_tokens_sq, None);
     }
 }

@@ -17,11 +17,24 @@
 //! - **KV and sequences.** `b × (prompt + output / 2)` tokens must fit in
 //!   `target_kv_usage` of the pod's KV cache, and `b` in `max_num_seqs`;
 //!   past that, requests wait for KV (the engine's admission), unbounded in
-//!   this model, so the size fails.
-//! - **TTFT p90.** Prefill time `s_p`, plus one step and a half (the step
-//!   the request joins, and the residue of the one it waits out), plus the
-//!   90th percentile of the wait for prefill capacity, M/M/c over the pool
-//!   (Erlang C): the pool's router spreads requests over its pods.
+//!   this model, so the size fails. The running sequences' prompts vary
+//!   too: their KV, plus two standard deviations of it (`b` sequences of the
+//!   measured mean square), must fit the whole cache, or long prompts that
+//!   meet on one pod preempt its decodes.
+//! - **TTFT p90.** A request's own prefill time, plus one step and a half
+//!   (the step the request joins, and the residue of the one it waits out),
+//!   plus its wait for prefill capacity, and the 90th percentile of that
+//!   sum. Prompts are not all the mean: their uncached tokens are taken as
+//!   lognormal with the measured mean and mean square (the engines'
+//!   prompt-length histograms; a squared coefficient of variation of 1 where
+//!   none is exported), so a long prompt's own prefill sits in the tail and
+//!   its service time's variance lengthens the queue. Each pod queues alone
+//!   (M/G/1 at the pool's rate over its pods): the router spreads requests
+//!   by their count, not their tokens, so a pod that took a long prompt
+//!   keeps taking its share. By Pollaczek-Khinchine a request waits with
+//!   probability `ρ`, and the wait is then taken as exponential with mean
+//!   `s (1 + Cs²) / (2 (1 - ρ))`, `s` the mean prefill time and `Cs²` its
+//!   squared coefficient of variation.
 //!
 //! The pool needs the fewest pods whose prediction meets both targets.
 
@@ -55,6 +68,21 @@ pub struct Targets {
 
 /// The model's prediction for `pods` pods serving `w`.
 pub fn predict(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> Prediction {
+    model(&Prefill::of(p, w), p, t, w, pods, true)
+}
+
+/// [`predict`] with the pool's prefill times already drawn (they depend on
+/// the request sizes, not on the rate or the pods). `ttft` computes the
+/// predicted TTFT p90 itself; without it only whether it meets the target
+/// (one evaluation instead of a search), and `ttft_p90_ms` is NaN.
+fn model(
+    prefill: &Prefill,
+    p: &PodProfile,
+    t: &Targets,
+    w: &Workload,
+    pods: u32,
+    ttft: bool,
+) -> Prediction {
     let fail = |limit| Prediction {
         ttft_p90_ms: f64::INFINITY,
         itl_p99_ms: f64::INFINITY,
@@ -70,7 +98,7 @@ pub fn predict(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> Predicti
     // One request's prefill: each computed token attends to the cached
     // prefix and half of the computed part, on average.
     let attended_k = (prompt - uncached + uncached / 2.0) / 1000.0;
-    let prefill_ms = uncached * (p.prefill_ms_per_token + attended_k * p.prefill_ms_per_token_kctx);
+    let prefill_ms = prefill.mean_ms;
     let rho_p = rate * prefill_ms / 1000.0;
     if rho_p >= 1.0 {
         return fail("prefill");
@@ -85,7 +113,14 @@ pub fn predict(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> Predicti
     let step_ms = p.step_base_ms + b * k;
     let itl_mean = step_ms / (1.0 - rho_p);
     let kv_usage = b * (prompt + output / 2.0) / p.kv_cache_tokens as f64;
-    if kv_usage > t.kv_usage {
+    // One sequence's KV: its prompt (spread as measured) and half its output.
+    let prompt_sq = w
+        .prompt_tokens_sq
+        .unwrap_or(prompt * prompt * (1.0 + UNKNOWN_CV2))
+        .max(prompt * prompt);
+    let kv_sq = prompt_sq + prompt * output + output * output / 4.0;
+    let kv_high = kv_usage + 2.0 * (b * kv_sq).sqrt() / p.kv_cache_tokens as f64;
+    if kv_usage > t.kv_usage || kv_high > 1.0 {
         return Prediction {
             kv_usage,
             ..fail("kv")
@@ -106,9 +141,14 @@ pub fn predict(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> Predicti
     } else {
         step_ms
     };
-    let wait_p90 = erlang_c_wait_p90(c, rate * c, prefill_ms);
-    let ttft_p90 = wait_p90 + prefill_ms + 1.5 * step_ms;
-    let limit = if ttft_p90 > t.ttft_p90_ms {
+    // The p90 of wait plus own prefill, plus the steps around it.
+    let joins_ms = 1.5 * step_ms;
+    let ttft_p90 = if ttft {
+        prefill.quantile(0.9, rate) + joins_ms
+    } else {
+        f64::NAN
+    };
+    let limit = if prefill.beyond(t.ttft_p90_ms - joins_ms, rate) > 0.1 {
         Some("ttft")
     } else if itl_p99 > t.itl_p99_ms {
         Some("itl")
@@ -128,9 +168,10 @@ pub fn predict(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> Predicti
 /// prediction; `max` and its prediction when none does.
 pub fn pods_needed(p: &PodProfile, t: &Targets, w: &Workload, max: u32) -> (u32, Prediction) {
     let max = max.max(1);
-    let meets = |c| predict(p, t, w, c).limit.is_none();
+    let prefill = Prefill::of(p, w);
+    let meets = |c| model(&prefill, p, t, w, c, false).limit.is_none();
     if !meets(max) {
-        return (max, predict(p, t, w, max));
+        return (max, model(&prefill, p, t, w, max, true));
     }
     // More pods never predict worse, so the smallest size is a bisection.
     let (mut lo, mut hi) = (0u32, max); // lo fails (or is 0), hi meets
@@ -142,26 +183,30 @@ pub fn pods_needed(p: &PodProfile, t: &Targets, w: &Workload, max: u32) -> (u32,
             lo = mid;
         }
     }
-    (hi, predict(p, t, w, hi))
+    (hi, model(&prefill, p, t, w, hi, true))
 }
 
 /// The highest rate one pod of a pool of `pods` sustains within the
 /// targets, for requests shaped like `w` (req/s).
 pub fn rate_per_pod(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> f64 {
     let c = pods.max(1);
-    let at = |rate: f64| Workload {
-        arrival_rate: rate * f64::from(c),
-        ..*w
+    let prefill = Prefill::of(p, w);
+    let meets = |rate: f64| {
+        let at = Workload {
+            arrival_rate: rate * f64::from(c),
+            ..*w
+        };
+        model(&prefill, p, t, &at, c, false).limit.is_none()
     };
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     // Grow the bracket (bounded: 1e6 req/s per pod is past any GPU).
-    while predict(p, t, &at(hi), c).limit.is_none() && hi < 1e6 {
+    while meets(hi) && hi < 1e6 {
         lo = hi;
         hi *= 2.0;
     }
     for _ in 0..40 {
         let mid = (lo + hi) / 2.0;
-        if predict(p, t, &at(mid), c).limit.is_none() {
+        if meets(mid) {
             lo = mid;
         } else {
             hi = mid;
@@ -170,29 +215,125 @@ pub fn rate_per_pod(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> f64
     lo
 }
 
-/// The 90th percentile of the wait in an M/M/c queue of `c` servers at
-/// `rate` req/s with mean service `service_ms` (0 when fewer than 10% wait).
-fn erlang_c_wait_p90(c: f64, rate: f64, service_ms: f64) -> f64 {
-    if service_ms <= 0.0 || rate <= 0.0 {
-        return 0.0;
+/// Where the prompt distribution is sampled: standard normal points from
+/// -4 to 4 in steps of [`Z_STEP`] (the mass beyond is 6e-5).
+const Z_STEP: f64 = 0.1;
+const Z_POINTS: usize = 81;
+
+/// The squared coefficient of variation of uncached tokens taken where the
+/// engines export no prompt histogram (an exponential's).
+const UNKNOWN_CV2: f64 = 1.0;
+
+/// One pool's prefill times: the distribution of a request's own prefill
+/// (ms) over its uncached tokens, lognormal with the measured mean and mean
+/// square, as weighted points.
+struct Prefill {
+    /// (prefill ms, probability), in increasing order of ms.
+    points: Vec<(f64, f64)>,
+    mean_ms: f64,
+    /// Squared coefficient of variation of the prefill time.
+    cs2: f64,
+}
+
+impl Prefill {
+    fn of(p: &PodProfile, w: &Workload) -> Self {
+        let uncached = w.uncached_tokens.max(0.0);
+        let prompt = w.prompt_tokens.max(uncached);
+        if uncached <= 0.0 {
+            return Self {
+                points: vec![(0.0, 1.0)],
+                mean_ms: 0.0,
+                cs2: 0.0,
+            };
+        }
+        // Uncached tokens spread as the prompts do (the cached share alike).
+        let cv2 = match w.prompt_tokens_sq {
+            Some(sq) if prompt > 0.0 => (sq / (prompt * prompt) - 1.0).max(0.0),
+            _ => UNKNOWN_CV2,
+        };
+        let sigma2 = (1.0 + cv2.min(50.0)).ln();
+        let (sigma, mu) = (sigma2.sqrt(), uncached.ln() - sigma2 / 2.0);
+        // Per computed token, the cached part scales with the prompt.
+        let cached_per_uncached = (prompt - uncached) / uncached;
+        let ms = |u: f64| {
+            let attended_k = u * (cached_per_uncached + 0.5) / 1000.0;
+            u * (p.prefill_ms_per_token + attended_k * p.prefill_ms_per_token_kctx)
+        };
+        let mut points: Vec<(f64, f64)> = (0..Z_POINTS)
+            .map(|i| {
+                let z = -4.0 + Z_STEP * i as f64;
+                (ms((mu + sigma * z).exp()), (-z * z / 2.0).exp())
+            })
+            .collect();
+        let total: f64 = points.iter().map(|(_, w)| w).sum();
+        for (_, w) in &mut points {
+            *w /= total;
+        }
+        let mean_ms: f64 = points.iter().map(|(s, w)| s * w).sum();
+        let sq: f64 = points.iter().map(|(s, w)| s * s * w).sum();
+        let cs2 = if mean_ms > 0.0 {
+            (sq / (mean_ms * mean_ms) - 1.0).max(0.0)
+        } else {
+            0.0
+        };
+        Self {
+            points,
+            mean_ms,
+            cs2,
+        }
     }
-    let a = rate * service_ms / 1000.0; // offered load, erlangs
-    if a >= c {
-        return f64::INFINITY;
+
+    /// The wait on a pod taking `rate` req/s: the chance to wait, and the
+    /// mean of a wait (exponential, Pollaczek-Khinchine's mean over those
+    /// that wait); `None` where the pod cannot keep up.
+    fn wait(&self, rate: f64) -> Option<(f64, f64)> {
+        let rho = (rate * self.mean_ms / 1000.0).max(0.0);
+        if rho >= 1.0 {
+            return None;
+        }
+        Some((rho, self.mean_ms * (1.0 + self.cs2) / (2.0 * (1.0 - rho))))
     }
-    // Erlang B by its recurrence (stable for large c), then C from B.
-    let servers = c as u64;
-    let mut b = 1.0f64;
-    for n in 1..=servers {
-        b = a * b / (n as f64 + a * b);
+
+    /// The chance that wait plus own prefill passes `t_ms` on a pod taking
+    /// `rate` req/s.
+    fn beyond(&self, t_ms: f64, rate: f64) -> f64 {
+        let Some((waits, theta)) = self.wait(rate) else {
+            return 1.0;
+        };
+        self.points
+            .iter()
+            .map(|&(s, w)| {
+                if t_ms < s {
+                    w
+                } else if theta > 0.0 {
+                    w * waits * (-(t_ms - s) / theta).exp()
+                } else {
+                    0.0
+                }
+            })
+            .sum()
     }
-    let rho = a / c;
-    let waits = b / (1.0 - rho + rho * b);
-    if waits <= 0.1 {
-        return 0.0;
+
+    /// The `q` quantile (ms) of wait plus own prefill on a pod taking
+    /// `rate` req/s (infinite where it cannot keep up).
+    fn quantile(&self, q: f64, rate: f64) -> f64 {
+        let Some((waits, theta)) = self.wait(rate) else {
+            return f64::INFINITY;
+        };
+        let tail = 1.0 - q;
+        let longest = self.points.last().map_or(0.0, |p| p.0);
+        // At `hi` every point's share is at most `tail`.
+        let (mut lo, mut hi) = (0.0f64, longest + theta * (waits / tail).ln().max(0.0) + 1.0);
+        for _ in 0..40 {
+            let mid = (lo + hi) / 2.0;
+            if self.beyond(mid, rate) > tail {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        hi
     }
-    // P(W > t) = C e^{-(c - a) t / s}.
-    service_ms / (c - a) * (waits / 0.1).ln()
 }
 
 #[cfg(test)]
@@ -230,6 +371,7 @@ mod tests {
             prompt_tokens: 1155.0,
             uncached_tokens: 1155.0,
             output_tokens: 211.0,
+            prompt_tokens_sq: None,
             window_s: 60.0,
         }
     }
@@ -274,12 +416,17 @@ mod tests {
 
     #[test]
     fn prefill_chunks_in_decode_steps_set_the_itl_tail_and_a_prefill_pool_has_none() {
-        let t = targets();
+        // A TTFT target these long prompts meet on 4 pods: ITL decides.
+        let t = Targets {
+            ttft_p90_ms: 5000.0,
+            ..targets()
+        };
         let mut p = qwen3_32b_h100();
         p.kv_cache_tokens = 400_000; // room for the long contexts: ITL decides
         let long = Workload {
             prompt_tokens: 6000.0,
             uncached_tokens: 6000.0,
+            prompt_tokens_sq: Some(6000.0 * 6000.0), // every prompt 6000 tokens
             ..conv(2.0)
         };
         let agg = predict(&p, &t, &long, 4);
@@ -314,6 +461,7 @@ mod tests {
             prompt_tokens: 6000.0,
             uncached_tokens: 6000.0,
             output_tokens: 1.0,
+            prompt_tokens_sq: None,
             window_s: 60.0,
         };
         let two = predict(&p, &targets(), &w, 2);
@@ -337,13 +485,83 @@ mod tests {
         assert!(predict(&p, &t, &conv(r * 4.0 * 1.05), 4).limit.is_some());
     }
 
+    /// A pool whose prefill time is fixed at 100 ms (every prompt alike).
+    fn fixed_100ms() -> Prefill {
+        Prefill {
+            points: vec![(100.0, 1.0)],
+            mean_ms: 100.0,
+            cs2: 0.0,
+        }
+    }
+
     #[test]
-    fn erlang_c_matches_m_m_1_and_grows_near_saturation() {
-        // M/M/1 at ρ = 0.5: P(W > t) = 0.5 e^{-(1-ρ) t / s}; p90 = 2 s ln 5.
-        let w = erlang_c_wait_p90(1.0, 5.0, 100.0);
-        assert!((w - 200.0 * 5f64.ln()).abs() < 1e-6, "{w}");
-        assert_eq!(erlang_c_wait_p90(4.0, 1.0, 100.0), 0.0);
-        assert!(erlang_c_wait_p90(4.0, 39.0, 100.0) > erlang_c_wait_p90(4.0, 30.0, 100.0));
-        assert!(erlang_c_wait_p90(4.0, 40.0, 100.0).is_infinite());
+    fn the_wait_is_pollaczek_khinchine_s_and_grows_near_saturation() {
+        // M/D/1 at ρ = 0.5: half wait, on average 100 ms (half M/M/1's), so
+        // P(W > t) = 0.5 e^{-t / 100 ms} and the p90 of wait plus the
+        // 100 ms service is 100 + 100 ln 5.
+        let t = fixed_100ms().quantile(0.9, 5.0);
+        assert!((t - (100.0 + 100.0 * 5f64.ln())).abs() < 0.01, "{t}");
+        // M/M/1 (exponential service, Cs² = 1) waits twice as long.
+        let mm1 = Prefill {
+            cs2: 1.0,
+            ..fixed_100ms()
+        };
+        let t = mm1.quantile(0.9, 5.0);
+        assert!((t - (100.0 + 200.0 * 5f64.ln())).abs() < 0.01, "{t}");
+        // Fewer than 10% wait at a low rate: the p90 is the service.
+        let t = fixed_100ms().quantile(0.9, 0.5);
+        assert!((t - 100.0).abs() < 0.01, "{t}");
+        let busy = fixed_100ms().quantile(0.9, 9.5);
+        assert!(busy > fixed_100ms().quantile(0.9, 8.0));
+        assert!(fixed_100ms().quantile(0.9, 10.0).is_infinite());
+    }
+
+    #[test]
+    fn a_pool_whose_long_prompts_may_meet_on_one_decode_pod_needs_more_kv() {
+        // Decode pods of the code trace: 2048-token prompts, 28 output.
+        let p = qwen3_32b_h100();
+        let decode = |sq: f64| Workload {
+            arrival_rate: 9.0,
+            prompt_tokens: 2048.0,
+            uncached_tokens: 0.0,
+            output_tokens: 28.0,
+            prompt_tokens_sq: Some(sq),
+            window_s: 60.0,
+        };
+        let alike = predict(&p, &targets(), &decode(2048.0 * 2048.0), 1);
+        assert_eq!(alike.limit, None, "{alike:?}");
+        let spread = 2048f64.powi(2) * (2048.0f64 / 1469.0).powi(2);
+        let mixed = predict(&p, &targets(), &decode(spread), 1);
+        assert_eq!(mixed.limit, Some("kv"), "{mixed:?}");
+        assert_eq!(pods_needed(&p, &targets(), &decode(spread), 8).0, 2);
+    }
+
+    #[test]
+    fn long_prompts_in_the_mix_raise_the_ttft_tail_and_the_prefill_pool() {
+        // The Azure code trace: prompts of median 1469 and mean 2048 tokens
+        // (lognormal, mean square mean² × (mean / median)²), on prefill pods.
+        let p = qwen3_32b_h100();
+        let t = targets();
+        let code = |rate: f64, sq: Option<f64>| Workload {
+            arrival_rate: rate,
+            prompt_tokens: 2048.0,
+            uncached_tokens: 2048.0,
+            output_tokens: 1.0,
+            prompt_tokens_sq: sq,
+            window_s: 60.0,
+        };
+        let spread = 2048f64.powi(2) * (2048.0f64 / 1469.0).powi(2);
+        let alike = code(3.0, Some(2048.0 * 2048.0));
+        let mixed = code(3.0, Some(spread));
+        let (a, m) = (predict(&p, &t, &alike, 3), predict(&p, &t, &mixed, 3));
+        assert!(m.ttft_p90_ms > a.ttft_p90_ms + 300.0, "{a:?} {m:?}");
+        // The p90 prompt (~5200 tokens) alone takes ~0.75 s to prefill.
+        assert!(m.ttft_p90_ms > 750.0, "{m:?}");
+        let (n_alike, _) = pods_needed(&p, &t, &code(9.0, Some(2048.0 * 2048.0)), 64);
+        let (n_mixed, _) = pods_needed(&p, &t, &code(9.0, Some(spread)), 64);
+        assert!(n_mixed > n_alike, "{n_mixed} vs {n_alike}");
+        // Unknown spread: taken as an exponential's, wider than this one.
+        let unknown = predict(&p, &t, &code(3.0, None), 3);
+        assert!(unknown.ttft_p90_ms > m.ttft_p90_ms, "{unknown:?}");
     }
 }

@@ -41,7 +41,28 @@ pub struct EngineWork {
     pub cached_tokens: u64,
     /// Tokens generated (`*:generation_tokens_total`).
     pub generation_tokens: u64,
+    /// The spread of prompt lengths, from the engine's histogram (`None`:
+    /// it exports none).
+    pub prompt_spread: Option<PromptSpread>,
 }
+
+/// The engine's prompt-length histogram (`vllm:request_prompt_tokens`) read
+/// as two counters that only grow: over its buckets, the count times the
+/// mean and the mean square of a prompt in that bucket, taking lengths
+/// log-uniform within a bucket (the `+Inf` bucket as if it ended at twice
+/// its lower bound). The hook turns their deltas into the second moment of
+/// the prompts finished in a window, scaled so their mean is the exact
+/// counters' (`autoscale::rates`): within ~15% on lognormal prompts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PromptSpread {
+    /// Σ of the bucket means (tokens).
+    pub tokens: u64,
+    /// Σ of the bucket mean squares (tokens²).
+    pub tokens_sq: u64,
+}
+
+/// The prompt-length histogram's name (its `_bucket` series).
+const PROMPT_HISTOGRAM: &str = "vllm:request_prompt_tokens_bucket";
 
 /// Reads an engine's load from its metrics text; `None` when the text holds
 /// none of the load series (not an engine of that kind, or not metrics at all).
@@ -52,6 +73,8 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
     // finished, prompt, cached, generated
     let mut work = [0.0f64; 4];
     let mut work_seen = false;
+    // (le, cumulative count) of the prompt histogram, every label set.
+    let mut prompt_buckets: Vec<(f64, f64)> = Vec::new();
     let mut seen = false;
     for line in text.lines() {
         if line.starts_with('#') || line.is_empty() {
@@ -88,6 +111,10 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
         } else if let Some(i) = names.work_index(name) {
             work[i] += value;
             work_seen = true;
+        } else if kind == EngineKind::Vllm && name == PROMPT_HISTOGRAM {
+            if let Some(le) = label(labels, "le").and_then(parse_le) {
+                prompt_buckets.push((le, value));
+            }
         }
     }
     if !seen {
@@ -104,8 +131,66 @@ pub fn parse_engine_metrics(kind: EngineKind, text: &str) -> Option<EngineLoad> 
         prompt_tokens,
         cached_tokens,
         generation_tokens,
+        prompt_spread: prompt_spread(prompt_buckets),
     });
     Some(load)
+}
+
+fn parse_le(v: &str) -> Option<f64> {
+    match v {
+        "+Inf" | "Inf" | "inf" => Some(f64::INFINITY),
+        _ => v.parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0),
+    }
+}
+
+/// [`PromptSpread`] from a histogram's `(le, cumulative count)` samples,
+/// summed over label sets (data-parallel ranks report apart).
+fn prompt_spread(mut buckets: Vec<(f64, f64)>) -> Option<PromptSpread> {
+    if buckets.is_empty() {
+        return None;
+    }
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut tokens, mut tokens_sq) = (0.0f64, 0.0f64);
+    let (mut lower, mut below) = (0.0f64, 0.0f64);
+    let mut i = 0;
+    while i < buckets.len() {
+        let le = buckets[i].0;
+        let mut cumulative = 0.0;
+        while i < buckets.len() && buckets[i].0 == le {
+            cumulative += buckets[i].1;
+            i += 1;
+        }
+        let n = (cumulative - below).max(0.0);
+        below = cumulative.max(below);
+        // The first bucket starts at half its bound, `+Inf` ends at twice
+        // the last one.
+        let lo = if lower > 0.0 { lower } else { le / 2.0 };
+        let hi = if le.is_finite() {
+            le
+        } else {
+            2.0 * lower.max(1.0)
+        };
+        let lo = lo.min(hi);
+        let (mean, mean_sq) = log_uniform(lo, hi);
+        tokens += n * mean;
+        tokens_sq += n * mean_sq;
+        if le.is_finite() {
+            lower = le;
+        }
+    }
+    Some(PromptSpread {
+        tokens: to_u64(tokens),
+        tokens_sq: to_u64(tokens_sq),
+    })
+}
+
+/// The mean and mean square of a length log-uniform on `[lo, hi]`.
+fn log_uniform(lo: f64, hi: f64) -> (f64, f64) {
+    let l = (hi / lo).ln();
+    if !(l.is_finite() && l > 1e-9) {
+        return (hi, hi * hi);
+    }
+    ((hi - lo) / l, (hi * hi - lo * lo) / (2.0 * l))
 }
 
 /// What vLLM's `vllm:lora_requests_info` says of the adapters its scheduler
@@ -329,6 +414,51 @@ mod tests {
         assert_eq!((load.waiting, load.running), (0, 0));
         // Summed over finish reasons; `_created` series are not counters.
         assert_eq!(work(&load), (4, 56, 0, 21));
+        // Its 4 prompts: 2 of 6-10 tokens, 2 of 11-20 (the sum is 56).
+        let spread = load.work.unwrap().prompt_spread.unwrap();
+        let (a, a2) = log_uniform(5.0, 10.0);
+        let (b, b2) = log_uniform(10.0, 20.0);
+        assert_eq!(spread.tokens, (2.0 * a + 2.0 * b).round() as u64);
+        assert_eq!(spread.tokens_sq, (2.0 * a2 + 2.0 * b2).round() as u64);
+    }
+
+    #[test]
+    fn the_prompt_spread_sums_ranks_and_grows_with_the_counts() {
+        let hist = |n1: u32, n2: u32| {
+            format!(
+                "vllm:num_requests_waiting 0\n\
+                 vllm:request_success_total {}\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"0\",le=\"1000.0\"}} {n1}\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"0\",le=\"2000.0\"}} {n1}\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"0\",le=\"+Inf\"}} {}\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"1\",le=\"1000.0\"}} 0\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"1\",le=\"2000.0\"}} 0\n\
+                 vllm:request_prompt_tokens_bucket{{engine=\"1\",le=\"+Inf\"}} 0\n",
+                n1 + n2,
+                n1 + n2
+            )
+        };
+        let spread = |n1, n2| {
+            parse_engine_metrics(EngineKind::Vllm, &hist(n1, n2))
+                .and_then(|l| l.work)
+                .and_then(|w| w.prompt_spread)
+                .unwrap()
+        };
+        // One prompt in 500..1000 and one above 2000 (taken as 2000..4000).
+        let s = spread(1, 1);
+        let (a, a2) = log_uniform(500.0, 1000.0);
+        let (b, b2) = log_uniform(2000.0, 4000.0);
+        assert_eq!(s.tokens, (a + b).round() as u64);
+        assert_eq!(s.tokens_sq, (a2 + b2).round() as u64);
+        let more = spread(3, 2);
+        assert!(more.tokens > s.tokens && more.tokens_sq > s.tokens_sq);
+        // Without the histogram there is no spread, and SGLang has none.
+        assert_eq!(
+            parse_engine_metrics(EngineKind::Sglang, SGLANG)
+                .and_then(|l| l.work)
+                .map(|w| w.prompt_spread),
+            Some(None)
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 pub use load::{
     parse_engine_metrics, parse_lora_info, parse_rank_loads, EngineLoad, EngineWork, LoraInfo,
+    PromptSpread,
 };
 
 /// Most pods one sidecar tracks (local included); further peers are refused.

@@ -12,7 +12,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use kvmesh_filters::prefix::kvevents::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvmesh_filters::sched::view::Role;
 
-use crate::fleet::{EngineLoad, EngineWork};
+use crate::fleet::{EngineLoad, EngineWork, PromptSpread};
 
 /// The protocol version this sidecar speaks; a frame of another is refused.
 pub const VERSION: u8 = 1;
@@ -166,6 +166,11 @@ pub fn encode(seq: u64, msg: &Msg) -> Bytes {
                 ] {
                     b.put_u64(v);
                 }
+                // After them, the same way: only when the engine exports it.
+                if let Some(p) = &w.prompt_spread {
+                    b.put_u64(p.tokens);
+                    b.put_u64(p.tokens_sq);
+                }
             }
         }
         Msg::InFlight(counts) => {
@@ -286,6 +291,16 @@ pub fn decode(kind: u8, payload: &[u8]) -> Result<Msg, WireError> {
                     prompt_tokens: r.u64()?,
                     cached_tokens: r.u64()?,
                     generation_tokens: r.u64()?,
+                    // Absent from sidecars older than it, and from engines
+                    // without the prompt-length histogram.
+                    prompt_spread: if r.0.is_empty() {
+                        None
+                    } else {
+                        Some(PromptSpread {
+                            tokens: r.u64()?,
+                            tokens_sq: r.u64()?,
+                        })
+                    },
                 });
             }
             Msg::Load(LoadMsg {
@@ -609,6 +624,24 @@ mod tests {
                         prompt_tokens: 9000,
                         cached_tokens: 4000,
                         generation_tokens: 900,
+                        prompt_spread: None,
+                    }),
+                    ..EngineLoad::default()
+                },
+                age_ms: 7,
+                healthy: true,
+            }),
+            Msg::Load(LoadMsg {
+                load: EngineLoad {
+                    work: Some(EngineWork {
+                        finished: 9,
+                        prompt_tokens: 9000,
+                        cached_tokens: 0,
+                        generation_tokens: 9,
+                        prompt_spread: Some(PromptSpread {
+                            tokens: 9100,
+                            tokens_sq: 11_000_000,
+                        }),
                     }),
                     ..EngineLoad::default()
                 },

@@ -85,6 +85,8 @@ impl PodRecord {
                     prompt_tokens,
                     cached_tokens,
                     generation_tokens,
+                    // Not in the record: the hook assumes a spread there.
+                    prompt_spread: None,
                 },
             ),
         }
