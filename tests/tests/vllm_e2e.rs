@@ -402,9 +402,9 @@ fn vllm_pair_group() -> Result<()> {
 /// meshed; sidecar a's filter config keeps the client's requests on engine a.
 ///
 /// * case 10: two uninterrupted greedy runs (one per engine) agree; then a completion stream
-///   (`return_token_ids`) and a chat stream through sidecar a, engine a SIGKILLed after 8 events
-///   of each: both finish on engine b with the uninterrupted run's text (and token ids), one `id`,
-///   `usage` counting the whole, and sidecar a counts two migrations.
+///   (`return_token_ids`), a chat stream and a `/v1/responses` stream through sidecar a, engine a
+///   SIGKILLed after 8 events of each: all finish on engine b with the uninterrupted run's text
+///   (and token ids), one `id`, `usage` counting the whole, and sidecar a counts three migrations.
 #[test]
 fn vllm_migration_group() -> Result<()> {
     let _one_group_at_a_time = engines_lock();

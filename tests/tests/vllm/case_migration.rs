@@ -9,11 +9,12 @@
 //! * First, two uninterrupted runs of each request, one straight to each engine: vLLM's CPU build
 //!   at temperature 0 must give both the same text (and token ids): if it did not, no migration
 //!   could be held to equality, and the case says so.
-//! * Then a completion (`return_token_ids`, `include_usage`) and a chat stream run at once through
-//!   sidecar `a`; once each has given the client `KILL_AFTER` events, engine `a` is SIGKILLed.
-//!   Both streams must finish with the text (and, for the completion, the token ids) of the
-//!   uninterrupted run on engine `b`, every event with one `id`, and a `usage` that counts the
-//!   whole; sidecar `a` counts two migrations.
+//! * Then a completion (`return_token_ids`, `include_usage`), a chat and a `/v1/responses` stream
+//!   run at once through sidecar `a`; once each has given the client `KILL_AFTER` events, engine
+//!   `a` is SIGKILLed. Every stream must finish with the text (and, for the completion, the token
+//!   ids) of the uninterrupted run on engine `b`, every event with one `id` (the response's, for
+//!   Responses, whose `sequence_number`s run from 0 without a gap), and a `usage` that counts the
+//!   whole; sidecar `a` counts three migrations.
 
 use std::time::{Duration, Instant};
 
@@ -108,6 +109,20 @@ fn chat() -> Value {
            "stream_options": {"include_usage": true}})
 }
 
+fn responses() -> Value {
+    json!({"model": MODEL, "input": "[migration] tell another long story", "instructions": "be long",
+           "max_output_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true, "stream": true})
+}
+
+/// The three streams: completions, chat, responses.
+fn requests() -> [(&'static str, Value); 3] {
+    [
+        ("/v1/completions", completion()),
+        ("/v1/chat/completions", chat()),
+        ("/v1/responses", responses()),
+    ]
+}
+
 /// What a client read from one stream.
 #[derive(Debug, Default)]
 struct Read {
@@ -120,6 +135,8 @@ struct Read {
     events: usize,
     done: bool,
     errors: Vec<String>,
+    /// Responses: each event's `sequence_number`.
+    seqs: Vec<u64>,
 }
 
 impl Read {
@@ -149,6 +166,10 @@ impl Read {
                     continue;
                 }
                 self.events += 1;
+                if let Some(kind) = v["type"].as_str() {
+                    self.typed(kind, &v);
+                    continue;
+                }
                 if let Some(id) = v["id"].as_str() {
                     if !self.ids.iter().any(|i| i == id) {
                         self.ids.push(id.to_string());
@@ -171,6 +192,41 @@ impl Read {
             }
         }
         Ok(())
+    }
+
+    /// A `/v1/responses` event: its text, its response's id, and the final
+    /// `usage` (as chat's counts, to compare alike).
+    fn typed(&mut self, kind: &str, v: &Value) {
+        if let Some(n) = v["sequence_number"].as_u64() {
+            self.seqs.push(n);
+        }
+        self.all_ids = false;
+        match kind {
+            "response.output_text.delta" => {
+                self.text.push_str(v["delta"].as_str().unwrap_or_default());
+            }
+            "response.created" | "response.completed" => {
+                let r = &v["response"];
+                if let Some(id) = r["id"].as_str() {
+                    if !self.ids.iter().any(|i| i == id) {
+                        self.ids.push(id.to_string());
+                    }
+                }
+                if kind == "response.completed" {
+                    self.done = true;
+                    let u = &r["usage"];
+                    self.usage = Some(json!({"prompt_tokens": u["input_tokens"],
+                        "completion_tokens": u["output_tokens"], "total_tokens": u["total_tokens"]}));
+                    let text = r["output"][0]["content"][0]["text"].as_str();
+                    if text != Some(self.text.as_str()) {
+                        self.errors.push(format!(
+                            "response.completed's text {text:?} is not the deltas'"
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -254,10 +310,7 @@ pub async fn killed_mid_stream(
     };
     // Two uninterrupted runs of each request, one on each engine.
     let mut want = Vec::new();
-    for (route, body) in [
-        ("/v1/completions", completion()),
-        ("/v1/chat/completions", chat()),
-    ] {
+    for (route, body) in requests() {
         let on_a = run(http, &format!("{}{route}", engine_a.base_url), &body).await?;
         let on_b = run(http, &format!("{}{route}", engine_b.base_url), &body).await?;
         ensure!(
@@ -277,28 +330,26 @@ pub async fn killed_mid_stream(
         want.push(on_b);
     }
     note(&format!(
-        "migration: case 10: uninterrupted runs on a and b agree ({} and {} chars; {} token ids)",
+        "migration: case 10: uninterrupted runs on a and b agree ({}, {} and {} chars; {} token ids)",
         want[0].text.len(),
         want[1].text.len(),
+        want[2].text.len(),
         want[0].token_ids.len()
     ));
 
     let migrated = [("outcome", "migrated")];
     let before = sidecar_counter(http, a, "kvmesh_migrations_total", &migrated).await?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel(2);
-    let streams: Vec<_> = [
-        ("/v1/completions", completion()),
-        ("/v1/chat/completions", chat()),
-    ]
-    .into_iter()
-    .map(|(route, body)| {
-        let http = http.clone();
-        let url = format!("{}{route}", a.url);
-        tokio::spawn(run_until_killed(http, url, body, tx.clone()))
-    })
-    .collect();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(3);
+    let streams: Vec<_> = requests()
+        .into_iter()
+        .map(|(route, body)| {
+            let http = http.clone();
+            let url = format!("{}{route}", a.url);
+            tokio::spawn(run_until_killed(http, url, body, tx.clone()))
+        })
+        .collect();
     drop(tx);
-    for _ in 0..2 {
+    for _ in 0..3 {
         tokio::time::timeout(STREAM_DEADLINE, rx.recv())
             .await
             .context("a stream gave no events")?
@@ -312,18 +363,30 @@ pub async fn killed_mid_stream(
     }
     let after = sidecar_counter(http, a, "kvmesh_migrations_total", &migrated).await?;
     note(&format!(
-        "migration: case 10: engine a killed after {KILL_AFTER} events of each stream; both ended {:.1} s later; \
+        "migration: case 10: engine a killed after {KILL_AFTER} events of each stream; all ended {:.1} s later; \
          kvmesh_migrations_total{{outcome=\"migrated\"}} +{}",
         killed.elapsed().as_secs_f64(),
         after - before
     ));
-    for ((route, got), want) in ["completions", "chat"].iter().zip(&got).zip(&want) {
+    for ((route, got), want) in ["completions", "chat", "responses"]
+        .iter()
+        .zip(&got)
+        .zip(&want)
+    {
         ensure!(
             got.errors.is_empty(),
             "{route}: the client got error events: {:?}",
             got.errors
         );
-        ensure!(got.done, "{route}: no data: [DONE]");
+        ensure!(
+            got.done,
+            "{route}: no end (data: [DONE], or response.completed)"
+        );
+        ensure!(
+            got.seqs.iter().copied().eq(0..got.seqs.len() as u64),
+            "{route}: sequence numbers {:?}",
+            got.seqs
+        );
         ensure!(
             got.ids.len() == 1,
             "{route}: the stream's events carried {} ids: {:?}",
@@ -354,8 +417,8 @@ pub async fn killed_mid_stream(
         );
     }
     ensure!(
-        after - before == 2.0,
-        "sidecar a counted {} migrations, not 2: the streams ended before the kill took effect?",
+        after - before == 3.0,
+        "sidecar a counted {} migrations, not 3: the streams ended before the kill took effect?",
         after - before
     );
     Ok(())
