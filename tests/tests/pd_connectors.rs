@@ -678,6 +678,38 @@ async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_decode_leg_answered_500_has_the_request_recomputed_whole() {
+    // The first decode pod fails; the one the leg is re-sent to answers 500, as vLLM answers a
+    // request whose KV it could not load (`kv_load_failure_policy: fail`).
+    let (failing, failing_sidecar) = failing_decode_pod(None).await;
+    let kv_gone = engine(SimRole::Decode, Flavor::Vllm).await;
+    kv_gone.faults().fail_all(Some(500));
+    let kv_gone_sidecar = start(config(&kv_gone, &[], None)).await;
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(failing_sidecar.addr(), |_| {}).await;
+    // Less loaded than the spare, more than the first: the re-send's pod.
+    let some = EngineLoad {
+        running: 2,
+        kv_usage: 0.1,
+        ..EngineLoad::default()
+    };
+    add_peer(&sidecar, kv_gone_sidecar.addr(), Role::Decode, some);
+
+    let (prompt, _) = split_long_prompt(&sidecar, &prefill).await;
+    let (first, resent) = (inference(&failing), inference(&kv_gone));
+    assert_eq!((first.len(), resent.len()), (1, 1), "{resent:?}");
+    assert_eq!(first[0].json().unwrap(), resent[0].json().unwrap());
+    // Then served whole, its prompt computed again, without the parameters.
+    let s_reqs = inference(&spare);
+    assert_eq!(s_reqs.len(), 1, "{s_reqs:?}");
+    let served = s_reqs[0].json().unwrap();
+    assert!(served.get("kv_transfer_params").is_none(), "{served}");
+    assert_eq!(served["prompt"], json!(prompt));
+    assert_eq!(pd_outcome(&sidecar, "decode_kv_gone").await, Some(1.0));
+    assert_eq!(pd_outcome(&sidecar, "decode_resent").await, Some(0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_pod_that_fails_after_the_lease_has_the_request_recomputed_whole() {
     // The decode engine answers 503 only after the prefill pod's lease passed.
     let (failing, failing_sidecar) = failing_decode_pod(Some(Duration::from_millis(400))).await;
