@@ -7,7 +7,9 @@
 //! refreshed every `refresh_interval`. A source that fails to resolve keeps
 //! its last good set, so a DNS hiccup does not empty the mesh. An address
 //! that leaves every source has its task stopped, and its pod leaves the
-//! fleet. The loop also publishes the peer gauges (known, fresh, lag).
+//! fleet. On shutdown the tasks are aborted instead: the fleet keeps every
+//! peer for the requests the draining sidecar still schedules. The loop
+//! also publishes the peer gauges (known, fresh, lag).
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -91,9 +93,11 @@ pub async fn run(shared: Tasks, shutdown: Shutdown) {
             _ = tokio::time::sleep(GAUGE_EVERY) => {}
         }
     }
-    for f in follows.values() {
-        f.stop.cancel();
-    }
+    // Aborted, not stopped: a stopped subscriber forgets its peer, and a
+    // draining sidecar still schedules the requests it took just before
+    // (a prefill pod that forgot every peer would find no decode pod and
+    // answer 503). The fleet keeps the peers as last seen.
+    tasks.abort_all();
     while tasks.join_next().await.is_some() {}
 }
 
