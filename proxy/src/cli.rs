@@ -111,6 +111,14 @@ pub struct RunArgs {
     /// The Valkey URLs are seeds of a Valkey cluster (`index.valkey.cluster`).
     #[arg(long)]
     pub valkey_cluster: bool,
+    /// A Valkey Sentinel, redis://HOST:26379 (repeatable; added to
+    /// `index.valkey.sentinel.urls`): the sentinels name the primary.
+    #[arg(long = "valkey-sentinel", value_name = "URL")]
+    pub valkey_sentinels: Vec<String>,
+    /// The name the sentinels monitor the primary under
+    /// (`index.valkey.sentinel.master`).
+    #[arg(long, value_name = "NAME")]
+    pub valkey_master: Option<String>,
 }
 
 fn parse_connector(s: &str) -> Result<config::PdConnector, String> {
@@ -212,6 +220,13 @@ pub fn effective_config(args: &RunArgs) -> Result<Config, ConfigError> {
     c.index.valkey.urls.extend(args.valkey_urls.iter().cloned());
     if args.valkey_cluster {
         c.index.valkey.cluster = true;
+    }
+    if !args.valkey_sentinels.is_empty() || args.valkey_master.is_some() {
+        let s = c.index.valkey.sentinel.get_or_insert_with(Default::default);
+        s.urls.extend(args.valkey_sentinels.iter().cloned());
+        if let Some(m) = &args.valkey_master {
+            s.master = m.clone();
+        }
     }
     config::load::validate_built(&c, "<flags>")?;
     Ok(c)
@@ -457,6 +472,28 @@ mod tests {
         ]))
         .unwrap_err();
         assert_eq!(e.path, "mesh.peers", "{e}");
+    }
+
+    #[test]
+    fn sentinel_flags_set_the_sentinels_and_the_master() {
+        let c = effective_config(&run_args(&[
+            "--index-backend=valkey",
+            "--valkey-sentinel=redis://s-0:26379",
+            "--valkey-sentinel",
+            "redis://s-1:26379",
+            "--valkey-master=kvmesh",
+        ]))
+        .unwrap();
+        let s = c.index.valkey.sentinel.unwrap();
+        assert_eq!(s.urls, ["redis://s-0:26379", "redis://s-1:26379"]);
+        assert_eq!(s.master, "kvmesh");
+        // Checked as the file is: a master name is needed.
+        let e = effective_config(&run_args(&[
+            "--index-backend=valkey",
+            "--valkey-sentinel=redis://s-0:26379",
+        ]))
+        .unwrap_err();
+        assert!(e.path.ends_with("sentinel.master"), "{e}");
     }
 
     #[test]

@@ -58,6 +58,14 @@ pub struct InjectArgs {
     /// The Valkey URLs are seeds of a Valkey cluster (`index.valkey.cluster`).
     #[arg(long)]
     pub valkey_cluster: bool,
+    /// A Valkey Sentinel, redis://HOST:26379 (repeatable; added to
+    /// `index.valkey.sentinel.urls`): the sentinels name the primary.
+    #[arg(long = "valkey-sentinel", value_name = "URL")]
+    pub valkey_sentinels: Vec<String>,
+    /// The name the sentinels monitor the primary under
+    /// (`index.valkey.sentinel.master`).
+    #[arg(long, value_name = "NAME")]
+    pub valkey_master: Option<String>,
 }
 
 impl Default for InjectArgs {
@@ -74,6 +82,8 @@ impl Default for InjectArgs {
             index: None,
             valkey_urls: Vec::new(),
             valkey_cluster: false,
+            valkey_sentinels: Vec::new(),
+            valkey_master: None,
         }
     }
 }
@@ -277,7 +287,7 @@ pub fn options(args: &InjectArgs) -> Result<(InjectOptions, Vec<String>), Comman
     Ok((opts, notes))
 }
 
-/// proxy.yaml with `--index`, `--valkey-url` and `--valkey-cluster` applied
+/// proxy.yaml with `--index` and the `--valkey-*` flags applied
 /// (`inject/index.rs`), and its config; unchanged without them.
 fn index_flags(
     args: &InjectArgs,
@@ -290,6 +300,8 @@ fn index_flags(
         backend: args.index.map(IndexArg::backend),
         urls: args.valkey_urls.clone(),
         cluster: args.valkey_cluster,
+        sentinels: args.valkey_sentinels.clone(),
+        master: args.valkey_master.clone(),
     };
     let Some(rewritten) = super::index::apply(&text, &file, &flags, origin)? else {
         return Ok((text, file));

@@ -1,4 +1,5 @@
-//! `kvmesh inject --index valkey --valkey-url URL [--valkey-cluster]`: the
+//! `kvmesh inject --index valkey --valkey-url URL [--valkey-cluster]` (or
+//! `--valkey-sentinel URL --valkey-master NAME` behind Sentinel): the
 //! index flags written into the proxy.yaml the ConfigMap carries, rather than
 //! passed to the sidecar as flags, because backend valkey changes the mesh
 //! section too.
@@ -28,6 +29,17 @@ pub struct IndexFlags {
     pub urls: Vec<String>,
     /// `--valkey-cluster`: sets `index.valkey.cluster`.
     pub cluster: bool,
+    /// `--valkey-sentinel`: added to `index.valkey.sentinel.urls`.
+    pub sentinels: Vec<String>,
+    /// `--valkey-master`: sets `index.valkey.sentinel.master`.
+    pub master: Option<String>,
+}
+
+impl IndexFlags {
+    /// Whether any flag sets something under `index.valkey`.
+    fn sets_valkey(&self) -> bool {
+        !self.urls.is_empty() || self.cluster || !self.sentinels.is_empty() || self.master.is_some()
+    }
 }
 
 /// proxy.yaml with the flags applied.
@@ -41,7 +53,7 @@ pub struct Rewritten {
 /// Why the flags could not be applied.
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
-    #[error("--valkey-url and --valkey-cluster need --index valkey, or index.backend: valkey in {origin}")]
+    #[error("--valkey-url, --valkey-cluster, --valkey-sentinel and --valkey-master need --index valkey, or index.backend: valkey in {origin}")]
     NotValkey { origin: String },
     #[error("{origin}: {field} is not a mapping")]
     Malformed { origin: String, field: String },
@@ -60,7 +72,7 @@ pub fn apply(
     origin: &str,
 ) -> Result<Option<Rewritten>, IndexError> {
     let backend = flags.backend.unwrap_or(file.index.backend);
-    let valkey_flags = !flags.urls.is_empty() || flags.cluster;
+    let valkey_flags = flags.sets_valkey();
     if valkey_flags && backend != Backend::Valkey {
         return Err(IndexError::NotValkey {
             origin: origin.to_owned(),
@@ -90,17 +102,15 @@ pub fn apply(
         if flags.cluster {
             valkey.insert(s("cluster"), Value::Bool(true));
         }
-        if !flags.urls.is_empty() {
-            let urls = valkey
-                .entry(s("urls"))
-                .or_insert_with(|| Value::Sequence(Vec::new()));
-            if urls.is_null() {
-                *urls = Value::Sequence(Vec::new());
+        extend(valkey, "urls", &flags.urls).ok_or_else(|| malformed("index.valkey.urls"))?;
+        if !flags.sentinels.is_empty() || flags.master.is_some() {
+            let sentinel =
+                child(valkey, "sentinel").ok_or_else(|| malformed("index.valkey.sentinel"))?;
+            extend(sentinel, "urls", &flags.sentinels)
+                .ok_or_else(|| malformed("index.valkey.sentinel.urls"))?;
+            if let Some(m) = &flags.master {
+                sentinel.insert(s("master"), s(m));
             }
-            let urls = urls
-                .as_sequence_mut()
-                .ok_or_else(|| malformed("index.valkey.urls"))?;
-            urls.extend(flags.urls.iter().map(|u| s(u)));
         }
     }
     let mut dropped = Vec::new();
@@ -140,6 +150,20 @@ fn drop_discovery(root: &mut Mapping) -> Option<Vec<String>> {
     Some(dropped)
 }
 
+/// Appends `items` to the list at `key` (made when absent or null); `None`
+/// when it is something else. Nothing to add changes nothing.
+fn extend(m: &mut Mapping, key: &str, items: &[String]) -> Option<()> {
+    if items.is_empty() {
+        return Some(());
+    }
+    let list = m.entry(s(key)).or_insert(Value::Null);
+    if list.is_null() {
+        *list = Value::Sequence(Vec::new());
+    }
+    list.as_sequence_mut()?.extend(items.iter().map(|u| s(u)));
+    Some(())
+}
+
 /// The mapping at `key`, made when absent or null; `None` when it is
 /// something else.
 fn child<'a>(m: &'a mut Mapping, key: &str) -> Option<&'a mut Mapping> {
@@ -162,7 +186,7 @@ mod tests {
         IndexFlags {
             backend: Some(Backend::Valkey),
             urls: urls.iter().map(|u| (*u).to_owned()).collect(),
-            cluster: false,
+            ..IndexFlags::default()
         }
     }
 
@@ -240,6 +264,41 @@ mod tests {
         let text = "index:\n  backend: valkey\n  valkey: {urls: [redis://a:6379]}\n";
         let (_, c) = run(text, &flags).unwrap().unwrap();
         assert_eq!(c.index.valkey.urls, ["redis://a:6379", "redis://a:6379"]);
+    }
+
+    #[test]
+    fn sentinel_flags_name_the_sentinels_and_the_master() {
+        let flags = IndexFlags {
+            backend: Some(Backend::Valkey),
+            sentinels: vec![
+                "redis://s-0:26379".to_owned(),
+                "redis://s-1:26379".to_owned(),
+            ],
+            master: Some("kvmesh".to_owned()),
+            ..IndexFlags::default()
+        };
+        let (r, c) = run(MESH, &flags).unwrap().unwrap();
+        let s = c.index.valkey.sentinel.unwrap();
+        assert_eq!(s.urls, ["redis://s-0:26379", "redis://s-1:26379"]);
+        assert_eq!(s.master, "kvmesh");
+        assert!(c.index.valkey.urls.is_empty());
+        assert_eq!(r.dropped, ["mesh.listen", "mesh.dns"]);
+        // Without its master name the sidecar's validation refuses it.
+        let flags = IndexFlags {
+            master: None,
+            ..flags
+        };
+        let e = run(MESH, &flags).unwrap_err();
+        assert!(e.contains("sentinel.master"), "{e}");
+        // And beside the file's own primary URLs.
+        let text = "index:\n  backend: valkey\n  valkey: {urls: [redis://a:6379]}\n";
+        let flags = IndexFlags {
+            sentinels: vec!["redis://s-0:26379".to_owned()],
+            master: Some("kvmesh".to_owned()),
+            ..IndexFlags::default()
+        };
+        let e = run(text, &flags).unwrap_err();
+        assert!(e.contains("leave urls empty"), "{e}");
     }
 
     #[test]
