@@ -13,23 +13,28 @@
 //! groups that do not fit all go to one pod, which thrashes alone.
 //!
 //! * **Cold request** (no candidate holds `coldShare` or more of its
-//!   prompt's blocks). A pod is *full* once the requests this scheduler sent
-//!   it computed as many prompt tokens as its KV holds (`num_blocks ×
-//!   block_size`; vLLM frees cached blocks only to admit others, so the cache
-//!   stays full from then on), and *cheap* when it is full and its recent
-//!   hit share (prompt tokens served from its cache over those sent there,
-//!   decayed over `halfLife` decisions) is below `cheapHitShare`: what it
-//!   would evict earns little. The *sink* is the first cheap candidate in a
+//!   prompt's blocks). The request *fits* a pod while the prompt tokens this
+//!   scheduler sent there to compute, and those it would compute there, stay
+//!   within its KV (`num_blocks × block_size`; vLLM frees cached blocks only
+//!   to admit others, so what was computed there stays until evicted). A pod
+//!   it does not fit is *cheap* when its recent hit share (prompt tokens
+//!   served from its cache over those sent there, decayed over `halfLife`
+//!   decisions) is below `cheapHitShare`: what it would evict earns little. The *sink* is the first cheap candidate in a
 //!   fixed order of the pods' ids (the same in every sidecar, so that when
 //!   every pod thrashes they all agree on one), skipping pods whose load is
 //!   over `(1 + loadFactor)` times the candidates' mean (as
-//!   `prefix-affinity-scorer` bounds a home). With a sink, it and every pod
-//!   with room score 1 and the other full pods 0; without one, every
+//!   `prefix-affinity-scorer` bounds a home). With a sink, every pod the
+//!   request fits scores 1 (it evicts nothing), the sink 1 when no pod fits
+//!   and 0.5 when one does, and the other pods 0; without a sink, every
 //!   candidate scores 1.
 //! * **Warm request**: 1 for every candidate; the prefix scorers decide.
-//! * A pod that does not report its KV size (`num_blocks` 0) always has room,
+//! * A pod that does not report its KV size (`num_blocks` 0) always fits,
 //!   and while every pod's cache earns hits nothing is cheap: the scorer
 //!   changes nothing until some pod's full cache earns nothing.
+//! * A pod this scheduler sent nothing to in `forgetAfter` decisions is
+//!   forgotten, and fits again: a pod that is no sink and whose groups
+//!   stopped coming (or whose cache was emptied: an engine restart) would
+//!   otherwise never be sent a cold request again.
 //!
 //! The state is, per endpoint id, the decayed hit and computed prompt tokens
 //! and the tokens computed there since it was first seen, updated after
@@ -44,6 +49,7 @@
 //! | `cheapHitShare` | `0.2` | a full pod whose recent hit share is below this is cheap to evict from (0..=1) |
 //! | `loadFactor` | `0.25` | a cheap pod over `(1 + loadFactor)` × the mean load is no sink (≥ 0) |
 //! | `halfLife` | `256` | decisions after which a recorded token counts half (≥ 1) |
+//! | `forgetAfter` | `512` | decisions without a request sent to a pod after which it is forgotten (≥ 1) |
 //! | `maxEndpoints` | `1024` | endpoint ids remembered (≥ 1) |
 //!
 //! ```yaml
@@ -84,6 +90,8 @@ pub struct EvictionCostParams {
     pub load_factor: f64,
     /// Decisions after which a recorded token counts half.
     pub half_life: u32,
+    /// Decisions without a request sent to a pod after which it is forgotten.
+    pub forget_after: u64,
     /// Endpoint ids remembered.
     pub max_endpoints: usize,
 }
@@ -95,6 +103,7 @@ impl Default for EvictionCostParams {
             cheap_hit_share: 0.2,
             load_factor: 0.25,
             half_life: 256,
+            forget_after: 512,
             max_endpoints: 1024,
         }
     }
@@ -114,6 +123,9 @@ impl EvictionCostParams {
         if self.half_life == 0 {
             return Err(ParamError::invalid("halfLife", "must be at least 1"));
         }
+        if self.forget_after == 0 {
+            return Err(ParamError::invalid("forgetAfter", "must be at least 1"));
+        }
         if self.max_endpoints == 0 {
             return Err(ParamError::invalid("maxEndpoints", "must be at least 1"));
         }
@@ -130,7 +142,8 @@ struct PodStats {
     computed: f64,
     /// Prompt tokens computed there since first seen (not decayed).
     admitted: u64,
-    /// The decision after which `hits` and `computed` were last decayed.
+    /// The decision after which `hits` and `computed` were last decayed:
+    /// the last that sent it a request.
     at: u64,
 }
 
@@ -178,7 +191,7 @@ impl EvictionCostScorer {
         let computed = req.uncached_tokens(&ep.prefix);
         let hit = u64::from(req.prompt_tokens).saturating_sub(computed);
         let now = state.seq;
-        let mut stats = state.pods.get(&ep.id).copied().unwrap_or(PodStats {
+        let mut stats = self.stats(state, ep).copied().unwrap_or(PodStats {
             at: now,
             ..PodStats::default()
         });
@@ -199,24 +212,39 @@ impl EvictionCostScorer {
         }
     }
 
-    /// Whether `ep` is full and its cache earns less than `cheapHitShare`.
-    fn is_cheap(&self, state: &State, ep: &EndpointView) -> bool {
+    /// What `state` remembers of `ep`: nothing once it was sent no request
+    /// in `forgetAfter` decisions.
+    fn stats<'s>(&self, state: &'s State, ep: &EndpointView) -> Option<&'s PodStats> {
+        state
+            .pods
+            .get(&ep.id)
+            .filter(|s| state.seq.saturating_sub(s.at) < self.params.forget_after)
+    }
+
+    /// Whether `req` fits in what is left of `ep`'s KV: the tokens it would
+    /// compute there and those already sent there within its capacity (no
+    /// capacity reported, or nothing remembered: it fits).
+    fn fits(&self, state: &State, req: &RequestView, ep: &EndpointView) -> bool {
         let capacity = ep.load.kv_capacity_tokens();
-        let Some(stats) = state.pods.get(&ep.id) else {
-            return false;
-        };
-        if capacity == 0 || stats.admitted < capacity {
+        let need = req.uncached_tokens(&ep.prefix);
+        capacity == 0
+            || self
+                .stats(state, ep)
+                .is_none_or(|s| s.admitted.saturating_add(need) <= capacity)
+    }
+
+    /// Whether `req` does not fit in `ep`'s KV and its cache earns less than
+    /// `cheapHitShare`.
+    fn is_cheap(&self, state: &State, req: &RequestView, ep: &EndpointView) -> bool {
+        if self.fits(state, req, ep) {
             return false;
         }
+        let Some(stats) = self.stats(state, ep) else {
+            return false;
+        };
         // The share is a ratio of two sums decayed alike: no need to decay them first.
         let sent = stats.hits + stats.computed;
         sent > 0.0 && stats.hits < self.params.cheap_hit_share * sent
-    }
-
-    /// Whether `ep` has room: not full, or no KV size reported.
-    fn has_room(state: &State, ep: &EndpointView) -> bool {
-        let capacity = ep.load.kv_capacity_tokens();
-        capacity == 0 || state.pods.get(&ep.id).is_none_or(|s| s.admitted < capacity)
     }
 }
 
@@ -237,18 +265,23 @@ impl Scorer for EvictionCostScorer {
             .enumerate()
             .filter(|&(_, &i)| {
                 f64::from(eps[i].load.requests().saturating_add(1)) <= bound.ceil()
-                    && self.is_cheap(&state, &eps[i])
+                    && self.is_cheap(&state, req, &eps[i])
             })
             .max_by_key(|&(_, &i)| weight(ORDER_ANCHOR, &eps[i].id))
             .map(|(pos, _)| pos);
         let Some(sink) = sink else {
             return;
         };
+        let mut any_fits = false;
         for (pos, &i) in cands.iter().enumerate() {
-            if pos != sink && !Self::has_room(&state, &eps[i]) {
+            if self.fits(&state, req, &eps[i]) {
+                any_fits = true;
+            } else {
                 out[pos] = 0.0;
             }
         }
+        // A pod the request fits evicts nothing: it goes before the sink.
+        out[sink] = if any_fits { 0.5 } else { 1.0 };
     }
 
     fn post_decision(&self, req: &RequestView, eps: &[EndpointView], route: &Route, _now: u64) {

@@ -120,10 +120,10 @@ fn a_cold_request_goes_to_the_pod_that_thrashes_and_not_to_those_that_hit() {
     // In any candidate order.
     let rev: Vec<EndpointView> = eps.iter().rev().cloned().collect();
     assert_eq!(scores(&s, &req(), &rev), vec![0.0, 1.0, 0.0]);
-    // A pod with room scores 1 beside it.
+    // A pod the request fits goes first, the sink second.
     let mut more = eps.clone();
     more.push(ep("10.0.0.4:8000", 40, 0));
-    assert_eq!(scores(&s, &req(), &more), vec![0.0, 1.0, 0.0, 1.0]);
+    assert_eq!(scores(&s, &req(), &more), vec![0.0, 0.5, 0.0, 1.0]);
 }
 
 #[test]
@@ -202,6 +202,26 @@ fn hits_fade_with_the_half_life() {
 }
 
 #[test]
+fn a_pod_sent_nothing_for_long_is_forgotten_and_fits_again() {
+    let s = EvictionCostScorer::new(EvictionCostParams {
+        forget_after: 20,
+        ..EvictionCostParams::default()
+    });
+    let eps = three();
+    for i in 0..3 {
+        fill(&s, &eps, i, 4);
+    }
+    hit(&s, &eps, 0, 4);
+    hit(&s, &eps, 2, 4);
+    assert_eq!(scores(&s, &req(), &eps), vec![0.0, 1.0, 0.0]);
+    // Pod 2's groups stop coming (or its engine restarted): 20 decisions
+    // later it may take cold requests again, pod 0 still may not.
+    hit(&s, &eps, 0, 10);
+    fill(&s, &eps, 1, 10);
+    assert_eq!(scores(&s, &req(), &eps), vec![0.0, 0.5, 1.0]);
+}
+
+#[test]
 fn bounded() {
     let s = EvictionCostScorer::new(EvictionCostParams {
         max_endpoints: 2,
@@ -251,6 +271,13 @@ fn parameters_are_checked() {
                 ..d()
             },
             "halfLife",
+        ),
+        (
+            EvictionCostParams {
+                forget_after: 0,
+                ..d()
+            },
+            "forgetAfter",
         ),
         (
             EvictionCostParams {
