@@ -560,6 +560,108 @@ fn vllm_lora_group() -> Result<()> {
     Ok(())
 }
 
+/// Group "pressure" (issue 40, item 3): two engines (cores 0 and 1) of 40 KV blocks each, KV
+/// events to one sidecar each, the sidecars meshed; sequences of 11, 12 and 13 prefix groups that
+/// need 1.5-1.8x the fleet's KV, sent one request at a time in a cycle (`case_cache_pressure`'s
+/// module docs give the sizes).
+///
+/// * case 11: the same sequence (other prompts each time, caches reset between) by round-robin,
+///   by SMG's cache_aware when installed, by kvmesh's built-in default and by kvmesh with
+///   `eviction-cost-scorer` (`deploy/examples/filters-cache-pressure.yaml`); by vLLM's own
+///   prefix-cache counters over cycles 2-4, the last hits at least 0.15 more of the prompt tokens
+///   than round-robin, and more than SMG.
+#[test]
+fn vllm_pressure_group() -> Result<()> {
+    use vllm::case_cache_pressure as pressure;
+    let _one_group_at_a_time = engines_lock();
+    let mut t = Timings::new("pressure");
+    let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
+    let work = work_dir();
+    let events = [
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+    ];
+    let small_engine = |name, cpu, events: &str| EngineSpec {
+        kv_cache_bytes: pressure::KV_BLOCKS * 65_536,
+        kv_events_to: Some(events.to_string()),
+        ..EngineSpec::new(name, cpu)
+    };
+    let specs = [
+        small_engine("pressure-a", 0, &events[0]),
+        small_engine("pressure-b", 1, &events[1]),
+    ];
+    let engines = t.step("start two vLLM engines (40 KV blocks, KV events)", || {
+        Engine::start_all(&venv, work.path(), &specs)
+    })?;
+    let rt = runtime();
+    let http = Http::default();
+    let tokenizer = case_hashes::rust_tokenizer()?;
+    let filters = work.path().join("filters.yaml");
+    let peers = [work.path().join("peers-a"), work.path().join("peers-b")];
+    let [sa, sb] = t.step("start a sidecar per engine (KV events), meshed", || {
+        rt.block_on(async {
+            std::fs::write(&filters, pressure::example("filters-default.yaml")?)?;
+            let mut out = Vec::new();
+            for i in 0..2 {
+                std::fs::write(&peers[i], "")?;
+                let yaml = pressure::sidecar_yaml(&engines[i], &events[i], &peers[i], &filters)?;
+                let s = SidecarUnderTest::from_yaml(yaml).await?;
+                wait_ready(&http, &s.admin_url).await?;
+                case_mesh::wait_events_flow(&http, &engines[i], &s).await?;
+                out.push(s);
+            }
+            let [a, b]: [SidecarUnderTest; 2] = out
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("two sidecars"))?;
+            case_mesh::join([&a, &b], [&peers[0], &peers[1]]).await?;
+            anyhow::Ok([a, b])
+        })
+    })?;
+    let rr = t.step("case 11a: round-robin", || {
+        rt.block_on(pressure::round_robin(&http, &tokenizer, &engines))
+    })?;
+    let smg = t.step("case 11b: SMG cache_aware (when installed)", || {
+        rt.block_on(pressure::smg(&http, &tokenizer, &engines))
+    })?;
+    let smg = match smg {
+        Ok(figures) => Some(figures),
+        Err(why) => {
+            vllm::report::note(&format!("pressure: SMG not compared: {why}"));
+            None
+        }
+    };
+    let kvmesh = |name: &str, router| {
+        rt.block_on(async {
+            let yaml = pressure::example(name)?;
+            pressure::kvmesh(
+                &http,
+                &tokenizer,
+                &engines,
+                [&sa, &sb],
+                (&filters, &yaml),
+                router,
+            )
+            .await
+        })
+    };
+    t.step("case 11c: kvmesh, the built-in default", || {
+        kvmesh("filters-default.yaml", "kvmesh-default")
+    })?;
+    let kvmesh = t.step(
+        "case 11d: kvmesh with eviction-cost-scorer (filters-cache-pressure.yaml)",
+        || kvmesh("filters-cache-pressure.yaml", "kvmesh-cache-pressure"),
+    )?;
+    t.step(
+        "case 11: kvmesh's hit rate vs round-robin's and SMG's",
+        || pressure::check(&rr, smg.as_ref(), &kvmesh),
+    )?;
+    rt.block_on(async {
+        sa.shutdown().await;
+        sb.shutdown().await;
+    });
+    Ok(())
+}
+
 /// Waits until `sidecar`'s scheduler would split a long prompt (its prefill peer is known, fresh
 /// and healthy), asking its admin `POST /debug/route`, which sends nothing upstream.
 async fn wait_split(http: &Http, sidecar: &SidecarUnderTest) -> Result<()> {

@@ -15,6 +15,7 @@
 
 #![allow(dead_code)]
 
+pub mod case_cache_pressure;
 pub mod case_dp;
 pub mod case_faults;
 pub mod case_fidelity;
