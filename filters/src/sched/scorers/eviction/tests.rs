@@ -127,6 +127,31 @@ fn a_cold_request_goes_to_the_pod_that_thrashes_and_not_to_those_that_hit() {
 }
 
 #[test]
+fn a_pod_with_room_for_less_than_the_request_is_no_pod_it_fits() {
+    // Pods 0 and 2 were sent three 320-token prompts and three that hit 9
+    // of 10 blocks: 1056 of 1280 tokens computed, and they earn hits. Pod 1
+    // was sent four and earns none.
+    let s = scorer();
+    let eps = three();
+    for i in 0..3 {
+        fill(&s, &eps, i, 3);
+    }
+    fill(&s, &eps, 1, 1);
+    hit(&s, &eps, 0, 3);
+    hit(&s, &eps, 2, 3);
+    // A 320-token prompt fits none (on pods 0 and 2 it would evict a group
+    // they hold): pod 1, cheap, is the sink.
+    assert_eq!(scores(&s, &req(), &eps), vec![0.0, 1.0, 0.0]);
+    // A 192-token prompt still fits pods 0 and 2: they go first.
+    let short = RequestView {
+        prompt_tokens: 192,
+        prompt_blocks: 6,
+        ..req()
+    };
+    assert_eq!(scores(&s, &short, &eps), vec![1.0, 0.5, 1.0]);
+}
+
+#[test]
 fn a_warm_request_is_left_to_the_prefix_scorers() {
     let s = scorer();
     let eps = three();
