@@ -23,6 +23,34 @@ use crate::pd::bootstrap::{self, Bootstrap};
 use crate::pd::{self, kvagent, nixl, Half};
 use crate::stats::CompletedRequest;
 
+/// Waits for an unstreamed request's outcome; `Err` is the 500 to answer
+/// when the engine failed it or stopped.
+pub(super) async fn whole(
+    rx: &mut mpsc::UnboundedReceiver<CoreEvent>,
+    verdict: &Verdict,
+) -> Result<Box<Outcome>, Reply> {
+    loop {
+        match rx.recv().await {
+            Some(CoreEvent::Token { .. }) => continue,
+            Some(CoreEvent::Finished(o)) => return Ok(o),
+            Some(CoreEvent::Failed(e)) => {
+                return Err(json_response(
+                    500,
+                    &shapes::error(500, &e.to_string(), None),
+                    verdict,
+                ))
+            }
+            None => {
+                return Err(json_response(
+                    500,
+                    &shapes::error(500, "engine stopped", None),
+                    verdict,
+                ))
+            }
+        }
+    }
+}
+
 /// A request that failed before reaching the core.
 pub(crate) struct ApiError {
     pub status: u16,
@@ -371,17 +399,9 @@ async fn run(shared: Arc<Shared>, mut p: Prepared, verdict: Verdict) -> Reply {
             &verdict,
         );
     }
-    let outcome = loop {
-        match p.rx.recv().await {
-            Some(CoreEvent::Token { .. }) => continue,
-            Some(CoreEvent::Finished(o)) => break o,
-            Some(CoreEvent::Failed(e)) => {
-                return json_response(500, &shapes::error(500, &e.to_string(), None), &verdict)
-            }
-            None => {
-                return json_response(500, &shapes::error(500, "engine stopped", None), &verdict)
-            }
-        }
+    let outcome = match whole(&mut p.rx, &verdict).await {
+        Ok(o) => o,
+        Err(reply) => return reply,
     };
     if let Some(SglangHalf::Prefill(room)) = p.sglang {
         let timeout = shared.clock.real_duration(shared.cfg.bootstrap_timeout_s);

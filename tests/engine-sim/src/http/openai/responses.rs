@@ -194,17 +194,9 @@ pub(crate) async fn serve(shared: Arc<Shared>, body: Bytes, verdict: Verdict) ->
     if stream {
         return sse_response(stream_body(shared, resp, p.rx), &verdict);
     }
-    let o = loop {
-        match p.rx.recv().await {
-            Some(CoreEvent::Token { .. }) => continue,
-            Some(CoreEvent::Finished(o)) => break o,
-            Some(CoreEvent::Failed(e)) => {
-                return json_response(500, &shapes::error(500, &e.to_string(), None), &verdict)
-            }
-            None => {
-                return json_response(500, &shapes::error(500, "engine stopped", None), &verdict)
-            }
-        }
+    let o = match super::whole(&mut p.rx, &verdict).await {
+        Ok(o) => o,
+        Err(reply) => return reply,
     };
     record(&shared, &resp.id, &o);
     let text: String = o
