@@ -414,11 +414,25 @@ struct Fleet {
 }
 
 async fn fleet(n: usize, cfg: ValkeyConfig) -> Fleet {
+    fleet_of(n, cfg, false).await
+}
+
+/// `n` engines, each behind a sidecar on Valkey (`approx`: engines without
+/// KV events, sidecars in approximate mode); once every sidecar registered.
+async fn fleet_of(n: usize, cfg: ValkeyConfig, approx: bool) -> Fleet {
     let mut engines = Vec::new();
     let mut sidecars = Vec::new();
     for _ in 0..n {
-        let e = kv_sim().await;
-        sidecars.push(start_on(valkey_sidecar(&e, cfg.clone()), None).await);
+        let (e, config) = if approx {
+            let e = kvmesh_tests::route::sim().await;
+            let c = approx_sidecar(&e, cfg.clone());
+            (e, c)
+        } else {
+            let e = kv_sim().await;
+            let c = valkey_sidecar(&e, cfg.clone());
+            (e, c)
+        };
+        sidecars.push(start_on(config, None).await);
         engines.push(e);
     }
     for s in &sidecars {
@@ -815,20 +829,7 @@ fn approx_sidecar(engine: &SimHandle, cfg: ValkeyConfig) -> Config {
 }
 
 async fn approx_fleet(n: usize, cfg: ValkeyConfig) -> Fleet {
-    let mut engines = Vec::new();
-    let mut sidecars = Vec::new();
-    for _ in 0..n {
-        let e = kvmesh_tests::route::sim().await;
-        sidecars.push(start_on(approx_sidecar(&e, cfg.clone()), None).await);
-        engines.push(e);
-    }
-    for s in &sidecars {
-        eventually("registered in valkey", || async {
-            s.index()?.status().writer.registered.then_some(())
-        })
-        .await;
-    }
-    Fleet { engines, sidecars }
+    fleet_of(n, cfg, true).await
 }
 
 impl Fleet {
