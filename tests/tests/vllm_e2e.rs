@@ -53,6 +53,26 @@ fn work_dir() -> tempfile::TempDir {
         .expect("work dir")
 }
 
+/// Two engines named `names` on cores 0 and 1, each publishing its KV events
+/// to a port of its own from the OS; `spec` sets the rest. The specs, and
+/// where each engine's events go.
+fn two_with_events(
+    names: [&'static str; 2],
+    spec: impl Fn(EngineSpec) -> EngineSpec,
+) -> Result<([EngineSpec; 2], [String; 2])> {
+    let events = [
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
+    ];
+    let one = |i: usize| {
+        spec(EngineSpec {
+            kv_events_to: Some(events[i].clone()),
+            ..EngineSpec::new(names[i], i as u32)
+        })
+    };
+    Ok(([one(0), one(1)], events))
+}
+
 /// Group "single": one engine (core 0) with prefix caching, `sha256_cbor` block hashes, a fixed
 /// `PYTHONHASHSEED` and KV events to our own SUB socket; one sidecar in front of it.
 ///
@@ -242,20 +262,11 @@ fn vllm_pair_group() -> Result<()> {
     let mut t = Timings::new("pair");
     let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
     let work = work_dir();
-    let events = [
-        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
-        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
-    ];
-    let pair_engine = |name, cpu, events: &str| EngineSpec {
+    let (specs, events) = two_with_events(["a", "b"], |s| EngineSpec {
         nixl: Some(KvRole::Both),
         kv_cache_bytes: PAIR_KV_BLOCKS * 65_536,
-        kv_events_to: Some(events.to_string()),
-        ..EngineSpec::new(name, cpu)
-    };
-    let specs = [
-        pair_engine("a", 0, &events[0]),
-        pair_engine("b", 1, &events[1]),
-    ];
+        ..s
+    })?;
     let mut engines = t.step(
         "start two vLLM engines (NixlConnector kv_both, KV events)",
         || Engine::start_all(&venv, work.path(), &specs),
@@ -577,19 +588,10 @@ fn vllm_pressure_group() -> Result<()> {
     let mut t = Timings::new("pressure");
     let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
     let work = work_dir();
-    let events = [
-        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
-        format!("tcp://127.0.0.1:{}", vllm::free_port()?),
-    ];
-    let small_engine = |name, cpu, events: &str| EngineSpec {
+    let (specs, events) = two_with_events(["pressure-a", "pressure-b"], |s| EngineSpec {
         kv_cache_bytes: pressure::KV_BLOCKS * 65_536,
-        kv_events_to: Some(events.to_string()),
-        ..EngineSpec::new(name, cpu)
-    };
-    let specs = [
-        small_engine("pressure-a", 0, &events[0]),
-        small_engine("pressure-b", 1, &events[1]),
-    ];
+        ..s
+    })?;
     let engines = t.step("start two vLLM engines (40 KV blocks, KV events)", || {
         Engine::start_all(&venv, work.path(), &specs)
     })?;
