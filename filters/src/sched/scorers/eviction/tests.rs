@@ -79,6 +79,19 @@ fn three() -> Vec<EndpointView> {
         .collect()
 }
 
+/// Three full pods, 0 and 2 hitting on what they hold and 1 not: pod 1 is
+/// the sink.
+fn pod_1_the_sink(s: &EvictionCostScorer) -> Vec<EndpointView> {
+    let eps = three();
+    for i in 0..3 {
+        fill(s, &eps, i, 4);
+    }
+    hit(s, &eps, 0, 4);
+    hit(s, &eps, 2, 4);
+    assert_eq!(scores(s, &req(), &eps), vec![0.0, 1.0, 0.0]);
+    eps
+}
+
 #[test]
 fn pods_with_room_all_score_one() {
     let s = scorer();
@@ -212,13 +225,7 @@ fn hits_fade_with_the_half_life() {
         half_life: 4,
         ..EvictionCostParams::default()
     });
-    let eps = three();
-    for i in 0..3 {
-        fill(&s, &eps, i, 4);
-    }
-    hit(&s, &eps, 0, 4);
-    hit(&s, &eps, 2, 4);
-    assert_eq!(scores(&s, &req(), &eps), vec![0.0, 1.0, 0.0]);
+    let eps = pod_1_the_sink(&s);
     // Pod 1 starts to hit and pod 0 to thrash: 40 decisions later the roles
     // have changed.
     hit(&s, &eps, 1, 20);
@@ -232,13 +239,7 @@ fn a_pod_sent_nothing_for_long_is_forgotten_and_fits_again() {
         forget_after: 20,
         ..EvictionCostParams::default()
     });
-    let eps = three();
-    for i in 0..3 {
-        fill(&s, &eps, i, 4);
-    }
-    hit(&s, &eps, 0, 4);
-    hit(&s, &eps, 2, 4);
-    assert_eq!(scores(&s, &req(), &eps), vec![0.0, 1.0, 0.0]);
+    let eps = pod_1_the_sink(&s);
     // Pod 2's groups stop coming (or its engine restarted): 20 decisions
     // later it may take cold requests again, pod 0 still may not.
     hit(&s, &eps, 0, 10);
