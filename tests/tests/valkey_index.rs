@@ -445,6 +445,18 @@ async fn fleet_of(n: usize, cfg: ValkeyConfig, approx: bool) -> Fleet {
 }
 
 impl Fleet {
+    /// After a failover, once every writer has written: 8 requests of group
+    /// 0 through `via` all succeed, and more than half their prompt hits
+    /// the engines' caches (the index is whole again).
+    async fn index_whole_again(&self, via: SocketAddr) {
+        self.written().await;
+        let (h0, q0) = self.engine_hits();
+        assert_eq!(failures(via, 8, 0).await, 0);
+        let (h1, q1) = self.engine_hits();
+        let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
+        assert!(rate > 0.5, "prefix hit rate after the failover {rate}");
+    }
+
     fn engine_hits(&self) -> (u64, u64) {
         self.engines.iter().fold((0, 0), |(h, q), e| {
             let s = e.stats();
@@ -622,12 +634,7 @@ async fn sidecars_follow_a_failover_to_the_replica() {
         })
         .await;
     }
-    f.written().await;
-    let (h0, q0) = f.engine_hits();
-    assert_eq!(failures(addrs[1], 8, 0).await, 0);
-    let (h1, q1) = f.engine_hits();
-    let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
-    assert!(rate > 0.5, "prefix hit rate after the failover {rate}");
+    f.index_whole_again(addrs[1]).await;
     f.shutdown().await;
 }
 
@@ -787,12 +794,7 @@ async fn sidecars_find_the_primary_through_sentinel_and_follow_its_failover() {
     // The sentinel's own view agrees (the sidecars had no other way to learn
     // the replica: urls is empty).
     set.wait_failover().await.unwrap();
-    f.written().await;
-    let (h0, q0) = f.engine_hits();
-    assert_eq!(failures(addrs[1], 8, 0).await, 0);
-    let (h1, q1) = f.engine_hits();
-    let rate = (h1 - h0) as f64 / (q1 - q0).max(1) as f64;
-    assert!(rate > 0.5, "prefix hit rate after the failover {rate}");
+    f.index_whole_again(addrs[1]).await;
     f.shutdown().await;
 }
 
