@@ -90,17 +90,18 @@ pub async fn run(
             }
             Err(f) => f,
         };
-        // Failed before any byte reached the client: another pod may serve it.
-        let before_any_byte = crate::error::next_target_may_serve(&failure.error);
-        let next = if before_any_byte {
-            plan.failed.push(to);
-            if resendable {
-                resend_to(h, plan, &failure, lease_ends)
-            } else {
-                Err(Outcome::DecodeRefused)
+        // Refused (failed before any byte reached the client): another pod
+        // may serve it, with the same blocks while the lease holds.
+        let next = match Outcome::of_decode_error(&failure.error) {
+            Outcome::DecodeRefused => {
+                plan.failed.push(to);
+                if resendable {
+                    resend_to(h, plan, &failure, lease_ends)
+                } else {
+                    Err(Outcome::DecodeRefused)
+                }
             }
-        } else {
-            Err(Outcome::Failed)
+            end => Err(end),
         };
         match next {
             Ok(next) => {
