@@ -181,8 +181,9 @@ impl FilterConfig {
 
     /// The config used without a file: filters `healthy-fresh-filter`,
     /// `model-filter`, `decode-filter`; scorers `prefix-cache-scorer` ×3,
-    /// `prefix-affinity-scorer` ×2, `active-request-scorer` ×1;
-    /// `max-score-picker`.
+    /// `prefix-affinity-scorer` ×2, `active-request-scorer` ×1,
+    /// `token-cost-scorer` ×2 (its KV term alone); `max-score-picker`
+    /// (`deploy/examples/filters-default.yaml` writes it out).
     /// Why these weights is in `docs/filters.md`.
     pub fn builtin_default() -> FilterConfig {
         let spec = |t: &str, kind| PluginSpec {
