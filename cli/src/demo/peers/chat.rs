@@ -112,6 +112,8 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
             move |seed| p.build(seed)
         }),
         ideal: Some(Box::new(move |_| p.ideal_computed_tokens())),
+        // Each turn carries the engine's own answers: no text to replay.
+        lru_reference: false,
     })
 }
 

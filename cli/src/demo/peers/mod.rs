@@ -23,6 +23,7 @@
 pub mod capacity;
 pub mod chat;
 pub mod kv_bound;
+pub mod lru_reference;
 pub mod pd_pays;
 pub mod smg;
 pub mod sweep;
@@ -282,6 +283,12 @@ pub struct WorkloadResult {
     /// (medians over seeds) at the rates up to the router's capacity (at the
     /// lowest rate where it has none), per router that ran.
     pub computed_vs_ideal: BTreeMap<String, f64>,
+    /// What an online placement makes the engines' LRU caches compute, one
+    /// request at a time, over the ideal placement's, per seed in the order
+    /// of `seeds` ([`lru_reference`]): a reference for `computed_vs_ideal`
+    /// on engines that evict by recency.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lru_reference_vs_ideal: Vec<f64>,
     /// P/D only: kvmesh P/D's best ITL p99 over aggregated's, at the highest
     /// rate where aggregated meets its TTFT SLO.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -318,6 +325,9 @@ struct Bench {
     build: BuildFn,
     /// Prompt tokens an ideal placement computes for a built workload.
     ideal: Option<IdealFn>,
+    /// Whether to replay each seed's workload through the fleet's LRU
+    /// caches ([`lru_reference`]): workloads of text prompts with an ideal.
+    lru_reference: bool,
 }
 
 /// Requests per run.
@@ -449,6 +459,7 @@ fn pressure_bench(
             move |seed| p.build(seed)
         }),
         ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
+        lru_reference: true,
     }
 }
 
@@ -528,6 +539,7 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
         ideal: Some(Box::new(|w| {
             w.requests.iter().map(|r| r.prompt_words() as u64).sum()
         })),
+        lru_reference: false,
     })
 }
 
@@ -655,10 +667,33 @@ async fn measure(
         routers: status,
         capacity_at_slo,
         computed_vs_ideal,
+        lru_reference_vs_ideal: lru_reference_vs_ideal(b, &opts.seeds),
         itl_p99_ratio_at_aggregated_capacity: itl_ratio,
         points,
         runs,
     })
+}
+
+/// [`WorkloadResult::lru_reference_vs_ideal`]: each seed's workload replayed
+/// through the fleet's LRU caches, over its ideal placement's tokens.
+fn lru_reference_vs_ideal(b: &Bench, seeds: &[u64]) -> Vec<f64> {
+    let Some(ideal) = b.ideal.as_ref().filter(|_| b.lru_reference) else {
+        return Vec::new();
+    };
+    seeds
+        .iter()
+        .filter_map(|&seed| {
+            let w = (b.build)(seed);
+            let reference = lru_reference::online_lru_tokens(
+                &w,
+                b.spec.engines,
+                b.spec.num_blocks,
+                b.spec.block_size,
+            );
+            let ideal = ideal(&w);
+            (ideal > 0).then(|| reference as f64 / ideal as f64)
+        })
+        .collect()
 }
 
 /// One router at one rate, once per seed, each run added to `runs`; the

@@ -151,6 +151,7 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
             routers: routers.to_vec(),
             build: Box::new(move |seed| p.build(seed)),
             ideal: None,
+            lru_reference: false,
         };
         let mut runs = Vec::new();
         for &rate in &rates {

@@ -145,6 +145,17 @@ fn capacities(out: &mut String, w: &WorkloadResult, probes: usize) {
         }
         let _ = writeln!(out);
     }
+    let reference = &w.lru_reference_vs_ideal;
+    if let (Some(mid), Some([lo, hi])) = (sweep::median(reference), sweep::range(reference)) {
+        let each: Vec<String> = reference.iter().map(|x| format!("{x:.2}")).collect();
+        let _ = writeln!(
+            out,
+            "   reference: an online placement replayed one request at a time through the engines' LRU \
+             caches computes {mid:.2}x the ideal's tokens ({lo:.2}-{hi:.2}; each seed's {}; \
+             peers/lru_reference.rs)",
+            each.join(", ")
+        );
+    }
 }
 
 fn row(out: &mut String, p: &Point) {
