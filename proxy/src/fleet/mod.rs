@@ -80,6 +80,8 @@ struct PodState {
     added_at: Instant,
     /// The pod's own in-flight count, as its Valkey record reported it.
     reported_in_flight: u32,
+    /// Cancelled when the pod is cut off ([`Fleet::cut_off_peer`]).
+    lost: tokio_util::sync::CancellationToken,
 }
 
 /// Every pod this sidecar can route to.
@@ -202,15 +204,11 @@ impl Fleet {
         Ok(())
     }
 
-    /// Forgets a peer (the local pod stays); returns whether it was known.
+    /// Forgets a peer that left (the local pod stays); returns whether it
+    /// was known. It may drain: calls in flight to it go on, and for
+    /// [`DEPARTED_GRACE`] it may still be forwarded to.
     pub fn remove_peer(&self, id: &str) -> bool {
-        if id == self.local_id {
-            return false;
-        }
-        self.remote_in_flight.write().remove(id);
-        self.remote_prefill.write().remove(id);
-        self.outliers.forget(id);
-        let Some(gone) = self.pods.write().remove(id) else {
+        let Some(gone) = self.remove(id) else {
             return false;
         };
         if let Some(addr) = gone.info.sidecar_addr {
@@ -221,6 +219,47 @@ impl Fleet {
             d.push_back((addr, Instant::now()));
         }
         true
+    }
+
+    /// Forgets a peer declared unreachable (its mesh stream silent past
+    /// `mesh.stale_after`: a partition, a host gone without closing its
+    /// connections); returns whether it was known. Unlike a peer that
+    /// left, it is not forwarded to again until it is back, and the calls
+    /// still waiting for its response head fail now ([`Fleet::lost_signal`]),
+    /// so that their requests go to a pod that answers instead of waiting
+    /// out `timeouts.first_byte`. A call whose response began is left to the
+    /// stream deadlines (a stream migrates after `stream_idle`).
+    pub fn cut_off_peer(&self, id: &str) -> bool {
+        let Some(gone) = self.remove(id) else {
+            return false;
+        };
+        gone.lost.cancel();
+        if let Some(addr) = gone.info.sidecar_addr {
+            // It may have left once before and come back within the grace.
+            self.departed.lock().retain(|(a, _)| *a != addr);
+        }
+        true
+    }
+
+    fn remove(&self, id: &str) -> Option<PodState> {
+        if id == self.local_id {
+            return None;
+        }
+        self.remote_in_flight.write().remove(id);
+        self.remote_prefill.write().remove(id);
+        self.outliers.forget(id);
+        self.pods.write().remove(id)
+    }
+
+    /// A token cancelled when the peer whose sidecar is at `addr` is cut off
+    /// ([`Fleet::cut_off_peer`]); `None` when no peer in the fleet is there
+    /// (a peer that left and drains: nothing cuts its calls short).
+    pub fn lost_signal(&self, addr: SocketAddr) -> Option<tokio_util::sync::CancellationToken> {
+        self.pods
+            .read()
+            .values()
+            .find(|s| s.info.sidecar_addr == Some(addr))
+            .map(|s| s.lost.clone())
     }
 
     /// Records a pod's engine load, as scraped (local) or published (peers).
@@ -649,6 +688,7 @@ impl PodState {
             stats: crate::stat::PodStats::default(),
             added_at: Instant::now(),
             reported_in_flight: 0,
+            lost: tokio_util::sync::CancellationToken::new(),
         }
     }
 
@@ -680,6 +720,10 @@ impl crate::request::Peers for Fleet {
 
     fn is_peer_addr(&self, addr: SocketAddr) -> bool {
         Fleet::is_peer_addr(self, addr)
+    }
+
+    fn lost_signal(&self, addr: SocketAddr) -> Option<tokio_util::sync::CancellationToken> {
+        Fleet::lost_signal(self, addr)
     }
 }
 

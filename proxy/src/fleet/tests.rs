@@ -46,6 +46,30 @@ fn only_known_peers_are_forwarding_targets() {
 }
 
 #[test]
+fn a_peer_cut_off_fails_its_waiting_calls_while_one_that_left_drains() {
+    let f = fleet();
+    let (id, addr) = ("10.0.0.2:8000", "10.0.0.2:8000".parse().unwrap());
+    let lost = f.lost_signal(addr).expect("a peer's signal");
+    assert!(f.lost_signal("10.0.0.3:8000".parse().unwrap()).is_none());
+    assert!(!lost.is_cancelled());
+    assert!(f.cut_off_peer(id));
+    assert!(lost.is_cancelled(), "the calls waiting on it fail");
+    assert!(!f.contains(id));
+    assert!(!f.is_peer_addr(addr), "not forwarded to until it is back");
+    assert!(!f.cut_off_peer(id));
+    assert!(!f.cut_off_peer("10.0.0.1:8000"), "the local pod stays");
+    // Back with its next snapshot, it has a fresh signal.
+    f.upsert_peer(pod(id, Some(id), Role::Decode)).unwrap();
+    let again = f.lost_signal(addr).expect("back");
+    assert!(!again.is_cancelled());
+    // One that left drains: its calls go on, and it is still a target.
+    assert!(f.remove_peer(id));
+    assert!(!again.is_cancelled());
+    assert!(f.is_peer_addr(addr));
+    assert!(f.lost_signal(addr).is_none());
+}
+
+#[test]
 fn in_flight_counts_local_guards_and_peer_reports() {
     let f = fleet();
     let g1 = f.begin("10.0.0.2:8000").unwrap();

@@ -155,7 +155,13 @@ pub async fn run(
             || now.duration_since(since) >= cfg.stale_after.get();
         if stale {
             if let Some(id) = known.take() {
-                forget(&shared.fleet, &shared.prefix, &id);
+                if matches!(ended, StreamEnd::Stale(_)) {
+                    // Silent, not closed: a partition or a host gone. The
+                    // calls waiting on it would wait out `first_byte`.
+                    cut_off(&shared.fleet, &shared.prefix, &id);
+                } else {
+                    forget(&shared.fleet, &shared.prefix, &id);
+                }
             }
         }
         tokio::select! {
@@ -198,6 +204,16 @@ where
 fn forget(fleet: &Fleet, prefix: &PrefixState, id: &str) {
     tracing::info!(peer = id, "mesh: peer left the scheduling set");
     fleet.remove_peer(id);
+    prefix.remove_pod(id);
+}
+
+/// Removes a peer whose stream fell silent from scheduling and from the
+/// index, and fails the calls still waiting for its response head
+/// ([`Fleet::cut_off_peer`]). A peer that closes its stream (a drain, a
+/// restart) is only forgotten: its calls in flight may still finish.
+fn cut_off(fleet: &Fleet, prefix: &PrefixState, id: &str) {
+    tracing::info!(peer = id, "mesh: peer unreachable; left the scheduling set");
+    fleet.cut_off_peer(id);
     prefix.remove_pod(id);
 }
 

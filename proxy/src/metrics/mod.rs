@@ -348,7 +348,7 @@ impl Metrics {
         );
         registry.register(
             "migrations",
-            "Streams whose upstream failed after bytes reached the client, by outcome: migrated (continued on another pod), or why not (limit, deadline, unsupported, no_target, continuation_failed, ...)",
+            "Streams whose upstream failed after bytes reached the client, by outcome: migrated (continued on another pod), or why not (limit, deadline, unsupported, no_target, continuation_failed, ...); retried_unreachable: a call with no response head whose pod was cut off (its mesh stream silent), its request retried on another pod",
             upstream.migrations.clone(),
         );
         registry.register(

@@ -183,6 +183,12 @@ async fn send_as(
     body: UpstreamBody,
     hop: &Hop,
 ) -> Result<Response<ReplyBody>, ProxyError> {
+    // Taken before the request is built, which checks that the peer is
+    // still one: a peer cut off in between fails the call at once.
+    let lost = match upstream {
+        Upstream::Peer(addr) => up.peers.lost_signal(*addr),
+        Upstream::Engine | Upstream::Direct(_) => None,
+    };
     let mut out = build_request(up, ctx, upstream, authority, head, body)?;
     if let (Upstream::Engine, Some(rank)) = (upstream, ctx.dp_rank) {
         // The schedule stage's choice, replacing a client's.
@@ -197,7 +203,12 @@ async fn send_as(
     let sent = Instant::now();
     // Boxed, so that the timeout holds a pointer and not the upstream call's
     // whole state (see `serve_conn` in server.rs).
-    let call = Box::pin(request(up, upstream, name, out));
+    let call = Box::pin(unless_lost(
+        up,
+        name,
+        lost,
+        request(up, upstream, name, out),
+    ));
     let resp = match tokio::time::timeout(head_wait, call).await {
         Err(_) => {
             return Err(ProxyError::FirstByteTimeout {
@@ -209,6 +220,39 @@ async fn send_as(
     };
     up.metrics.latency(ctx.route, sent.elapsed().as_secs_f64());
     Ok(resp)
+}
+
+/// The outcome in `kvmesh_migrations_total` of a call cut short because its
+/// pod was declared unreachable before the response head.
+pub(crate) const RETRIED_UNREACHABLE: &str = "retried_unreachable";
+
+/// `call` to a peer, unless the peer is declared unreachable (`lost`, see
+/// `crate::fleet::Fleet::cut_off_peer`) before its response head: then the
+/// call is dropped and fails as a connection broken before the head, which
+/// the execute stage retries on the next pod. Nothing reached the client,
+/// and across a partition the head would come at the heal at best: without
+/// this the request would wait out `first_byte` and fail.
+async fn unless_lost(
+    up: &Upstreams<'_>,
+    name: &UpstreamName,
+    lost: Option<tokio_util::sync::CancellationToken>,
+    call: impl std::future::Future<Output = Result<Response<ReplyBody>, ProxyError>>,
+) -> Result<Response<ReplyBody>, ProxyError> {
+    let Some(lost) = lost else {
+        return call.await;
+    };
+    tokio::select! {
+        biased;
+        r = call => r,
+        () = lost.cancelled() => {
+            up.metrics.migration(RETRIED_UNREACHABLE);
+            tracing::info!(upstream = %name, "the pod was declared unreachable before its response head; retrying the request elsewhere");
+            Err(ProxyError::UpstreamFailed {
+                upstream: name.clone(),
+                reason: "declared unreachable before its response head (its mesh stream was silent past mesh.stale_after)".to_owned(),
+            })
+        }
+    }
 }
 
 /// Sends `out` over the engine's own pool, the general pooled client, or, to a

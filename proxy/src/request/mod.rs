@@ -38,6 +38,12 @@ pub trait Peers: Sync {
     /// Whether `addr` is a discovered peer's sidecar (forwarding goes
     /// nowhere else, so the sidecar is no open relay).
     fn is_peer_addr(&self, addr: std::net::SocketAddr) -> bool;
+    /// A token cancelled when the peer whose sidecar is at `addr` is
+    /// declared unreachable; `None` when no current peer is there.
+    fn lost_signal(
+        &self,
+        addr: std::net::SocketAddr,
+    ) -> Option<tokio_util::sync::CancellationToken>;
 }
 pub(crate) use call::{leg_upstream, relay, send, send_traced, Upstream, FORWARD};
 pub use client::{ClientBody, ClientRequest};
