@@ -730,9 +730,9 @@ async fn a_pod_failing_every_call_is_ejected_and_requests_go_around_it() {
 
 /// The network-partition fault (`chaos/partition.rs`): two nodes of two pods
 /// each, under load on both sides; node a's link goes down, then up again.
-/// Each side keeps serving from its own pods, loses at most what was in
-/// flight across the cut, drops the other side's pods from `/debug/fleet`,
-/// and the whole mesh agrees again after the heal. Needs root (`ip netns`):
+/// Each side keeps serving from its own pods, loses no request whose
+/// client stayed connected, drops the other side's pods from
+/// `/debug/fleet`, and the whole mesh agrees again after the heal. Needs root (`ip netns`):
 /// without it the test fails saying why, unless `KVMESH_NETNS_SKIP=1`.
 #[test]
 fn a_partitioned_node_serves_its_own_side_and_the_mesh_agrees_after_the_heal() {
@@ -742,9 +742,10 @@ fn a_partitioned_node_serves_its_own_side_and_the_mesh_agrees_after_the_heal() {
 /// A partition longer than `timeouts.stream_idle` (5 s): the streams across
 /// the cut fall silent, and each one's owning sidecar migrates it to a pod
 /// on its own side once `stream_idle` passes; none that had begun fails.
-/// What the cut may still fail is what never got a response head (a
-/// non-streamed request sent across it, a stream forwarded into it before
-/// the sides split). The mesh agrees again after the heal.
+/// What never got a response head across it (a non-streamed request, a
+/// stream forwarded into it before the sides split) goes whole to a pod on
+/// the client's side when the pods across the cut are cut off; none fails.
+/// The mesh agrees again after the heal.
 #[test]
 fn streams_across_a_partition_longer_than_stream_idle_migrate_to_their_own_side() {
     partition_test("the long partition fault", partition::Cut::long());
