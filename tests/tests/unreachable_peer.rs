@@ -5,23 +5,29 @@
 //! the request goes whole to a pod that answers, instead of waiting out
 //! `timeouts.first_byte` and failing with a 504. The peer here is a
 //! listener that reads the request and never answers, as a pod across a
-//! network partition does; the fleet's cut-off is what the mesh subscriber
-//! calls on a silent stream.
+//! network partition does. One test cuts it off as the mesh subscriber
+//! does on a silent stream; the other gives it a mesh port whose state
+//! stream falls silent, and the subscriber cuts it off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvmesh_filters::sched::Role;
 use kvmesh_proxy::config::Duration as CfgDuration;
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
+use kvmesh_proxy::mesh::wire::{self, Announce, LoadMsg, Msg};
 use kvmesh_tests::client::{fetch, http1, post_json};
-use kvmesh_tests::route::{config, filters_yaml, labels_of, metric, sim, MODEL};
+use kvmesh_tests::mesh::write_peers;
+use kvmesh_tests::route::{config, eventually, filters_yaml, labels_of, metric, sim, MODEL};
 use kvmesh_tests::sidecar::{start, wait_ready};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// Within the test client's wait for a head (`kvmesh_tests::client::WAIT`),
 /// so that a request still waiting for x's head fails the test with the
@@ -57,10 +63,9 @@ async fn silent_pod() -> (SocketAddr, mpsc::Receiver<()>) {
     (addr, rx)
 }
 
-#[tokio::test]
-async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
-    let dir = tempfile::tempdir().unwrap();
-    let filters = dir.path().join("only-x.yaml");
+/// A filter file in `dir` that keeps only the pods labelled `pod: x`.
+fn only_x(dir: &Path) -> PathBuf {
+    let filters = dir.join("only-x.yaml");
     std::fs::write(
         &filters,
         filters_yaml(
@@ -68,6 +73,130 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
         ),
     )
     .unwrap();
+    filters
+}
+
+/// The mesh port of pod `id` (labelled `pod: x`): each subscriber gets its
+/// hello, the snapshot's end and a load tick every 100 ms, until `stall`
+/// is set; from then on its stream (and any new one) is silent and open,
+/// as across a network partition.
+async fn stallable_mesh_port(id: String, stall: watch::Receiver<bool>) -> SocketAddr {
+    let mesh = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = mesh.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = mesh.accept().await {
+            let (id, stall) = (id.clone(), stall.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req| {
+                    let hello = wire::encode(
+                        0,
+                        &Msg::Hello(Announce {
+                            id: id.clone(),
+                            mesh_addr: String::new(),
+                            role: Role::Both,
+                            models: vec![MODEL.to_owned()],
+                            lora_adapters: vec![],
+                            labels: vec![("pod".to_owned(), "x".to_owned())],
+                            instance: 1,
+                            kv_agent: String::new(),
+                        }),
+                    );
+                    let end = wire::encode(0, &Msg::SnapshotEnd);
+                    let ticks = futures_util::stream::unfold(
+                        (1u64, stall.clone()),
+                        |(seq, stall)| async move {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            if *stall.borrow() {
+                                // Silent from here on, the connection open.
+                                std::future::pending::<()>().await;
+                            }
+                            let load = Msg::Load(LoadMsg {
+                                load: EngineLoad::default(),
+                                age_ms: 0,
+                                healthy: true,
+                            });
+                            Some((wire::encode(seq, &load), (seq + 1, stall)))
+                        },
+                    );
+                    let first = if *stall.borrow() {
+                        Vec::new()
+                    } else {
+                        vec![hello, end]
+                    };
+                    let frames = futures_util::stream::iter(first)
+                        .chain(ticks)
+                        .map(|b| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)));
+                    async move {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::StreamBody::new(frames),
+                        ))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// The same, through the mesh: x is a peer found through a peers file whose
+/// state stream falls silent while a request waits on it. Past
+/// `mesh.stale_after` the subscriber cuts x off, and the request is
+/// answered by the local engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_head_goes_elsewhere_when_its_peers_stream_falls_silent() {
+    let dir = tempfile::tempdir().unwrap();
+    let peers = dir.path().join("peers");
+    let engine = sim().await;
+    let mut c = config(&engine, &[("pod", "a")], Some(&only_x(dir.path())));
+    c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
+    c.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
+    c.mesh.file = Some(peers.clone());
+    c.mesh.refresh_interval = CfgDuration::from_millis(100);
+    c.mesh.stale_after = CfgDuration::from_millis(1000);
+    c.mesh.load_interval = CfgDuration::from_millis(100);
+    c.mesh.reconnect_max = CfgDuration::from_millis(200);
+    let a = start(c).await;
+    wait_ready(&a).await;
+    let (silent, mut heard) = silent_pod().await;
+    let x_id = silent.to_string();
+    let (stall, stalled) = watch::channel(false);
+    let x_mesh = stallable_mesh_port(x_id.clone(), stalled).await;
+    write_peers(&peers, &[x_mesh]);
+    eventually("x joins a's fleet", || async {
+        a.fleet().contains(&x_id).then_some(())
+    })
+    .await;
+
+    let body = json!({"model": MODEL, "prompt": "a short answer", "max_tokens": 6});
+    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
+    let client = http1();
+    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    tokio::time::timeout(Duration::from_secs(10), heard.recv())
+        .await
+        .expect("the request reached x")
+        .expect("x listens");
+    stall.send(true).unwrap();
+    let r = pending.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 6);
+    assert!(!a.fleet().contains(&x_id), "x was cut off");
+    let counted = metric(
+        &a,
+        "kvmesh_migrations_total{outcome=\"retried_unreachable\"}",
+    )
+    .await;
+    assert_eq!(counted, Some(1.0));
+    a.shutdown().await;
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let filters = only_x(dir.path());
     let engine = sim().await;
     let mut c = config(&engine, &[("pod", "a")], Some(&filters));
     c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
