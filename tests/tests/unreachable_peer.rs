@@ -76,15 +76,30 @@ fn only_x(dir: &Path) -> PathBuf {
     filters
 }
 
+/// How the mesh port of [`stallable_mesh_port`] stops.
+#[derive(Clone, Copy)]
+enum Stop {
+    /// Its stream (and any new one) stays open and silent, as across a
+    /// network partition.
+    Silent,
+    /// Its stream ends, and new connections are accepted (by the kernel)
+    /// and never answered: a host gone, met on the reconnect.
+    CloseThenHang,
+}
+
 /// The mesh port of pod `id` (labelled `pod: x`): each subscriber gets its
 /// hello, the snapshot's end and a load tick every 100 ms, until `stall`
-/// is set; from then on its stream (and any new one) is silent and open,
-/// as across a network partition.
-async fn stallable_mesh_port(id: String, stall: watch::Receiver<bool>) -> SocketAddr {
+/// is set; then it stops as `stop` says.
+async fn stallable_mesh_port(id: String, stall: watch::Receiver<bool>, stop: Stop) -> SocketAddr {
     let mesh = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = mesh.local_addr().unwrap();
     tokio::spawn(async move {
+        let mut held = Vec::new();
         while let Ok((tcp, _)) = mesh.accept().await {
+            if matches!(stop, Stop::CloseThenHang) && *stall.borrow() {
+                held.push(tcp);
+                continue;
+            }
             let (id, stall) = (id.clone(), stall.clone());
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |_req| {
@@ -104,11 +119,14 @@ async fn stallable_mesh_port(id: String, stall: watch::Receiver<bool>) -> Socket
                     let end = wire::encode(0, &Msg::SnapshotEnd);
                     let ticks = futures_util::stream::unfold(
                         (1u64, stall.clone()),
-                        |(seq, stall)| async move {
+                        move |(seq, stall)| async move {
                             tokio::time::sleep(Duration::from_millis(100)).await;
                             if *stall.borrow() {
-                                // Silent from here on, the connection open.
-                                std::future::pending::<()>().await;
+                                match stop {
+                                    // Silent from here on, the connection open.
+                                    Stop::Silent => std::future::pending::<()>().await,
+                                    Stop::CloseThenHang => return None,
+                                }
                             }
                             let load = Msg::Load(LoadMsg {
                                 load: EngineLoad::default(),
@@ -147,6 +165,18 @@ async fn stallable_mesh_port(id: String, stall: watch::Receiver<bool>) -> Socket
 /// answered by the local engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_without_a_head_goes_elsewhere_when_its_peers_stream_falls_silent() {
+    through_the_mesh(Stop::Silent).await;
+}
+
+/// The same when x's stream ends and its mesh port then accepts and never
+/// answers (a reconnect that times out, not one refused): past
+/// `stale_after` x is cut off too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_head_goes_elsewhere_when_its_peers_reconnects_time_out() {
+    through_the_mesh(Stop::CloseThenHang).await;
+}
+
+async fn through_the_mesh(stop: Stop) {
     let dir = tempfile::tempdir().unwrap();
     let peers = dir.path().join("peers");
     let engine = sim().await;
@@ -158,12 +188,13 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peers_stream_falls_sil
     c.mesh.stale_after = CfgDuration::from_millis(1000);
     c.mesh.load_interval = CfgDuration::from_millis(100);
     c.mesh.reconnect_max = CfgDuration::from_millis(200);
+    c.mesh.connect_timeout = CfgDuration::from_millis(300);
     let a = start(c).await;
     wait_ready(&a).await;
     let (silent, mut heard) = silent_pod().await;
     let x_id = silent.to_string();
     let (stall, stalled) = watch::channel(false);
-    let x_mesh = stallable_mesh_port(x_id.clone(), stalled).await;
+    let x_mesh = stallable_mesh_port(x_id.clone(), stalled, stop).await;
     write_peers(&peers, &[x_mesh]);
     eventually("x joins a's fleet", || async {
         a.fleet().contains(&x_id).then_some(())

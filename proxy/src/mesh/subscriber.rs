@@ -11,7 +11,10 @@
 //! doubles up to `reconnect_max`, with jitter ([`crate::backoff`]), and the
 //! next snapshot resyncs. A peer that
 //! stays unreachable past `stale_after` leaves the fleet and the index; it
-//! comes back with its next snapshot. A stream announcing this sidecar's own
+//! comes back with its next snapshot. One that fell silent (its stream, or
+//! its reconnects timing out) is cut off: the calls waiting for its
+//! response head fail and go elsewhere ([`Fleet::cut_off_peer`]); one that
+//! closed its stream and refuses connections (a drain) is only forgotten. A stream announcing this sidecar's own
 //! identity (DNS lists every pod, this one included) is not followed. With
 //! `mesh.follow: same-models`, neither is a peer serving none of this pod's
 //! models: the request names this pod's models, so the peer answers `409`
@@ -68,6 +71,10 @@ pub struct PeerStatus {
 enum StreamEnd {
     #[error("connect: {0}")]
     Connect(String),
+    /// The connection or the stream's head did not come within
+    /// `connect_timeout`: unlike a refusal, nothing answers there.
+    #[error("connect: {0} timed out")]
+    TimedOut(&'static str),
     #[error("peer answered {0}")]
     Status(http::StatusCode),
     #[error("stream silent for {0:?}")]
@@ -131,7 +138,7 @@ pub async fn run(
                 reason = "connect";
                 continue;
             }
-            StreamEnd::Connect(_) | StreamEnd::Status(_) => {
+            StreamEnd::Connect(_) | StreamEnd::TimedOut(_) | StreamEnd::Status(_) => {
                 tracing::debug!(%addr, reason = %ended, "mesh: peer unreachable");
             }
             _ => {
@@ -155,9 +162,10 @@ pub async fn run(
             || now.duration_since(since) >= cfg.stale_after.get();
         if stale {
             if let Some(id) = known.take() {
-                if matches!(ended, StreamEnd::Stale(_)) {
-                    // Silent, not closed: a partition or a host gone. The
-                    // calls waiting on it would wait out `first_byte`.
+                if matches!(ended, StreamEnd::Stale(_) | StreamEnd::TimedOut(_)) {
+                    // Silent, not closed or refused: a partition or a host
+                    // gone. The calls waiting on it would wait out
+                    // `first_byte`.
                     cut_off(&shared.fleet, &shared.prefix, &id);
                 } else {
                     forget(&shared.fleet, &shared.prefix, &id);
@@ -244,7 +252,7 @@ async fn follow(
     let (mut send, conn) = match tokio::time::timeout(cfg.connect_timeout.get(), connect).await {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => return StreamEnd::Connect(e),
-        Err(_) => return StreamEnd::Connect("timed out".to_owned()),
+        Err(_) => return StreamEnd::TimedOut("the connection"),
     };
     tokio::pin!(conn);
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -276,7 +284,7 @@ async fn follow(
             }
             return StreamEnd::Connect(e.to_string());
         }
-        Err(_) => return StreamEnd::Connect("no response head".to_owned()),
+        Err(_) => return StreamEnd::TimedOut("the response head"),
     };
     if resp.status() == http::StatusCode::CONFLICT && cfg.follow == Follow::SameModels {
         return StreamEnd::OtherModels(addr.to_string());
