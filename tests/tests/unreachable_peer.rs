@@ -6,20 +6,28 @@
 //! `timeouts.first_byte` and failing with a 504. The peer here is a
 //! listener that reads the request and never answers, as a pod across a
 //! network partition does. One test cuts it off as the mesh subscriber
-//! does on a silent stream; the other gives it a mesh port whose state
-//! stream falls silent, and the subscriber cuts it off.
+//! does on a silent stream; others give it a mesh port whose state
+//! stream falls silent, and the subscriber cuts it off, or a record in
+//! Valkey that stops being renewed, and the sidecar cuts it off.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvmesh_filters::prefix::index::PrefixIndex;
 use kvmesh_filters::sched::Role;
+use kvmesh_loadgen::valkey::ValkeyServer;
+use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
 use kvmesh_proxy::config::Duration as CfgDuration;
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_proxy::mesh::wire::{self, Announce, LoadMsg, Msg};
+use kvmesh_proxy::valkey::metrics::IndexMetrics;
+use kvmesh_proxy::valkey::{PodRecord, Store, Writer};
+use kvmesh_proxy::Shutdown;
 use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::mesh::write_peers;
 use kvmesh_tests::route::{config, eventually, filters_yaml, labels_of, metric, sim, MODEL};
@@ -285,4 +293,121 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
     }
     a.shutdown().await;
     engine.shutdown().await;
+}
+
+/// The same on the Valkey backend: x is a pod the sidecar finds through a
+/// lookup (its record in Valkey, renewed every `lease_interval`). While a
+/// request waits on it, x's writer stops renewing without deregistering,
+/// as a host gone does; before the lease lapses the sidecar sees the
+/// record unchanged, cuts x off, and the local engine answers. (Without
+/// it x is only forgotten, after `forget_after`, and the request waits out
+/// `first_byte`: a 504.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_head_goes_elsewhere_when_its_peers_valkey_record_stops_being_renewed()
+{
+    let server = ValkeyServer::start().await.unwrap();
+    let valkey = ValkeyConfig {
+        urls: vec![server.url()],
+        lookup_deadline: CfgDuration::from_millis(200),
+        cache_ttl: CfgDuration::from_millis(20),
+        lease_interval: CfgDuration::from_millis(100),
+        lease_ttl: CfgDuration::from_millis(600),
+        flush_interval: CfgDuration::from_millis(5),
+        // Longer than the test: x is never merely forgotten here.
+        forget_after: CfgDuration::from_secs(30),
+        ..ValkeyConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let engine = sim().await;
+    let mut c = config(&engine, &[("pod", "a")], Some(&only_x(dir.path())));
+    c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
+    c.mesh.file = None;
+    c.mesh.listen = None;
+    c.index.backend = Backend::Valkey;
+    c.index.valkey = valkey.clone();
+    let a = start(c).await;
+    wait_ready(&a).await;
+
+    // x: a record naming the silent listener, renewed until told to stop.
+    let (silent, mut heard) = silent_pod().await;
+    let x_id = silent.to_string();
+    let shutdown = Shutdown::new();
+    let store = Arc::new(Store::new(valkey));
+    tokio::spawn(store.clone().run(shutdown.clone()));
+    eventually("connected to valkey", || async {
+        store.is_up().then_some(())
+    })
+    .await;
+    let index = Arc::new(PrefixIndex::default());
+    let record = PodRecord {
+        id: x_id.clone(),
+        mesh: String::new(),
+        kv_agent: String::new(),
+        role: Role::Both,
+        models: vec![MODEL.to_owned()],
+        adapters: vec![],
+        labels: labels_of(&[("pod", "x")]),
+        waiting: 0,
+        running: 0,
+        kv: 0.0,
+        block_size: 16,
+        blocks: 1000,
+        healthy: true,
+        in_flight: 0,
+        load_age_ms: 0,
+        ttl_ms: 0,
+        work: None,
+    };
+    let mut writer = Writer::new(
+        store.clone(),
+        index.clone(),
+        index.pod(&x_id).unwrap(),
+        &x_id,
+        vec![MODEL.to_owned()],
+        Box::new(move || record.clone()),
+    );
+    let m = IndexMetrics::default();
+    for _ in 0..200 {
+        let _ = writer.renew(&m).await;
+        if writer.is_registered() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(writer.is_registered(), "x registered");
+    let (stop, mut stopped) = watch::channel(false);
+    let renewing = tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = stopped.changed() => return writer,
+                _ = every.tick() => { let _ = writer.renew(&m).await; }
+            }
+        }
+    });
+
+    let body = json!({"model": MODEL, "prompt": "a short answer", "max_tokens": 6});
+    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
+    let client = http1();
+    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    tokio::time::timeout(Duration::from_secs(10), heard.recv())
+        .await
+        .expect("the request reached x")
+        .expect("x listens");
+    // x's host is gone: no more renewals, and no deregistration.
+    stop.send(true).unwrap();
+    let _writer = renewing.await.unwrap();
+    let r = pending.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 6);
+    assert!(!a.fleet().contains(&x_id), "x was cut off");
+    let counted = metric(
+        &a,
+        "kvmesh_migrations_total{outcome=\"retried_unreachable\"}",
+    )
+    .await;
+    assert_eq!(counted, Some(1.0));
+    a.shutdown().await;
+    engine.shutdown().await;
+    shutdown.trigger();
 }

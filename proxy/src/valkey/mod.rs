@@ -11,6 +11,9 @@
 //! * [`guesses`]: in approximate mode (`prefix.tokenizer: none`, no KV
 //!   events), each routing decision's text block keys, written as guesses
 //!   for the pod it chose, which expire; lookups then read those.
+//! * [`liveness`]: a peer with calls in flight whose record stops being
+//!   renewed without being removed (a host gone, not a drain) is cut off,
+//!   so those calls go elsewhere at once.
 //! * [`store`]: the connection (single server, primary and replicas, found
 //!   through Sentinel or not, or a cluster), reconnects and failover;
 //!   `functions.lua` the server side.
@@ -24,6 +27,7 @@
 
 pub mod guesses;
 pub mod keys;
+pub mod liveness;
 pub mod lookup;
 pub mod metrics;
 pub mod record;
@@ -66,6 +70,9 @@ pub struct Valkey {
     /// registered as (pod id to member), whom its guesses are written for.
     members: Mutex<HashMap<String, String>>,
     status: Mutex<WriterStatus>,
+    /// Where the peers of recent lookups have their records, to cut off
+    /// those that stop renewing them ([`liveness`]).
+    liveness: liveness::Liveness,
     /// The whole fleet of the local pod's models, as last read, and when.
     fleet_view: tokio::sync::Mutex<Option<(Instant, Arc<Vec<PodSnapshot>>)>>,
     /// Lookups, writes, registrations, the connection.
@@ -107,6 +114,7 @@ impl Valkey {
             members: Mutex::new(HashMap::new()),
             store,
             status: Mutex::new(WriterStatus::default()),
+            liveness: liveness::Liveness::default(),
             fleet_view: tokio::sync::Mutex::new(None),
             metrics: IndexMetrics::register(registry),
         }
@@ -144,11 +152,23 @@ impl Valkey {
             self.learn_members(&found.candidates);
         }
         let now = Instant::now();
+        let cfg = self.store.config();
         let mut out = Vec::with_capacity(found.candidates.len());
         for c in &found.candidates {
             let r = &c.record;
             if r.id != fleet.local_id() {
                 let Some(info) = r.info() else { continue };
+                // Cut off as this member: its record is the stale one.
+                if !self.liveness.named(
+                    &cfg.key_prefix,
+                    cfg.stripes,
+                    model,
+                    &r.id,
+                    &c.member,
+                    cfg.lease_ttl.get(),
+                ) {
+                    continue;
+                }
                 let sidecar = info.sidecar_addr;
                 let at = now
                     .checked_sub(Duration::from_millis(c.age_ms.min(3_600_000)))
@@ -287,8 +307,10 @@ pub struct Tasks {
 }
 
 /// The index tasks: the connection, the local pod's writer, in approximate
-/// mode the writer of its routing decisions' guesses, and forgetting pods
-/// no lookup named for `forget_after`. Returns on shutdown.
+/// mode the writer of its routing decisions' guesses, forgetting pods no
+/// lookup named for `forget_after`, and cutting off the pods with calls in
+/// flight whose records stopped being renewed ([`liveness`]). Returns on
+/// shutdown.
 pub async fn run(t: Tasks, shutdown: Shutdown) {
     let store = t.valkey.store.clone();
     let conn = tokio::spawn(store.clone().run(shutdown.clone()));
@@ -301,14 +323,22 @@ pub async fn run(t: Tasks, shutdown: Shutdown) {
         ))
     });
     let forget = tokio::spawn(forget(
+        t.valkey.clone(),
         t.fleet.clone(),
         t.prefix.clone(),
         t.config.clone(),
         shutdown.clone(),
     ));
+    let watch = tokio::spawn(watch(
+        t.valkey.clone(),
+        t.fleet.clone(),
+        t.prefix.clone(),
+        shutdown.clone(),
+    ));
     write(t, shutdown).await;
     let _ = conn.await;
     let _ = forget.await;
+    let _ = watch.await;
     if let Some(g) = guesses {
         let _ = g.await;
     }
@@ -427,8 +457,10 @@ fn record_fn(t: &Tasks) -> writer::RecordFn {
 
 /// Forgets pods no lookup named for `forget_after` (fleet entries and their
 /// predictions), so the fleet holds the pods this sidecar routes among, not
-/// every pod there is.
+/// every pod there is. They may only be idle: they are not cut off (a pod
+/// gone without leaving is, by [`watch`], while calls wait on it).
 async fn forget(
+    valkey: Arc<Valkey>,
     fleet: Arc<Fleet>,
     prefix: Arc<PrefixState>,
     config: Arc<Config>,
@@ -444,7 +476,30 @@ async fn forget(
                 for id in fleet.peers_older_than(Instant::now(), after) {
                     fleet.remove_peer(&id);
                     prefix.remove_pod(&id);
+                    valkey.liveness.forget(&id);
                 }
+            }
+        }
+    }
+}
+
+/// Every quarter lease, cuts off the peers with calls in flight whose
+/// records stopped being renewed without being removed ([`liveness`]).
+async fn watch(
+    valkey: Arc<Valkey>,
+    fleet: Arc<Fleet>,
+    prefix: Arc<PrefixState>,
+    shutdown: Shutdown,
+) {
+    let cfg = valkey.store.config().clone();
+    let stale = liveness::Liveness::stale_after(cfg.lease_ttl.get(), cfg.lease_interval.get());
+    let mut tick = tokio::time::interval((cfg.lease_ttl.get() / 4).max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.triggered() => return,
+            _ = tick.tick() => {
+                liveness::check(&valkey.liveness, &valkey.store, &fleet, &prefix, stale).await;
             }
         }
     }
