@@ -305,6 +305,18 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_without_a_head_goes_elsewhere_when_its_peers_valkey_record_stops_being_renewed()
 {
+    through_valkey(false).await;
+}
+
+/// A pod that deregisters (a drain, a shutdown: its record deleted) is not
+/// cut off: the call waiting on it is left to finish, here to
+/// `first_byte`, as on the mesh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_on_a_pod_that_deregisters_from_valkey_is_not_cut_off() {
+    through_valkey(true).await;
+}
+
+async fn through_valkey(deregisters: bool) {
     let server = ValkeyServer::start().await.unwrap();
     let valkey = ValkeyConfig {
         urls: vec![server.url()],
@@ -394,19 +406,34 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peers_valkey_record_st
         .await
         .expect("the request reached x")
         .expect("x listens");
-    // x's host is gone: no more renewals, and no deregistration.
+    // x's host is gone: no more renewals, and no deregistration; or x
+    // deregisters.
     stop.send(true).unwrap();
-    let _writer = renewing.await.unwrap();
-    let r = pending.await.unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["usage"]["completion_tokens"], 6);
-    assert!(!a.fleet().contains(&x_id), "x was cut off");
-    let counted = metric(
-        &a,
-        "kvmesh_migrations_total{outcome=\"retried_unreachable\"}",
-    )
-    .await;
-    assert_eq!(counted, Some(1.0));
+    let mut writer = renewing.await.unwrap();
+    let counted = || async {
+        metric(
+            &a,
+            "kvmesh_migrations_total{outcome=\"retried_unreachable\"}",
+        )
+        .await
+        .unwrap_or(0.0)
+    };
+    if deregisters {
+        writer.leave().await;
+        // Three leases: a pod gone without leaving is cut off within one.
+        tokio::time::sleep(Duration::from_millis(1800)).await;
+        assert!(!pending.is_finished(), "the call still waits on x");
+        assert_eq!(counted().await, 0.0);
+        let r = pending.await.unwrap();
+        assert_eq!(r.status, 504, "{}", r.text());
+        assert_eq!(counted().await, 0.0);
+    } else {
+        let r = pending.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["usage"]["completion_tokens"], 6);
+        assert!(!a.fleet().contains(&x_id), "x was cut off");
+        assert_eq!(counted().await, 1.0);
+    }
     a.shutdown().await;
     engine.shutdown().await;
     shutdown.trigger();
