@@ -164,9 +164,11 @@ impl Liveness {
                 (None, _) => Verdict::Left,
             };
             if verdict == Verdict::Stale {
-                self.cut
-                    .lock()
-                    .insert(id.clone(), (place.member.clone(), now));
+                let mut cut = self.cut.lock();
+                if cut.len() >= MAX_PEERS {
+                    cut.clear();
+                }
+                cut.insert(id.clone(), (place.member.clone(), now));
             }
             if verdict != Verdict::Live {
                 places.remove(&id);
