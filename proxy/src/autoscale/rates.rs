@@ -8,8 +8,9 @@
 //! of the counters' deltas over the same window (prompt, cached, generated
 //! per finished request).
 //!
-//! Each pod is measured from its first sample inside the window, so a pod
-//! that joined during it adds what it served since; a counter that went
+//! Each pod is measured from its first sample inside the window to its
+//! last, so a pod that joined during it adds what it served since, and one
+//! that left (scaled down) what it took before it went; a counter that went
 //! down (the engine restarted) counts from zero.
 
 use std::collections::VecDeque;
@@ -137,15 +138,24 @@ impl History {
         // prompt tokens, and the histogram's two sums.
         let mut spread = [0u64; 4];
         let mut in_system_change = 0i64;
-        for now in last.pods.iter().filter(|p| p.role == role) {
-            let Some(then) = self
-                .samples
+        // Every pod of the pool seen in the span, from its first sample in it
+        // to its last: a pod that left (scaled down, or its load went stale)
+        // still counts what it took while it was there.
+        let in_span: Vec<&Sample> = self.samples.iter().skip(skip).collect();
+        let mut ids: Vec<&str> = Vec::new();
+        for p in in_span.iter().flat_map(|s| &s.pods) {
+            if p.role == role && !ids.contains(&p.id.as_str()) {
+                ids.push(&p.id);
+            }
+        }
+        for id in ids {
+            let mut seen = in_span
                 .iter()
-                .skip(skip)
-                .find_map(|s| s.pods.iter().find(|p| p.id == now.id))
-            else {
+                .filter_map(|s| s.pods.iter().find(|p| p.id == id));
+            let Some(then) = seen.next() else {
                 continue;
             };
+            let now = seen.next_back().unwrap_or(then);
             let delta = |a: u64, b: u64| if a >= b { a - b } else { a };
             finished += delta(now.work.finished, then.work.finished);
             prompt += delta(now.work.prompt_tokens, then.work.prompt_tokens);
@@ -257,6 +267,26 @@ mod tests {
         );
         let w = h.workload(Role::Decode).unwrap();
         assert!((w.arrival_rate - 1.4).abs() < 1e-9, "{w:?}"); // (4 + 10) / 10 s
+    }
+
+    #[test]
+    fn a_pod_that_left_during_the_window_still_counts_what_it_took() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        let both = |a: u64, b: u64| [pod("a", Role::Prefill, a, 0), pod("b", Role::Prefill, b, 1)];
+        h.record(t0, &both(100, 100));
+        h.record(t0 + Duration::from_secs(5), &both(110, 110));
+        // b is scaled down: gone from the fleet the hook reads.
+        h.record(
+            t0 + Duration::from_secs(10),
+            &[pod("a", Role::Prefill, 120, 0)],
+        );
+        let w = h.workload(Role::Prefill).unwrap();
+        // a took 20 and b 10 (its one in flight unchanged): 30 in 10 s.
+        assert!((w.arrival_rate - 3.0).abs() < 1e-9, "{w:?}");
+        // Over the last two samples b is not seen twice: a's 10 in 5 s.
+        let (recent, _) = h.recent_rate(Role::Prefill, 2).unwrap();
+        assert!((recent - 2.0).abs() < 1e-9, "{recent}");
     }
 
     #[test]
