@@ -12,20 +12,22 @@
 //! - **By SLO** (`autoscale.slo`): the pool runs the pods a queueing model
 //!   ([`slo`]) says meet TTFT p90 and ITL p99, at the arrival rate and
 //!   tokens per request measured over the last window ([`rates`]; the last
-//!   few samples' rate when it is past the window's by more than their
-//!   noise, so a burst counts at once), on pods that cost what
-//!   `autoscale.slo.pod` says. The queue rule stays as a guard (a queue or a
-//!   full KV cache still grows the pool), and the pool never drops below
-//!   what its requests in flight hold.
+//!   few samples' rate when it is past the rate before them by more than
+//!   their noise, so a burst counts at once), on pods that cost what
+//!   `autoscale.slo.pod` says. The queue rule stays as a guard (a queue or
+//!   a full KV cache still grows the pool; on a prefill pool the queue
+//!   counts in prefill time instead), and the pool never drops below what
+//!   its requests in flight hold.
 //!
 //! Every sidecar samples the fleet every `sample_interval` whether polled or
 //! not ([`run`]), so whichever sidecar a poller reaches answers from the
 //! same window; one that has watched less than a window keeps the pool's
 //! size. With an SLO the hook slows scale-down itself: the window's rate
 //! falls a window after the load, and a pool shrinks only to a size that
-//! holds one standard error above it; the HPA's `behavior.scaleDown` window
-//! (the shipped ScaledObjects set one rate window) smooths the sidecars'
-//! answers. The queue rule keeps no history: there, slowing it is the HPA's.
+//! holds one standard error above it; the HPA's `behavior.scaleDown`
+//! window (the shipped ScaledObjects set one rate window) smooths the
+//! sidecars' answers. The queue rule keeps no history: there, slowing it
+//! is the HPA's.
 //! Each answer explains itself: `GET /autoscale` on the admin port (JSON)
 //! and `kvmesh_autoscale_*` in `/metrics`.
 //!
@@ -89,7 +91,9 @@ pub struct PoolAnswer {
 /// The SLO model's working, for `GET /autoscale`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SloAnswer {
-    /// What the pool was asked to serve over the window.
+    /// What the pool was asked to serve over the window (the rate over the
+    /// last seconds instead, `window_s` of them, where it jumped past the
+    /// noise).
     pub workload: Workload,
     /// The fewest pods the model says meet the SLO at that workload.
     pub needed: u32,
@@ -97,11 +101,13 @@ pub struct SloAnswer {
     pub predicted: Prediction,
     /// The highest rate one pod sustains within the SLO at that size, req/s.
     pub rate_per_pod: f64,
-    /// Pods the requests the pool runs and queues now need, at the batch a
-    /// pod holds within the SLO.
+    /// Pods the requests the pool runs and queues now need: on a prefill
+    /// pool, their mean prefill time over the TTFT target; elsewhere, their
+    /// number over the batch a pod holds within the SLO.
     pub in_flight_floor: u32,
     /// The queue rule's answer, which `desired` never goes below when it
-    /// asks for more pods than the pool has.
+    /// asks for more pods than the pool has (except on a prefill pool,
+    /// whose queue the in-flight floor counts in prefill time).
     pub queue_desired: u32,
 }
 
@@ -121,10 +127,19 @@ fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
     pods.iter().filter(|p| p.info.role == role).collect()
 }
 
-/// The last samples whose rate counts at once when it is past the
-/// window's: two, three and four sample intervals (a burst passes the test
-/// over the shortest span it is clear in).
-const RECENT_SAMPLES: [usize; 3] = [3, 4, 5];
+/// The spans, in sample intervals, whose rate counts at once when it is
+/// past the rate of the window before them: the last two intervals up to
+/// half the window's (at least four). A burst passes the test over the
+/// shortest span it is clear in, a smaller jump over a longer one.
+fn recent_spans(slo: &crate::config::autoscale::Slo) -> std::ops::RangeInclusive<usize> {
+    let sample = slo.sample_interval.get().as_secs_f64();
+    let per_window = if sample > 0.0 {
+        (slo.window.get().as_secs_f64() / sample).floor()
+    } else {
+        0.0
+    };
+    2..=((per_window / 2.0) as usize).clamp(4, 64)
+}
 
 /// The hook: the config, the samples of the last window, and the metrics
 /// the answers set.
@@ -180,11 +195,22 @@ impl Hook {
             let measured = st.history.workload(role).map(|mut w| {
                 // Up at once: a rate that jumped counts before the window's
                 // average catches up (the last few samples' rate), when it
-                // is past the noise of so few arrivals.
-                for samples in RECENT_SAMPLES {
-                    if let Some((recent, span)) = st.history.recent_rate(role, samples) {
-                        if burst(w.arrival_rate, recent, span) {
-                            w.arrival_rate = w.arrival_rate.max(recent);
+                // is past the noise of so few arrivals; the highest such
+                // rate, with the seconds it spans.
+                let (rate, window) = (w.arrival_rate, w.window_s);
+                for intervals in recent_spans(slo) {
+                    if let Some((recent, span)) = st.history.recent_rate(role, intervals + 1) {
+                        // Against the rate of the window before the span:
+                        // the window's own average holds the span's
+                        // arrivals, so a jump would raise what it is
+                        // tested against.
+                        let before = if window > span {
+                            ((rate * window - recent * span) / (window - span)).max(0.0)
+                        } else {
+                            rate
+                        };
+                        if burst(before, recent, span) && recent > w.arrival_rate {
+                            (w.arrival_rate, w.window_s) = (recent, span);
                         }
                     }
                 }
@@ -243,11 +269,12 @@ impl Hook {
         };
         let (mut needed, mut predicted) = slo::pods_needed(profile, &targets, &w, cfg.max_replicas);
         // Down only past the noise: a smaller pool must also hold at one
-        // standard error above the window's rate, so a rate that wobbles
-        // around a size's limit does not flap the pool.
+        // standard error above the rate (Poisson, over the seconds it
+        // spans), so a rate that wobbles around a size's limit does not
+        // flap the pool.
         if needed < by_queue.pods && w.window_s > 0.0 {
             let high = Workload {
-                arrival_rate: w.arrival_rate + (w.arrival_rate / w.window_s).sqrt(),
+                arrival_rate: w.arrival_rate + (w.arrival_rate.max(0.0) / w.window_s).sqrt(),
                 ..w
             };
             let (n, _) = slo::pods_needed(profile, &targets, &high, cfg.max_replicas);
@@ -257,20 +284,31 @@ impl Hook {
             }
         }
         let rate_per_pod = slo::rate_per_pod(profile, &targets, &w, needed);
-        // The batch a pod holds within the SLO: what its KV share and
-        // max_num_seqs allow.
-        let per_seq = (w.prompt_tokens + w.output_tokens / 2.0).max(1.0);
-        let batch = (targets.kv_usage * profile.kv_cache_tokens as f64 / per_seq)
-            .min(f64::from(profile.max_num_seqs))
-            .max(1.0);
         let in_system: f64 = members
             .iter()
             .filter(|p| p.load_age_ms.is_some())
             .map(|p| f64::from(p.load.waiting) + f64::from(p.load.running))
             .sum();
-        let in_flight_floor = saturating_u32((in_system / batch).ceil());
+        let in_flight_floor = if role == Role::Prefill {
+            // A prefill pod holds a request only until its first token: what
+            // the pool holds is prefill time, and it needs the pods that
+            // compute it within the TTFT target.
+            let work_ms = in_system * slo::mean_prefill_ms(profile, &w);
+            saturating_u32((work_ms / targets.ttft_p90_ms.max(1.0)).ceil())
+        } else {
+            // The batch a pod holds within the SLO: what its KV share and
+            // max_num_seqs allow.
+            let per_seq = (w.prompt_tokens + w.output_tokens / 2.0).max(1.0);
+            let batch = (targets.kv_usage * profile.kv_cache_tokens as f64 / per_seq)
+                .min(f64::from(profile.max_num_seqs))
+                .max(1.0);
+            saturating_u32((in_system / batch).ceil())
+        };
         let queue_desired = by_queue.desired;
-        let queue_guard = if queue_desired > by_queue.pods {
+        // A prefill pool's queue counts in prefill time (the floor above),
+        // not in requests per pod: a queue of short prompts is not one of
+        // long ones.
+        let queue_guard = if queue_desired > by_queue.pods && role != Role::Prefill {
             queue_desired
         } else {
             0
@@ -631,6 +669,40 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_that_jumped_by_less_than_a_burst_counts_against_the_rate_before_it() {
+        // The shipped window (60 s sampled every 5 s): spans of 2 to 6
+        // intervals are tested.
+        let mut cfg = slo_config();
+        if let Some(slo) = cfg.slo.as_mut() {
+            slo.window = crate::config::Duration::from_secs(60);
+        }
+        assert_eq!(recent_spans(cfg.slo.as_ref().unwrap()), 2..=6);
+        let hook = Hook::new(&cfg, &mut Registry::default());
+        let t0 = Instant::now();
+        let two = |n: u64| [busy(1, n / 2, 0), busy(2, n - n / 2, 0)];
+        let mut finished = 0;
+        let mut last = None;
+        // 3 req/s for a minute, then 4.8 req/s for 15 s.
+        for i in 0..=15u64 {
+            finished += match i {
+                0 => 0,
+                1..=12 => 15,
+                _ => 24,
+            };
+            let at = t0 + std::time::Duration::from_secs(5 * i);
+            last = Some(hook.answer(&two(finished), at)["aggregated"].clone());
+        }
+        let a = last.unwrap();
+        let w = a.slo.as_ref().unwrap().workload;
+        // The window's average is 3.45 req/s. The last 15 s (72 arrivals)
+        // against the 3 req/s before them (45 expected) are past three
+        // standard deviations; against the window's own average, which
+        // holds them (52 expected), they would not be, nor would any span.
+        assert!((w.arrival_rate - 4.8).abs() < 1e-9, "{a:?}");
+        assert!((w.window_s - 15.0).abs() < 1e-9, "{a:?}");
+    }
+
+    #[test]
     fn a_pool_shrinks_only_to_a_size_that_holds_past_the_noise_of_its_rate() {
         let cfg = slo_config();
         let slo = cfg.slo.clone().unwrap();
@@ -666,6 +738,44 @@ mod tests {
         // Well under it: the pool shrinks.
         let a = answer((two * 0.6 * 20.0).floor() as u64);
         assert!(a.desired <= 2, "{a:?}");
+    }
+
+    /// A prefill pod `i` that has prefilled `finished` prompts of 2048
+    /// tokens (one token out each), with `waiting` queued.
+    fn prefilling(i: u32, finished: u64, waiting: u32) -> PodSnapshot {
+        let mut p = pod(Role::Prefill, waiting, 0.2, Some(50));
+        p.info.id = format!("10.0.2.{i}:8000");
+        p.load.work = Some(crate::fleet::EngineWork {
+            finished,
+            prompt_tokens: finished * 2048,
+            cached_tokens: 0,
+            generation_tokens: finished,
+            prompt_spread: None,
+        });
+        p
+    }
+
+    #[test]
+    fn a_prefill_pool_counts_its_backlog_in_prefill_time_not_in_requests_per_pod() {
+        let cfg = slo_config(); // TTFT p90 2 s, 2 waiting per pod
+        let hook = Hook::new(&cfg, &mut Registry::default());
+        let t0 = Instant::now();
+        hook.answer(&[prefilling(1, 0, 0), prefilling(2, 0, 0)], t0);
+        // 1 req/s over the 20 s window, and 15 queued on each pod at its end.
+        let a = &hook.answer(
+            &[prefilling(1, 10, 15), prefilling(2, 10, 15)],
+            t0 + std::time::Duration::from_secs(20),
+        )["prefill"];
+        let slo = a.slo.as_ref().unwrap();
+        let prefill_ms = slo::mean_prefill_ms(&cfg.slo.as_ref().unwrap().pod, &slo.workload);
+        assert!(prefill_ms > 200.0 && prefill_ms < 400.0, "{prefill_ms}");
+        // 30 prompts of ~0.28 s each prefill within 2 s on 5 pods.
+        let floor = (30.0 * prefill_ms / 2000.0).ceil() as u32;
+        assert_eq!(slo.in_flight_floor, floor, "{a:?}");
+        // The queue rule (7.5 per pod against 2) asks for 15: not applied.
+        assert_eq!(slo.queue_desired, 15, "{a:?}");
+        assert!(slo.needed < floor, "{a:?}");
+        assert_eq!((a.desired, a.signal), (floor, "in_flight"), "{a:?}");
     }
 
     #[test]

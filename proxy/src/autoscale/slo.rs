@@ -215,6 +215,12 @@ pub fn rate_per_pod(p: &PodProfile, t: &Targets, w: &Workload, pods: u32) -> f64
     lo
 }
 
+/// The mean time (ms) one pod takes to prefill a request shaped like `w`:
+/// its own prefill over the pool's prompt distribution (no wait).
+pub fn mean_prefill_ms(p: &PodProfile, w: &Workload) -> f64 {
+    Prefill::of(p, w).mean_ms
+}
+
 /// Where the prompt distribution is sampled: standard normal points from
 /// -4 to 4 in steps of [`Z_STEP`] (the mass beyond is 6e-5).
 const Z_STEP: f64 = 0.1;
