@@ -677,6 +677,43 @@ async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv
     assert_eq!(pd_outcome(&sidecar, "disaggregated").await, Some(0.0));
 }
 
+/// The decode pod's head came (vLLM sends a stream's head at once), then its engine died before
+/// any token, as one dying while it fetches the prompt's KV would: the stream goes on with the
+/// same decode leg, `kv_transfer_params` and all, on the next pod, and the client reads one
+/// stream. (The simulated engine had read the blocks before it died, so the prefill engine had
+/// released them and the spare computes the prompt, as vLLM does with
+/// `kv_load_failure_policy: recompute`; a vLLM decode that dies before its read ends leaves
+/// them held for the next one until the lease passes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_stream_that_breaks_before_its_first_token_is_resent_the_same_kv_transfer_params()
+{
+    let failing = engine(SimRole::Decode, Flavor::Vllm).await;
+    failing.faults().die_after_chunks(Some(0));
+    let failing_sidecar = start(config(&failing, &[], None)).await;
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(failing_sidecar.addr(), |_| {}).await;
+
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(130);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": true});
+    let resp = completion(&sidecar, body, &[]).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let text = resp.text();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    assert_eq!(inference(&prefill).len(), 1, "one prefill leg");
+    let (first, second) = (inference(&failing), inference(&spare));
+    assert_eq!((first.len(), second.len()), (1, 1), "{second:?}");
+    let (first, second) = (first[0].json().unwrap(), second[0].json().unwrap());
+    assert_eq!(
+        first["kv_transfer_params"]["do_remote_prefill"],
+        json!(true),
+        "{first}"
+    );
+    assert_eq!(first, second, "the decode leg was sent again as it was");
+    let resent = r#"kvmesh_migrations_total{outcome="kv_resent"}"#;
+    assert_eq!(metric(&sidecar, resent).await, Some(1.0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resent_decode_leg_answered_500_has_the_request_recomputed_whole() {
     // The first decode pod fails; the one the leg is re-sent to answers 500, as vLLM answers a

@@ -348,7 +348,7 @@ impl Metrics {
         );
         registry.register(
             "migrations",
-            "Streams whose upstream failed after bytes reached the client, by outcome: migrated (continued on another pod), or why not (limit, deadline, unsupported, no_target, continuation_failed, ...); retried_unreachable: a call with no response head whose pod was cut off (its mesh stream silent), its request retried on another pod",
+            "Streams whose upstream failed after bytes reached the client, by outcome: migrated (continued on another pod), kv_resent (a P/D decode stream that broke before its first token, its decode leg sent again to another decode pod), or why not (limit, deadline, unsupported, no_target, continuation_failed, ...); retried_unreachable: a call with no response head whose pod was cut off (its mesh stream silent), its request retried on another pod",
             upstream.migrations.clone(),
         );
         registry.register(

@@ -28,7 +28,7 @@ use crate::fleet::Fleet;
 use crate::headers::UNSERVED;
 use crate::otel::Hop;
 use crate::pd::metrics::PdMetrics;
-use crate::request::migrate::{Migration, RerouteSource, Start};
+use crate::request::migrate::{KvResend, Migration, RerouteSource, Start};
 use crate::request::{
     leg_upstream, relay, send, ClientBody, ClientRequest, Leg, Plan, RequestCtx, Served, Target,
     Upstream, Upstreams, FORWARD, MAX_ATTEMPTS,
@@ -149,7 +149,13 @@ pub async fn execute(
                             // The re-sent decode leg counts at its pod now.
                             super::account::track(h.books, ctx, &serving);
                         }
-                        return Ok(migrating(h, ctx, &req, all, &serving, decode_name, resp));
+                        let stream = Serving {
+                            targets: all,
+                            serving: &serving,
+                            upstream: decode_name,
+                            kv_resend: pd.kv_resend(),
+                        };
+                        return Ok(migrating(h, ctx, &req, stream, resp));
                     }
                     Err(e) if failed_before_any_byte(&e, pd.failed_decodes(), h.up.engine_url) => {
                         tracing::warn!(request_id = ctx.id(), error = %e, "the decode pod failed before any byte; trying the next fallback whole");
@@ -174,7 +180,13 @@ pub async fn execute(
                 ctx.served_by = Some(upstream.served());
                 let all = tried_and_left(&attempted, &targets);
                 let name = upstream.name(h.up.engine_url);
-                return Ok(migrating(h, ctx, &req, all, &target, name, resp));
+                let stream = Serving {
+                    targets: all,
+                    serving: &target,
+                    upstream: name,
+                    kv_resend: None,
+                };
+                return Ok(migrating(h, ctx, &req, stream, resp));
             }
             Ok(Forwarded::Unserved(reply)) => {
                 super::account::failed(h.books, &upstream);
@@ -215,7 +227,19 @@ fn tried_and_left(tried: &[Target], left: &std::collections::VecDeque<Target>) -
     tried.iter().chain(left.iter()).cloned().collect()
 }
 
-/// `resp`, a stream `serving` began, able to go on on another pod if that
+/// Who serves a stream that may migrate ([`migrating`]).
+struct Serving<'a> {
+    /// The plan's targets: those tried, then those left.
+    targets: Vec<Target>,
+    /// The target serving it, and its name.
+    serving: &'a Target,
+    upstream: UpstreamName,
+    /// A P/D stream's decode leg, to send again as it was if its pod fails
+    /// before any token.
+    kv_resend: Option<KvResend>,
+}
+
+/// `resp`, a stream `stream.serving` began, able to go on on another pod if that
 /// one fails mid-way (`crate::request::migrate`): the client's own streamed
 /// completions, chat completions and responses, answered `200` with an
 /// event stream, with migration on. Anything else is returned as it is.
@@ -223,9 +247,7 @@ fn migrating(
     h: Execute<'_>,
     ctx: &RequestCtx,
     req: &ClientRequest,
-    targets: Vec<Target>,
-    serving: &Target,
-    upstream: UpstreamName,
+    stream: Serving<'_>,
     resp: Response<ResponseBody>,
 ) -> Response<ResponseBody> {
     let (Some(source), Some(view), ClientBody::Buffered(body)) = (h.reroute, &ctx.view, &req.body)
@@ -252,6 +274,12 @@ fn migrating(
     {
         return resp;
     }
+    let Serving {
+        targets,
+        serving,
+        upstream,
+        kv_resend,
+    } = stream;
     let serving = served_on(serving);
     let start = Start {
         route: ctx.route,
@@ -269,6 +297,7 @@ fn migrating(
         max_migrations: h.migration.max_migrations,
         // Past the overall deadline the request is over, wherever it goes.
         deadline: h.migration.deadline.get().min(h.up.timeouts.overall.get()),
+        kv_resend,
     };
     let m = Migration::new(start, source.reroute(), std::sync::Arc::clone(h.up.metrics));
     resp.map(|b| b.with_migration(Box::new(m)))

@@ -66,6 +66,9 @@ pub struct PdPlan {
     decode: Upstream,
     /// Decode pods that failed this request before any byte, in order.
     failed: Vec<Upstream>,
+    /// The decode leg that served, to send again as it was if its pod fails
+    /// before any token (set where a re-send may use the prefill's blocks).
+    kv_resend: Option<crate::request::migrate::KvResend>,
 }
 
 impl PdPlan {
@@ -78,7 +81,14 @@ impl PdPlan {
                 .collect(),
             decode: leg_upstream(&decode),
             failed: Vec::new(),
+            kv_resend: None,
         }
+    }
+
+    /// The decode leg to send again, as it was, if the decode pod's stream
+    /// fails before its first token (`request::migrate::KvResend`).
+    pub fn kv_resend(&self) -> Option<crate::request::migrate::KvResend> {
+        self.kv_resend.clone()
     }
 
     /// The decode pod that served the request (after a re-send, not the

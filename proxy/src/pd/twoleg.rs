@@ -20,6 +20,7 @@ use crate::config::OnPrefillFailure;
 use crate::error::ProxyError;
 use crate::error::UpstreamName;
 use crate::otel::Hop;
+use crate::request::migrate::KvResend;
 use crate::request::ClientRequest;
 use crate::request::RequestCtx;
 use crate::request::{relay, send, Upstream};
@@ -86,6 +87,12 @@ pub async fn run(
                 metrics.outcome(connector, outcome);
                 super::traced(ctx, connector, outcome);
                 plan.decode = to;
+                // Its stream may still fail before its first token: then the
+                // same leg goes again while the lease holds.
+                plan.kv_resend = resendable.then(|| KvResend {
+                    body: decode_body.clone(),
+                    until: lease_ends,
+                });
                 return Ok(relay(&up, ctx, name, resp, hop));
             }
             Err(f) => f,

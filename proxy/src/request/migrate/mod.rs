@@ -137,6 +137,22 @@ pub struct Start {
     pub attempts: u8,
     pub max_migrations: u8,
     pub deadline: Duration,
+    /// A P/D request's decode leg, to send again as it was when its decode
+    /// pod fails before any token ([`KvResend`]).
+    pub kv_resend: Option<KvResend>,
+}
+
+/// A P/D decode leg that may go again, as it was (the prefill's
+/// `kv_transfer_params` and all), to another decode pod: while nothing was
+/// generated the prefill's blocks are all that pod needs, and the prefill
+/// pod holds them until its lease passes (`migration.pd_kv_lease`). The
+/// continuation otherwise sends the whole prompt, computed again.
+#[derive(Debug, Clone)]
+pub struct KvResend {
+    /// The decode leg's body.
+    pub body: Bytes,
+    /// When the prefill pod's lease on the blocks ends.
+    pub until: Instant,
 }
 
 /// See the module docs.
@@ -146,6 +162,9 @@ pub struct Migration {
     metrics: Arc<UpstreamMetrics>,
     /// Pods that failed this request.
     avoid: Vec<Served>,
+    /// The decode leg was sent again once ([`KvResend`]): a second failure
+    /// (its KV perhaps gone) continues with the whole prompt.
+    kv_resent: bool,
     /// Who serves the stream now (errors name it).
     upstream: UpstreamName,
     migrations: u8,
@@ -233,6 +252,7 @@ impl Migration {
         let unsupported = unsupported_request(&start);
         Self {
             avoid: vec![start.serving],
+            kv_resent: false,
             upstream: start.upstream.clone(),
             start,
             reroute,
@@ -494,7 +514,11 @@ impl Migrate for Migration {
             tracing::warn!(request_id = self.start.request_id.to_str().unwrap_or("-"), reason, error = %err, "stream not migrated");
             return None;
         }
-        let body = match continuation(&self.start, &self.out) {
+        let resent = self.kv_resend_now();
+        let body = match resent
+            .clone()
+            .map_or_else(|| continuation(&self.start, &self.out), Ok)
+        {
             Ok(b) => b,
             Err(reason) => {
                 self.metrics.migration(reason);
@@ -533,10 +557,15 @@ impl Migrate for Migration {
         let call = self.reroute.send(to, job);
         let metrics = Arc::clone(&self.metrics);
         let carried = self.in_prompt;
+        let outcome = if resent.is_some() {
+            KV_RESENT
+        } else {
+            "migrated"
+        };
         Some(Box::pin(async move {
             match call.await {
                 Ok((body, name)) => {
-                    metrics.migration("migrated");
+                    metrics.migration(outcome);
                     metrics.migrated_tokens(carried);
                     Ok((body, name))
                 }
@@ -546,6 +575,28 @@ impl Migrate for Migration {
                 }
             }
         }))
+    }
+}
+
+/// The outcome in `kvmesh_migrations_total` of a P/D stream whose decode
+/// pod failed before any token and whose decode leg went again, as it was,
+/// to another decode pod ([`KvResend`]).
+pub const KV_RESENT: &str = "kv_resent";
+
+impl Migration {
+    /// The decode leg to send again as it was ([`KvResend`]): nothing
+    /// generated yet, the lease not passed, and not sent again once already.
+    fn kv_resend_now(&mut self) -> Option<Bytes> {
+        if self.kv_resent || self.out.generated > 0 || !self.out.text.is_empty() {
+            return None;
+        }
+        let leg = self
+            .start
+            .kv_resend
+            .as_ref()
+            .filter(|k| Instant::now() < k.until)?;
+        self.kv_resent = true;
+        Some(leg.body.clone())
     }
 }
 

@@ -55,6 +55,7 @@ fn start(route: Route, body: serde_json::Value) -> Start {
         attempts: 1,
         max_migrations: 3,
         deadline: Duration::from_secs(60),
+        kv_resend: None,
     }
 }
 
