@@ -38,8 +38,9 @@ pub struct Slo {
     /// Inter-token latency that 99% of tokens should meet.
     pub itl_p99: Duration,
     /// The arrival rate and tokens per request are measured over this window
-    /// (a rate measured over the last three samples counts at once when it
-    /// is higher: pools grow as soon as a burst shows).
+    /// (a rate over a recent span, two sample intervals up to half the
+    /// window, counts at once when it is past the noise of the rate before
+    /// it: pools grow as soon as a burst shows; docs/autoscaling.md).
     #[serde(default = "default_window")]
     pub window: Duration,
     /// How often every sidecar samples the fleet's counters, polled or not.
