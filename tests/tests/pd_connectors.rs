@@ -652,19 +652,11 @@ async fn failing_decode_pod(delay: Option<Duration>) -> (SimHandle, SidecarHandl
     (engine, sidecar)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv_transfer_params() {
-    let (failing, failing_sidecar) = failing_decode_pod(None).await;
-    let (prefill, spare, sidecar, _spare_sidecar) =
-        split_with_a_failing_decode_pod(failing_sidecar.addr(), |_| {}).await;
-
-    split_long_prompt(&sidecar, &prefill).await;
-    // The failed engine and the spare got the same decode leg, parameters and all; the prefill
-    // engine was not called again (split_long_prompt counts its legs).
-    let first = inference(&failing);
-    assert_eq!(first.len(), 1, "{first:?}");
-    let second = inference(&spare);
-    assert_eq!(second.len(), 1, "{second:?}");
+/// The failed decode engine and the spare each got one decode leg, the same one: the prefill's
+/// `kv_transfer_params` and all.
+fn same_decode_leg(failing: &SimHandle, spare: &SimHandle) {
+    let (first, second) = (inference(failing), inference(spare));
+    assert_eq!((first.len(), second.len()), (1, 1), "{first:?} {second:?}");
     let (first, second) = (first[0].json().unwrap(), second[0].json().unwrap());
     assert_eq!(
         first["kv_transfer_params"]["do_remote_prefill"],
@@ -672,6 +664,17 @@ async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv
         "{first}"
     );
     assert_eq!(first, second, "the decode leg was sent again as it was");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_engine_that_fails_before_its_first_token_is_resent_the_same_kv_transfer_params() {
+    let (failing, failing_sidecar) = failing_decode_pod(None).await;
+    let (prefill, spare, sidecar, _spare_sidecar) =
+        split_with_a_failing_decode_pod(failing_sidecar.addr(), |_| {}).await;
+
+    split_long_prompt(&sidecar, &prefill).await;
+    // The prefill engine was not called again (split_long_prompt counts its legs).
+    same_decode_leg(&failing, &spare);
     assert!(external_tokens(&spare) > 0, "the spare fetched the KV");
     assert_eq!(pd_outcome(&sidecar, "decode_resent").await, Some(1.0));
     assert_eq!(pd_outcome(&sidecar, "disaggregated").await, Some(0.0));
@@ -701,15 +704,7 @@ async fn a_decode_stream_that_breaks_before_its_first_token_is_resent_the_same_k
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert!(!text.contains("\"error\""), "{text}");
     assert_eq!(inference(&prefill).len(), 1, "one prefill leg");
-    let (first, second) = (inference(&failing), inference(&spare));
-    assert_eq!((first.len(), second.len()), (1, 1), "{second:?}");
-    let (first, second) = (first[0].json().unwrap(), second[0].json().unwrap());
-    assert_eq!(
-        first["kv_transfer_params"]["do_remote_prefill"],
-        json!(true),
-        "{first}"
-    );
-    assert_eq!(first, second, "the decode leg was sent again as it was");
+    same_decode_leg(&failing, &spare);
     let resent = r#"kvmesh_migrations_total{outcome="kv_resent"}"#;
     assert_eq!(metric(&sidecar, resent).await, Some(1.0));
 }

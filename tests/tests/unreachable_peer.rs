@@ -71,6 +71,23 @@ async fn silent_pod() -> (SocketAddr, mpsc::Receiver<()>) {
     (addr, rx)
 }
 
+/// Sends `body` to the sidecar at `to` and waits until x (the silent pod)
+/// has read it: the request then waits on x for a head that never comes.
+async fn reaches_x(
+    to: SocketAddr,
+    body: &serde_json::Value,
+    heard: &mut mpsc::Receiver<()>,
+) -> tokio::task::JoinHandle<kvmesh_tests::client::Whole> {
+    let req = post_json(to, "/v1/completions", &body.to_string());
+    let client = http1();
+    let pending = tokio::spawn(async move { fetch(&client, req).await });
+    tokio::time::timeout(Duration::from_secs(10), heard.recv())
+        .await
+        .expect("the request reached x")
+        .expect("x listens");
+    pending
+}
+
 /// A filter file in `dir` that keeps only the pods labelled `pod: x`.
 fn only_x(dir: &Path) -> PathBuf {
     let filters = dir.join("only-x.yaml");
@@ -210,13 +227,7 @@ async fn through_the_mesh(stop: Stop) {
     .await;
 
     let body = json!({"model": MODEL, "prompt": "a short answer", "max_tokens": 6});
-    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
-    let client = http1();
-    let pending = tokio::spawn(async move { fetch(&client, req).await });
-    tokio::time::timeout(Duration::from_secs(10), heard.recv())
-        .await
-        .expect("the request reached x")
-        .expect("x listens");
+    let pending = reaches_x(a.addr(), &body, &mut heard).await;
     stall.send(true).unwrap();
     let r = pending.await.unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
@@ -259,13 +270,7 @@ async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
         a.fleet().upsert_peer(x.clone()).unwrap();
         a.fleet()
             .set_load(&x.id, EngineLoad::default(), tokio::time::Instant::now());
-        let req = post_json(a.addr(), "/v1/completions", &body.to_string());
-        let client = http1();
-        let pending = tokio::spawn(async move { fetch(&client, req).await });
-        tokio::time::timeout(Duration::from_secs(10), heard.recv())
-            .await
-            .expect("the request reached x")
-            .expect("x listens");
+        let pending = reaches_x(a.addr(), &body, &mut heard).await;
         // x's mesh stream fell silent: the mesh cuts it off.
         assert!(a.fleet().cut_off_peer(&x.id));
         let r = pending.await.unwrap();
@@ -399,13 +404,7 @@ async fn through_valkey(deregisters: bool) {
     });
 
     let body = json!({"model": MODEL, "prompt": "a short answer", "max_tokens": 6});
-    let req = post_json(a.addr(), "/v1/completions", &body.to_string());
-    let client = http1();
-    let pending = tokio::spawn(async move { fetch(&client, req).await });
-    tokio::time::timeout(Duration::from_secs(10), heard.recv())
-        .await
-        .expect("the request reached x")
-        .expect("x listens");
+    let pending = reaches_x(a.addr(), &body, &mut heard).await;
     // x's host is gone: no more renewals, and no deregistration; or x
     // deregisters.
     stop.send(true).unwrap();
