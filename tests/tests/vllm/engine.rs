@@ -169,6 +169,18 @@ impl Engine {
                     let engine = Engine::spawn(venv, work, spec)?;
                     ready.push(engine.wait_healthy().map_err(StartError::into_anyhow)?);
                 }
+                Err(StartError::Exited(why)) => {
+                    // vLLM died while starting (its own start-up, not what
+                    // the group tests): its log goes to the report whole,
+                    // and it gets one more try on fresh ports. Twice in a
+                    // row fails the group.
+                    super::report::note(&format!(
+                        "{}: exited during start-up, retrying once: {why}",
+                        spec.name
+                    ));
+                    let engine = Engine::spawn(venv, work, spec)?;
+                    ready.push(engine.wait_healthy().map_err(StartError::into_anyhow)?);
+                }
                 Err(e) => return Err(e.into_anyhow()),
             }
         }
@@ -314,7 +326,7 @@ impl Engine {
                     if tail.contains("Address already in use") {
                         return Err(StartError::PortTaken(self.base_url.clone()));
                     }
-                    return Err(StartError::Failed(format!(
+                    return Err(StartError::Exited(format!(
                         "vLLM {} exited during start-up ({status}); last lines of {}:\n{tail}",
                         self.name,
                         self.log.display()
@@ -397,6 +409,8 @@ fn ports(n: u32) -> Result<u16> {
 
 enum StartError {
     PortTaken(String),
+    /// The process ended before it was healthy.
+    Exited(String),
     Failed(String),
 }
 
@@ -406,7 +420,7 @@ impl StartError {
             StartError::PortTaken(url) => {
                 anyhow::anyhow!("vLLM could not bind {url} twice in a row")
             }
-            StartError::Failed(msg) => anyhow::anyhow!(msg),
+            StartError::Exited(msg) | StartError::Failed(msg) => anyhow::anyhow!(msg),
         }
     }
 }
