@@ -13,8 +13,9 @@
 //! stays unreachable past `stale_after` leaves the fleet and the index; it
 //! comes back with its next snapshot. One that fell silent (its stream, or
 //! its reconnects timing out) is cut off: the calls waiting for its
-//! response head fail and go elsewhere ([`Fleet::cut_off_peer`]); one that
-//! closed its stream and refuses connections (a drain) is only forgotten. A stream announcing this sidecar's own
+//! response head fail and go elsewhere ([`Fleet::cut_off_peer`]); one whose
+//! reconnect is refused (a drain closed its listener, or it is gone) is
+//! forgotten at once, its calls in flight left to finish. A stream announcing this sidecar's own
 //! identity (DNS lists every pod, this one included) is not followed. With
 //! `mesh.follow: same-models`, neither is a peer serving none of this pod's
 //! models: the request names this pod's models, so the peer answers `409`
@@ -71,6 +72,11 @@ pub struct PeerStatus {
 enum StreamEnd {
     #[error("connect: {0}")]
     Connect(String),
+    /// Nothing listens at the peer's mesh port (the OS refused the
+    /// connection): a sidecar that closed its listener to drain, or whose
+    /// process is gone.
+    #[error("connect: {0}")]
+    Refused(String),
     /// The connection or the stream's head did not come within
     /// `connect_timeout`: unlike a refusal, nothing answers there.
     #[error("connect: {0} timed out")]
@@ -138,7 +144,10 @@ pub async fn run(
                 reason = "connect";
                 continue;
             }
-            StreamEnd::Connect(_) | StreamEnd::TimedOut(_) | StreamEnd::Status(_) => {
+            StreamEnd::Connect(_)
+            | StreamEnd::Refused(_)
+            | StreamEnd::TimedOut(_)
+            | StreamEnd::Status(_) => {
                 tracing::debug!(%addr, reason = %ended, "mesh: peer unreachable");
             }
             _ => {
@@ -157,8 +166,12 @@ pub async fn run(
             lost_at = Some(now);
         }
         let since = *lost_at.get_or_insert(now);
-        // A silent stream already waited `stale_after`: forget the peer now.
-        let stale = matches!(ended, StreamEnd::Stale(_))
+        // A silent stream already waited `stale_after`, and a refused
+        // reconnect means nothing listens there any more (a drain closed the
+        // listener, or the process is gone): forget the peer now, before
+        // requests are sent to a port that refuses them. Anything else keeps
+        // it for `stale_after` (a stream a busy peer dropped, a hiccup).
+        let stale = matches!(ended, StreamEnd::Stale(_) | StreamEnd::Refused(_))
             || now.duration_since(since) >= cfg.stale_after.get();
         if stale {
             if let Some(id) = known.take() {
@@ -236,22 +249,28 @@ async fn follow(
     let cfg = &shared.config.mesh;
     let tls = shared.mesh.tls();
     let connect = async {
-        let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let tcp = TcpStream::connect(addr).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                StreamEnd::Refused(e.to_string())
+            } else {
+                StreamEnd::Connect(e.to_string())
+            }
+        })?;
         let _ = tcp.set_nodelay(true);
         match tls {
-            None => handshake(tcp).await,
+            None => handshake(tcp).await.map_err(StreamEnd::Connect),
             Some(tls) => {
                 let stream = tls.connect(tcp).await.map_err(|e| {
                     shared.mesh.metrics.tls_failure("connect");
-                    format!("TLS handshake: {e}")
+                    StreamEnd::Connect(format!("TLS handshake: {e}"))
                 })?;
-                handshake(stream).await
+                handshake(stream).await.map_err(StreamEnd::Connect)
             }
         }
     };
     let (mut send, conn) = match tokio::time::timeout(cfg.connect_timeout.get(), connect).await {
         Ok(Ok(x)) => x,
-        Ok(Err(e)) => return StreamEnd::Connect(e),
+        Ok(Err(end)) => return end,
         Err(_) => return StreamEnd::TimedOut("the connection"),
     };
     tokio::pin!(conn);

@@ -6,7 +6,8 @@
 //! request to the next fallback, and after the plan's targets the local
 //! engine, once, as a last resort (`last_resort_is_local`), then, for the
 //! client's inference requests, other pods the fleet knows, up to
-//! `migration.max_migrations` (`elsewhere`); when none serves it, the last
+//! `migration.max_migrations` (`elsewhere`; a pod tried after a refusal is
+//! not counted, since nothing reached the refusing one); when none serves it, the last
 //! 5xx answer is relayed. Any later failure (a body that breaks, a deadline) is final,
 //! because the upstream may be working on it. A disaggregated target whose
 //! decode pod fails before any byte (refuses, or answers 5xx) has its decode
@@ -73,8 +74,11 @@ pub async fn execute(
         .collect();
     // Every target tried, in order.
     let mut attempted: Vec<Target> = Vec::new();
-    // Pods tried past the plan (`elsewhere`).
+    // Pods tried past the plan (`elsewhere`) that may have started work.
     let mut retried = 0;
+    // Whether the last target tried refused the connection: nothing reached
+    // it, so the next pod past the plan is not counted in `retried`.
+    let mut refused = false;
     let mut last = None;
     let mut last_reply: Option<(Upstream, Unserved)> = None;
     // Decode pods that failed before any byte: not tried again whole.
@@ -85,7 +89,7 @@ pub async fn execute(
             // Every target of the plan failed before any byte: the local
             // engine is the last resort, once, then another pod.
             None if last_resort_is_local(h, ctx, &attempted) => Target::LocalEngine,
-            None => match elsewhere(h, ctx, &req, &attempted, &mut retried) {
+            None => match elsewhere(h, ctx, &req, &attempted, &mut retried, refused) {
                 Some(t) => t,
                 None => break,
             },
@@ -94,6 +98,7 @@ pub async fn execute(
         if refused_decodes.contains(&served_on(&target)) {
             continue;
         }
+        refused = false;
         super::account::predict(h.books, ctx, &target);
         super::account::rank_taken(h.books, ctx, &target);
         if matches!(target, Target::Disaggregated { .. }) {
@@ -198,6 +203,7 @@ pub async fn execute(
                 super::account::failed(h.books, &upstream);
                 h.up.metrics.fallback();
                 tracing::debug!(request_id = ctx.id(), error = %e, "target refused; trying the next fallback");
+                refused = matches!(e, ProxyError::Connect { .. });
                 last = Some(e);
             }
             Err(e) => return Err(e),
@@ -358,27 +364,36 @@ fn last_resort_is_local(h: Execute<'_>, ctx: &RequestCtx, targets: &[Target]) ->
 /// After the plan and the last resort failed before any byte: another pod
 /// the fleet knows (as a migrating stream would go on, `path/migrate.rs`)
 /// takes the client's inference request whole, up to
-/// `migration.max_migrations` of them. A request a peer routed here is
-/// not (its sidecar tries its own next target), nor one whose body was
-/// streamed (it is gone).
+/// `migration.max_migrations` of them. A pod tried after one that refused
+/// the connection is not counted (`after_refusal`): nothing reached that
+/// one, so no work is done twice, and each pod is tried once, so the fleet
+/// bounds the search (a scale-down that takes most pods at once leaves a
+/// sidecar with many that refuse until the mesh forgets them). A request a
+/// peer routed here is not (its sidecar tries its own next target), nor one
+/// whose body was streamed (it is gone), nor any with migration off.
 fn elsewhere(
     h: Execute<'_>,
     ctx: &RequestCtx,
     req: &ClientRequest,
     tried: &[Target],
     retried: &mut u8,
+    after_refusal: bool,
 ) -> Option<Target> {
     let view = ctx.view.as_ref()?;
     h.reroute?;
+    let spent = !after_refusal && *retried >= h.migration.max_migrations;
     if ctx.already_routed
         || !matches!(req.body, ClientBody::Buffered(_))
-        || *retried >= h.migration.max_migrations
+        || !h.migration.enabled()
+        || spent
     {
         return None;
     }
     let avoid: Vec<Served> = tried.iter().map(served_on).collect();
     let next = super::migrate::pick(h, view.model.as_deref(), &avoid, &[])?;
-    *retried += 1;
+    if !after_refusal {
+        *retried += 1;
+    }
     tracing::info!(
         request_id = ctx.id(),
         ?next,
