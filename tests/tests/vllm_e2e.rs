@@ -253,7 +253,9 @@ async fn wait_ready(http: &Http, admin_url: &str) -> Result<()> {
 ///   prompt on the engine holding it; vLLM's `prefix_cache_hits_total` beats round robin.
 /// * case 5: a decode-role sidecar in front of engine b splits a long prompt by itself: prefill on
 ///   engine a (a prefill-role sidecar, found through the mesh), KV over NIXL, decode on b; case 5b
-///   the same for a `/v1/responses` request.
+///   the same for a `/v1/responses` request; case 5c: a prefill-role sidecar in front of engine a
+///   splits one, its first decode pod refuses, and the decode leg re-sent to b's sidecar with the
+///   same `kv_transfer_params` pulls a's KV over NIXL (issue 42).
 /// * case 7: prefill engine down (fallback or clear error, per `pd.on_prefill_failure`), then the
 ///   decode engine killed mid-stream.
 #[test]
@@ -378,6 +380,28 @@ fn vllm_pair_group() -> Result<()> {
                 &engines[1],
                 &decode_side,
             ))
+        },
+    )?;
+    t.step(
+        "case 5c: a decode pod that fails before its first token: the leg re-sent to b pulls a's KV",
+        || {
+            rt.block_on(async {
+                let splitter = SidecarUnderTest::from_yaml(
+                    case_pd::splitting_prefill_sidecar_yaml(&engines[0], &filters),
+                )
+                .await?;
+                wait_ready(&http, &splitter.admin_url).await?;
+                let r = case_pd::decode_leg_resent(
+                    &http,
+                    &engines[0],
+                    &engines[1],
+                    &decode_side,
+                    &splitter,
+                )
+                .await;
+                splitter.shutdown().await;
+                r
+            })
         },
     )?;
     t.step(

@@ -330,3 +330,117 @@ pub async fn responses_through_sidecar(
     );
     Ok(())
 }
+
+/// `proxy.yaml` of a prefill pod's sidecar (engine `a`) that splits the requests it takes itself:
+/// role `prefill`, `pd.connector: nixl`, the lowered thresholds in `filters`, no mesh (case 5c
+/// writes its fleet by hand).
+pub fn splitting_prefill_sidecar_yaml(engine: &Engine, filters: &std::path::Path) -> String {
+    format!(
+        "engine:\n  url: {url}\n  kind: vllm\n  health_interval: 200ms\n\
+         pod:\n  role: prefill\n  models: [{MODEL}]\n\
+         prefix:\n  tokenizer: {dir}\n  block_size: {block}\n\
+         scheduling:\n  filters: {filters}\n\
+         pd:\n  connector: nixl\n  min_uncached_tokens: 128\n\
+         logging:\n  level: warn\n",
+        url = engine.base_url,
+        dir = super::model_dir().display(),
+        block = super::BLOCK_SIZE,
+        filters = filters.display(),
+    )
+}
+
+/// Case 5c (issue 42): a decode pod that fails before its first token. A prefill pod's sidecar
+/// (engine `a`) splits a long prompt. The decode pod its scheduler picks first refuses connections
+/// (its sidecar just died: idle by its last load, so the KV-usage scorer ranks it first); the
+/// sidecar sends the decode leg again, with the same `kv_transfer_params`, to the next decode pod,
+/// engine `b`'s sidecar. Engine `b` must pull the prompt's KV from engine `a` over NIXL
+/// (`external_kv_transfer` grows by the prompt, nothing is recomputed), and the answer must equal
+/// engine `a` serving the request alone: the prefill pod kept the blocks for a decode that came
+/// from another pod than the one first named.
+pub async fn decode_leg_resent(
+    http: &Http,
+    prefill: &Engine,
+    decode: &Engine,
+    decode_sidecar: &super::sidecar::SidecarUnderTest,
+    splitter: &super::sidecar::SidecarUnderTest,
+) -> Result<()> {
+    use kvmesh_filters::sched::Role;
+    use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
+
+    let prompt = long_prompt("pd-decode-resent", 300);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true});
+    let (want_text, prompt_tokens) =
+        reference(http, &format!("{}/v1/completions", prefill.base_url), &body).await?;
+    let ext = [("source", "external_kv_transfer")];
+    let ext_before = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    // The decode pods, written just before the request: their loads are fresh for 5 s
+    // (`healthy-fresh-filter`), and no mesh refreshes them.
+    let gone = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?
+    };
+    let fleet = splitter.handle().fleet();
+    let now = tokio::time::Instant::now();
+    let busier = EngineLoad {
+        waiting: 2,
+        running: 6,
+        kv_usage: 0.4,
+        ..EngineLoad::default()
+    };
+    for (addr, load) in [
+        (gone, EngineLoad::default()),
+        (decode_sidecar.handle().addr(), busier),
+    ] {
+        let id = addr.to_string();
+        fleet
+            .upsert_peer(PodInfo {
+                id: id.clone(),
+                sidecar_addr: Some(addr),
+                role: Role::Decode,
+                models: vec![MODEL.to_owned()],
+                lora_adapters: vec![],
+                labels: Default::default(),
+            })
+            .map_err(|e| anyhow::anyhow!("adding decode pod {id}: {e}"))?;
+        fleet.set_load(&id, load, now);
+    }
+    let resent = [("outcome", "decode_resent")];
+    let got = http
+        .post_json(&format!("{}/v1/completions", splitter.url), &body)
+        .await?
+        .json()?;
+    let got_text = got["choices"][0]["text"]
+        .as_str()
+        .with_context(|| format!("P/D text in {got}"))?;
+    let ext_after = counter(
+        &scrape(http, decode).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &ext,
+    )?;
+    let resent_n = sidecar_counter(http, splitter, "kvmesh_pd_requests_total", &resent).await?;
+    note(&format!(
+        "pair: case 5c: prompt {prompt_tokens} tokens; decode pod refused, leg re-sent {resent_n}x; \
+         engine b external_kv_transfer +{}; output {got_text:?}",
+        ext_after - ext_before
+    ));
+    ensure!(
+        resent_n == 1.0,
+        "the splitting sidecar did not re-send the decode leg (kvmesh_pd_requests_total{{outcome=\"decode_resent\"}} = {resent_n})"
+    );
+    ensure!(
+        ext_after - ext_before == prompt_tokens,
+        "engine b's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}: \
+         the re-sent leg did not pull the prefill's KV",
+        ext_after - ext_before
+    );
+    ensure!(
+        got_text == want_text,
+        "P/D output after the re-send {got_text:?} != engine a alone {want_text:?}"
+    );
+    Ok(())
+}
