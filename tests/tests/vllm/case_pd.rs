@@ -196,37 +196,18 @@ pub async fn through_sidecar(
     decode: &Engine,
     decode_sidecar: &super::sidecar::SidecarUnderTest,
 ) -> Result<()> {
-    let prompt = long_prompt("pd-through-sidecar", 300);
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                      "ignore_eos": true});
-    let (want_text, prompt_tokens) =
-        reference(http, &format!("{}/v1/completions", prefill.base_url), &body).await?;
-
-    let ext = [("source", "external_kv_transfer")];
-    let ext_before = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &ext,
-    )?;
+    let want = Expected::of(http, "pd-through-sidecar", prefill, decode).await?;
     let split = [("outcome", "disaggregated")];
     let split_before =
         sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
-    let got = http
-        .post_json(&format!("{}/v1/completions", decode_sidecar.url), &body)
-        .await?
-        .json()?;
-    let got_text = got["choices"][0]["text"].as_str().context("P/D text")?;
-    let ext_after = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &ext,
-    )?;
+    let got = want.ask(http, decode_sidecar).await?;
+    let external = want.external_tokens(http, decode).await?;
     let split_after =
         sidecar_counter(http, decode_sidecar, "kvmesh_pd_requests_total", &split).await?;
     note(&format!(
-        "pair: case 5: prompt {prompt_tokens} tokens; decode engine external_kv_transfer +{}; \
-         sidecar disaggregated +{}; output {got_text:?}",
-        ext_after - ext_before,
+        "pair: case 5: prompt {} tokens; decode engine external_kv_transfer +{external}; \
+         sidecar disaggregated +{}; output {got:?}",
+        want.prompt_tokens,
         split_after - split_before
     ));
     ensure!(
@@ -234,16 +215,75 @@ pub async fn through_sidecar(
         "the decode sidecar did not split the request (kvmesh_pd_requests_total{{outcome=\"disaggregated\"}} +{})",
         split_after - split_before
     );
-    ensure!(
-        ext_after - ext_before == prompt_tokens,
-        "decode engine's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}",
-        ext_after - ext_before
-    );
-    ensure!(
-        got_text == want_text,
-        "P/D output {got_text:?} != engine a alone {want_text:?}"
-    );
-    Ok(())
+    want.check(external, &got)
+}
+
+/// What a P/D completion must give: engine `a`'s own answer to the same greedy request, and the
+/// prompt tokens engine `b` had received over KV transfer before it.
+struct Expected {
+    body: Value,
+    text: String,
+    prompt_tokens: f64,
+    external_before: f64,
+}
+
+impl Expected {
+    /// A 300-word prompt tagged `tag`, 12 greedy tokens, answered by `prefill` alone.
+    async fn of(http: &Http, tag: &str, prefill: &Engine, decode: &Engine) -> Result<Expected> {
+        let body = json!({"model": MODEL, "prompt": long_prompt(tag, 300), "max_tokens": 12,
+                          "temperature": 0, "ignore_eos": true});
+        let (text, prompt_tokens) =
+            reference(http, &format!("{}/v1/completions", prefill.base_url), &body).await?;
+        let external_before = external_kv_tokens(http, decode).await?;
+        Ok(Expected {
+            body,
+            text,
+            prompt_tokens,
+            external_before,
+        })
+    }
+
+    /// The request sent to `sidecar`: the text it answered.
+    async fn ask(&self, http: &Http, sidecar: &super::sidecar::SidecarUnderTest) -> Result<String> {
+        let got = http
+            .post_json(&format!("{}/v1/completions", sidecar.url), &self.body)
+            .await?
+            .json()?;
+        let text = got["choices"][0]["text"]
+            .as_str()
+            .with_context(|| format!("P/D text in {got}"))?;
+        Ok(text.to_owned())
+    }
+
+    /// The prompt tokens `decode` received over KV transfer since.
+    async fn external_tokens(&self, http: &Http, decode: &Engine) -> Result<f64> {
+        Ok(external_kv_tokens(http, decode).await? - self.external_before)
+    }
+
+    /// The decode engine got the whole prompt's KV over the transfer (it recomputed none), and the
+    /// answer is engine `a`'s.
+    fn check(&self, external: f64, got: &str) -> Result<()> {
+        ensure!(
+            external == self.prompt_tokens,
+            "the decode engine's external_kv_transfer grew by {external} tokens, want the prompt's {}",
+            self.prompt_tokens
+        );
+        ensure!(
+            got == self.text,
+            "P/D output {got:?} != engine a alone {:?}",
+            self.text
+        );
+        Ok(())
+    }
+}
+
+/// vLLM's `prompt_tokens_by_source_total{source="external_kv_transfer"}` on `engine`.
+async fn external_kv_tokens(http: &Http, engine: &Engine) -> Result<f64> {
+    counter(
+        &scrape(http, engine).await?,
+        "vllm:prompt_tokens_by_source_total",
+        &[("source", "external_kv_transfer")],
+    )
 }
 
 /// The aggregated answer to `body` at `url`: its text and the prompt's length in tokens.
@@ -367,17 +407,7 @@ pub async fn decode_leg_resent(
     use kvmesh_filters::sched::Role;
     use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 
-    let prompt = long_prompt("pd-decode-resent", 300);
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                      "ignore_eos": true});
-    let (want_text, prompt_tokens) =
-        reference(http, &format!("{}/v1/completions", prefill.base_url), &body).await?;
-    let ext = [("source", "external_kv_transfer")];
-    let ext_before = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &ext,
-    )?;
+    let want = Expected::of(http, "pd-decode-resent", prefill, decode).await?;
     // The decode pods, written just before the request: their loads are fresh for 5 s
     // (`healthy-fresh-filter`), and no mesh refreshes them.
     let gone = {
@@ -409,38 +439,18 @@ pub async fn decode_leg_resent(
             .map_err(|e| anyhow::anyhow!("adding decode pod {id}: {e}"))?;
         fleet.set_load(&id, load, now);
     }
+    let got = want.ask(http, splitter).await?;
+    let external = want.external_tokens(http, decode).await?;
     let resent = [("outcome", "decode_resent")];
-    let got = http
-        .post_json(&format!("{}/v1/completions", splitter.url), &body)
-        .await?
-        .json()?;
-    let got_text = got["choices"][0]["text"]
-        .as_str()
-        .with_context(|| format!("P/D text in {got}"))?;
-    let ext_after = counter(
-        &scrape(http, decode).await?,
-        "vllm:prompt_tokens_by_source_total",
-        &ext,
-    )?;
     let resent_n = sidecar_counter(http, splitter, "kvmesh_pd_requests_total", &resent).await?;
     note(&format!(
-        "pair: case 5c: prompt {prompt_tokens} tokens; decode pod refused, leg re-sent {resent_n}x; \
-         engine b external_kv_transfer +{}; output {got_text:?}",
-        ext_after - ext_before
+        "pair: case 5c: prompt {} tokens; decode pod refused, leg re-sent {resent_n}x; \
+         engine b external_kv_transfer +{external}; output {got:?}",
+        want.prompt_tokens
     ));
     ensure!(
         resent_n == 1.0,
         "the splitting sidecar did not re-send the decode leg (kvmesh_pd_requests_total{{outcome=\"decode_resent\"}} = {resent_n})"
     );
-    ensure!(
-        ext_after - ext_before == prompt_tokens,
-        "engine b's external_kv_transfer grew by {} tokens, want the prompt's {prompt_tokens}: \
-         the re-sent leg did not pull the prefill's KV",
-        ext_after - ext_before
-    );
-    ensure!(
-        got_text == want_text,
-        "P/D output after the re-send {got_text:?} != engine a alone {want_text:?}"
-    );
-    Ok(())
+    want.check(external, &got)
 }

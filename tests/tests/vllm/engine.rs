@@ -160,28 +160,16 @@ impl Engine {
         for (spec, engine) in pending {
             match engine.wait_healthy() {
                 Ok(engine) => ready.push(engine),
-                Err(StartError::PortTaken(log)) => {
-                    // Another process took a port between our probe and vLLM's bind: once more.
-                    super::report::note(&format!(
-                        "{}: port taken ({log}), retrying once",
-                        spec.name
-                    ));
+                Err(StartError::Failed(why)) => return Err(anyhow::anyhow!(why)),
+                Err(again) => {
+                    // Another process took a port between our probe and vLLM's bind, or vLLM
+                    // died while starting (its own start-up, not what the group tests; its
+                    // log's tail goes to the report): once more on fresh ports. Twice in a row
+                    // fails the group.
+                    super::report::note(&format!("{}: {}, retrying once", spec.name, again.why()));
                     let engine = Engine::spawn(venv, work, spec)?;
                     ready.push(engine.wait_healthy().map_err(StartError::into_anyhow)?);
                 }
-                Err(StartError::Exited(why)) => {
-                    // vLLM died while starting (its own start-up, not what
-                    // the group tests): its log goes to the report whole,
-                    // and it gets one more try on fresh ports. Twice in a
-                    // row fails the group.
-                    super::report::note(&format!(
-                        "{}: exited during start-up, retrying once: {why}",
-                        spec.name
-                    ));
-                    let engine = Engine::spawn(venv, work, spec)?;
-                    ready.push(engine.wait_healthy().map_err(StartError::into_anyhow)?);
-                }
-                Err(e) => return Err(e.into_anyhow()),
             }
         }
         Ok(ready)
@@ -415,6 +403,15 @@ enum StartError {
 }
 
 impl StartError {
+    /// What went wrong, for the report.
+    fn why(&self) -> String {
+        match self {
+            StartError::PortTaken(url) => format!("port taken ({url})"),
+            StartError::Exited(msg) => format!("exited during start-up: {msg}"),
+            StartError::Failed(msg) => msg.clone(),
+        }
+    }
+
     fn into_anyhow(self) -> anyhow::Error {
         match self {
             StartError::PortTaken(url) => {
