@@ -21,6 +21,21 @@ pub fn test_config(engine: SocketAddr) -> Config {
     c
 }
 
+/// The Valkey index backend at `urls` with test timings: leases that lapse
+/// and lookup caches that expire within a test, writes flushed at once.
+pub fn fast_valkey(urls: Vec<String>) -> kvmesh_proxy::config::index::Valkey {
+    use kvmesh_proxy::config::Duration as D;
+    kvmesh_proxy::config::index::Valkey {
+        urls,
+        lookup_deadline: D::from_millis(200),
+        cache_ttl: D::from_millis(20),
+        lease_interval: D::from_millis(100),
+        lease_ttl: D::from_millis(600),
+        flush_interval: D::from_millis(5),
+        ..Default::default()
+    }
+}
+
 /// Starts a sidecar with `config` on `127.0.0.1:0` listeners.
 pub async fn start(config: Config) -> SidecarHandle {
     let client = TcpListener::bind("127.0.0.1:0").await.expect("bind client");

@@ -23,12 +23,13 @@ use kvmesh_proxy::mesh::wire::Msg;
 
 use kvmesh_engine_sim::SimHandle;
 use kvmesh_loadgen::valkey::ValkeyServer;
-use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig};
+use kvmesh_proxy::config::index::Backend;
 use kvmesh_proxy::config::Duration as CfgDuration;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::mesh::{kv_sim_with, mesh_config, start_on, write_peers};
 use kvmesh_tests::route::{eventually, MODEL};
+use kvmesh_tests::sidecar::fast_valkey;
 
 const ADAPTER: &str = "sql-lora";
 
@@ -305,15 +306,7 @@ async fn only_subscribers_that_ask_get_adapters_frames_and_snapshots_carry_the_s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_valkey_a_pod_is_found_by_an_adapter_it_loaded_at_run_time() {
     let server = ValkeyServer::start().await.unwrap();
-    let valkey = ValkeyConfig {
-        urls: vec![server.url()],
-        lookup_deadline: CfgDuration::from_millis(200),
-        cache_ttl: CfgDuration::from_millis(20),
-        lease_interval: CfgDuration::from_millis(100),
-        lease_ttl: CfgDuration::from_millis(600),
-        flush_interval: CfgDuration::from_millis(5),
-        ..ValkeyConfig::default()
-    };
+    let valkey = fast_valkey(vec![server.url()]);
     let no_peers = std::env::temp_dir().join("kvmesh-lora-valkey-no-peers");
     let (ea, eb) = (lora_sim().await, lora_sim().await);
     let mut sidecars = Vec::new();

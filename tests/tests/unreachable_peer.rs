@@ -31,7 +31,7 @@ use kvmesh_proxy::Shutdown;
 use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::mesh::write_peers;
 use kvmesh_tests::route::{config, eventually, filters_yaml, labels_of, metric, sim, MODEL};
-use kvmesh_tests::sidecar::{start, wait_ready};
+use kvmesh_tests::sidecar::{fast_valkey, start, wait_ready};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
@@ -324,15 +324,9 @@ async fn a_request_waiting_on_a_pod_that_deregisters_from_valkey_is_not_cut_off(
 async fn through_valkey(deregisters: bool) {
     let server = ValkeyServer::start().await.unwrap();
     let valkey = ValkeyConfig {
-        urls: vec![server.url()],
-        lookup_deadline: CfgDuration::from_millis(200),
-        cache_ttl: CfgDuration::from_millis(20),
-        lease_interval: CfgDuration::from_millis(100),
-        lease_ttl: CfgDuration::from_millis(600),
-        flush_interval: CfgDuration::from_millis(5),
         // Longer than the test: x is never merely forgotten here.
         forget_after: CfgDuration::from_secs(30),
-        ..ValkeyConfig::default()
+        ..fast_valkey(vec![server.url()])
     };
     let dir = tempfile::tempdir().unwrap();
     let engine = sim().await;

@@ -26,22 +26,18 @@ use kvmesh_proxy::{Shutdown, SidecarHandle};
 use kvmesh_tests::client::{fetch, http1, request};
 use kvmesh_tests::mesh::{kv_sim, mesh_config, shared_prefix_body, start_on};
 use kvmesh_tests::route::{eventually, metric};
+use kvmesh_tests::sidecar::fast_valkey;
 
 const BS: usize = 16;
 
-/// Short timings, so leases lapse and caches expire within a test.
+/// Short timings, so leases lapse, caches expire and idle pods are
+/// forgotten within a test.
 fn fast(urls: Vec<String>) -> ValkeyConfig {
     ValkeyConfig {
-        urls,
-        lookup_deadline: CfgDuration::from_millis(200),
-        cache_ttl: CfgDuration::from_millis(20),
-        lease_interval: CfgDuration::from_millis(100),
-        lease_ttl: CfgDuration::from_millis(600),
         block_ttl: CfgDuration::from_secs(60),
-        flush_interval: CfgDuration::from_millis(5),
         resync_jitter: CfgDuration::from_millis(200),
         forget_after: CfgDuration::from_secs(2),
-        ..ValkeyConfig::default()
+        ..fast_valkey(urls)
     }
 }
 
