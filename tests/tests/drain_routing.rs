@@ -18,6 +18,7 @@
 
 use std::time::Duration;
 
+use kvmesh_engine_sim::SimHandle;
 use kvmesh_filters::sched::Role;
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_tests::client::{fetch, http1, post_json};
@@ -27,6 +28,15 @@ use kvmesh_tests::sidecar::{refused_addr, start};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+/// The completions `engine` received.
+fn completions_served(engine: &SimHandle) -> usize {
+    engine
+        .received_requests()
+        .into_iter()
+        .filter(|r| r.path == "/v1/completions")
+        .count()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_draining_sidecar_routes_the_requests_it_took_to_the_peers_it_knew() {
@@ -90,12 +100,7 @@ async fn a_draining_sidecar_routes_the_requests_it_took_to_the_peers_it_knew() {
         .unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let served = eb
-        .received_requests()
-        .into_iter()
-        .filter(|r| r.path == "/v1/completions")
-        .count();
-    assert_eq!(served, 1, "B's engine served it");
+    assert_eq!(completions_served(&eb), 1, "B's engine served it");
     a.shutdown().await;
     b.shutdown().await;
     ea.shutdown().await;
@@ -200,12 +205,11 @@ async fn a_request_tries_every_refusing_pod_before_it_fails() {
     )
     .await;
     assert_eq!(r.status, 200, "{:?}", r.body);
-    let served = ez
-        .received_requests()
-        .into_iter()
-        .filter(|r| r.path == "/v1/completions")
-        .count();
-    assert_eq!(served, 1, "the one pod that serves took it");
+    assert_eq!(
+        completions_served(&ez),
+        1,
+        "the one pod that serves took it"
+    );
     assert_eq!(metric(&a, "kvmesh_fallbacks_total").await, Some(8.0));
     a.shutdown().await;
     z.shutdown().await;
