@@ -29,6 +29,17 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A short completion of `prompt` sent to the sidecar at `addr` is answered 200.
+async fn completes(addr: std::net::SocketAddr, prompt: &str) {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let r = fetch(
+        &http1(),
+        post_json(addr, "/v1/completions", &body.to_string()),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+}
+
 /// The completions `engine` received.
 fn completions_served(engine: &SimHandle) -> usize {
     engine
@@ -137,14 +148,7 @@ async fn a_drained_peer_leaves_the_fleet_at_its_first_refused_reconnect() {
     .await;
     // A serves on: nothing goes to the port that refuses.
     for i in 0..5 {
-        let body =
-            json!({"model": MODEL, "prompt": format!("after the drain {i}"), "max_tokens": 2});
-        let r = fetch(
-            &http1(),
-            post_json(a.addr(), "/v1/completions", &body.to_string()),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{:?}", r.body);
+        completes(a.addr(), &format!("after the drain {i}")).await;
     }
     assert_eq!(
         metric(&a, "kvmesh_fallbacks_total").await.unwrap_or(0.0),
@@ -198,13 +202,7 @@ async fn a_request_tries_every_refusing_pod_before_it_fails() {
         .unwrap();
     a.fleet().set_load("zz-serving", busy, now);
 
-    let body = json!({"model": MODEL, "prompt": "most of the fleet just left", "max_tokens": 2});
-    let r = fetch(
-        &http1(),
-        post_json(a.addr(), "/v1/completions", &body.to_string()),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{:?}", r.body);
+    completes(a.addr(), "most of the fleet just left").await;
     assert_eq!(
         completions_served(&ez),
         1,
