@@ -58,7 +58,7 @@ pub struct AutoscaleArgs {
     /// Fleets: aggregated, pd (default both).
     #[arg(long, value_delimiter = ',')]
     fleets: Vec<String>,
-    /// Policies: fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo (default all).
+    /// Policies: fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo (default: these five), clairvoyant (the bound: the model at the rate a start-up ahead, read off the trace).
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
     /// Simulated seconds per wall second.
@@ -67,6 +67,12 @@ pub struct AutoscaleArgs {
     /// Requests per second at the trace's mean rate.
     #[arg(long)]
     base_rate: Option<f64>,
+    /// kvmesh-slo's `autoscale.slo.headroom`: pools sized for this many times the measured rate (default 1).
+    #[arg(long)]
+    slo_headroom: Option<f64>,
+    /// The share of requests, in percent, kvmesh-slo sizes to meet the TTFT target: 90, 95 or 99 (`autoscale.slo.ttft_p90` ...; default 90).
+    #[arg(long)]
+    slo_percentile: Option<u32>,
     /// Write the report as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -458,7 +464,7 @@ async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
             .iter()
             .map(|p| {
                 ScalePolicy::parse(p).with_context(|| {
-                    format!("unknown policy {p:?} (expected fixed-peak, fixed-mean, queue-hpa, kvmesh-queue or kvmesh-slo)")
+                    format!("unknown policy {p:?} (expected fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo or clairvoyant)")
                 })
             })
             .collect::<Result<_>>()?;
@@ -480,6 +486,20 @@ async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
             bail!("--base-rate must be a positive number, not {r}");
         }
         opts.base_rate = r;
+    }
+    if let Some(h) = a.slo_headroom {
+        if !(1.0..=10.0).contains(&h) {
+            bail!("--slo-headroom must be from 1 to 10, not {h}");
+        }
+        opts.slo_headroom = h;
+    }
+    if let Some(p) = a.slo_percentile {
+        opts.slo_ttft_quantile = match p {
+            90 => 0.9,
+            95 => 0.95,
+            99 => 0.99,
+            _ => bail!("--slo-percentile must be 90, 95 or 99, not {p}"),
+        };
     }
     let report = autoscale::run(&opts).await?;
     print!("{}", report.text());

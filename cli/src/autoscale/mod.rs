@@ -199,6 +199,12 @@ pub struct AutoscaleOpts {
     /// The GPU profile every pod runs (`gpu:MODEL@GPU`).
     pub profile: String,
     pub max_pods_per_pool: u32,
+    /// `kvmesh-slo`'s `autoscale.slo.headroom`.
+    pub slo_headroom: f64,
+    /// The share of requests `kvmesh-slo` sizes to meet the TTFT target
+    /// (`autoscale.slo.ttft_p90`, `_p95` or `_p99`); the clairvoyant bound
+    /// and the model's line use it too.
+    pub slo_ttft_quantile: f64,
     pub progress: bool,
 }
 
@@ -216,6 +222,8 @@ impl AutoscaleOpts {
             base_rate: 3.0,
             profile: "gpu:qwen3-32b@h100".to_owned(),
             max_pods_per_pool: 12,
+            slo_headroom: 1.0,
+            slo_ttft_quantile: 0.9,
             progress: false,
         }
     }
@@ -319,13 +327,15 @@ pub async fn run(opts: &AutoscaleOpts) -> Result<AutoscaleReport> {
     Ok(report)
 }
 
-/// The pods a pool needs at `rate` by the SLO model, for the fixed fleets.
+/// The pods a pool needs at `rate` by the SLO model, with the TTFT target
+/// held by the `ttft_quantile` share of requests (the fixed fleets: 0.9).
 pub fn model_pods(
     opts: &AutoscaleOpts,
     profile: &LatencyProfile,
     fleet: FleetKind,
     role: Role,
     rate: f64,
+    ttft_quantile: f64,
 ) -> u32 {
     let (prompt, prompt_sq, output) = trace_moments(opts, fleet);
     let prompt_sq = Some(prompt_sq);
@@ -359,7 +369,8 @@ pub fn model_pods(
     };
     let (ttft, itl) = fleet.slo();
     let targets = Targets {
-        ttft_p90_ms: ttft,
+        ttft_ms: ttft,
+        ttft_quantile,
         itl_p99_ms: itl,
         kv_usage: config::Autoscale::default().target_kv_usage.get(),
     };
@@ -381,7 +392,9 @@ fn ideal_pods(opts: &AutoscaleOpts, profile: &LatencyProfile, kind: FleetKind) -
             let pods = kind
                 .pools()
                 .iter()
-                .map(|&(_, role)| model_pods(opts, profile, kind, role, rate))
+                .map(|&(_, role)| {
+                    model_pods(opts, profile, kind, role, rate, opts.slo_ttft_quantile)
+                })
                 .sum();
             (at, pods)
         })
@@ -455,11 +468,16 @@ fn edit_config(
     } else {
         Role::Both
     };
+    let ttft = Some(wall_ms(ttft, scale));
+    let q = opts.slo_ttft_quantile;
     let slo = (policy == ScalePolicy::KvmeshSlo).then(|| Slo {
-        ttft_p90: wall_ms(ttft, scale),
+        ttft_p90: ttft.filter(|_| q == 0.9),
+        ttft_p95: ttft.filter(|_| q == 0.95),
+        ttft_p99: ttft.filter(|_| q == 0.99),
         itl_p99: wall_ms(itl, scale),
         window: wall_ms(t.hook_window.as_secs_f64() * 1000.0, scale),
         sample_interval: wall_ms(t.hook_sample.as_secs_f64() * 1000.0, scale),
+        headroom: opts.slo_headroom,
         pod: pod_profile(&role_profile(profile, first), scale),
         decode_pod: (kind == FleetKind::Pd)
             .then(|| pod_profile(&role_profile(profile, Role::Decode), scale)),
@@ -569,16 +587,15 @@ async fn run_one(
         } else {
             mean
         };
-        let n = model_pods(opts, profile, kind, role, at);
+        let n = model_pods(opts, profile, kind, role, at, 0.9);
         fleet.start_warm(role, n as usize);
         // The queue policies keep KEDA's default; the SLO hook's triggers
         // run with the window the shipped ScaledObjects set.
-        let hold = if policy == ScalePolicy::KvmeshSlo {
-            opts.timing.hook_stabilization
-        } else {
-            opts.timing.stabilization
-        }
-        .as_secs_f64();
+        let hold = match policy {
+            ScalePolicy::KvmeshSlo => opts.timing.hook_stabilization.as_secs_f64(),
+            ScalePolicy::Clairvoyant => 0.0,
+            _ => opts.timing.stabilization.as_secs_f64(),
+        };
         hpas.push(Hpa::new(1, opts.max_pods_per_pool, hold, n));
     }
     let want: usize = kind.pools().iter().map(|&(_, r)| fleet.replicas(r)).sum();
@@ -650,6 +667,21 @@ async fn run_one(
                         let waiting: usize =
                             fleet.ready(role).map(|p| p.engine.stats().waiting).sum();
                         waiting as f64 / 5.0
+                    }
+                    ScalePolicy::Clairvoyant => {
+                        // The pods asked for now serve a start-up (and at
+                        // most a poll) later: size for the highest rate
+                        // until then.
+                        let ahead = (opts.timing.startup + opts.timing.poll).as_secs_f64();
+                        let rate = schedule.highest_rate(now, now + ahead);
+                        f64::from(model_pods(
+                            opts,
+                            profile,
+                            kind,
+                            role,
+                            rate,
+                            opts.slo_ttft_quantile,
+                        ))
                     }
                     _ => {
                         // KEDA reaches one sidecar through the Service.

@@ -30,6 +30,10 @@ pub struct Setup {
     pub timing: Timing,
     pub base_rate: f64,
     pub kv_cache_tokens: Option<usize>,
+    /// `kvmesh-slo`'s `autoscale.slo.headroom`.
+    pub slo_headroom: f64,
+    /// The share of requests `kvmesh-slo` sizes to meet the TTFT target.
+    pub slo_ttft_quantile: f64,
 }
 
 /// One fleet's policies.
@@ -80,6 +84,8 @@ impl AutoscaleReport {
                 timing: opts.timing,
                 base_rate: opts.base_rate,
                 kv_cache_tokens: profile.kv_cache_tokens,
+                slo_headroom: opts.slo_headroom,
+                slo_ttft_quantile: opts.slo_ttft_quantile,
             },
             runs: Vec::new(),
         }
@@ -92,7 +98,7 @@ impl AutoscaleReport {
         ideal_pods: Vec<(f64, u32)>,
     ) {
         let mut policies: Vec<PolicySummary> = Vec::new();
-        for p in ScalePolicy::ALL {
+        for p in ScalePolicy::KNOWN {
             let of: Vec<PolicyRun> = runs.iter().filter(|r| r.policy == p).cloned().collect();
             if of.is_empty() {
                 continue;
@@ -152,12 +158,24 @@ impl AutoscaleReport {
     pub fn text(&self) -> String {
         let s = &self.setup;
         let mut out = format!(
-            "kvmesh bench autoscale{}: {} pods, time scale {}x, base rate {} req/s, seeds {:?}\n",
+            "kvmesh bench autoscale{}: {} pods, time scale {}x, base rate {} req/s, seeds {:?}{}\n",
             if s.quick { " --quick" } else { "" },
             s.profile,
             s.time_scale,
             s.base_rate,
-            s.seeds
+            s.seeds,
+            if s.slo_headroom == 1.0 {
+                String::new()
+            } else {
+                format!(", kvmesh-slo headroom {}x", s.slo_headroom)
+            } + &if s.slo_ttft_quantile == 0.9 {
+                String::new()
+            } else {
+                format!(
+                    ", kvmesh-slo sized for TTFT p{:.0}",
+                    s.slo_ttft_quantile * 100.0
+                )
+            }
         );
         for f in &self.runs {
             out.push_str(&format!(

@@ -103,6 +103,15 @@ impl Schedule {
         self.base * Self::multiplier(m as usize)
     }
 
+    /// The highest rate from `from_s` to `to_s` simulated seconds, req/s.
+    pub fn highest_rate(&self, from_s: f64, to_s: f64) -> f64 {
+        let minute = self.minute.as_secs_f64();
+        let (first, last) = ((from_s / minute).floor(), (to_s / minute).floor());
+        (first.max(0.0) as usize..=last.max(0.0) as usize)
+            .map(|m| self.base * Self::multiplier(m))
+            .fold(0.0, f64::max)
+    }
+
     /// The highest and the mean rate over the run, req/s.
     pub fn peak_and_mean(&self) -> (f64, f64) {
         let all: Vec<f64> = (0..CONV_MINUTES.len()).map(Self::multiplier).collect();
@@ -193,6 +202,12 @@ mod tests {
         let (peak, mean) = s.peak_and_mean();
         assert_eq!(peak, 12.0);
         assert!(mean > 4.4 && mean < 4.7, "{mean}"); // 1.14x with the burst
+        let ahead = s.highest_rate(370.0, 379.9);
+        // Ahead of the burst: its rate shows once the span reaches it.
+        assert_eq!(ahead, 4.0 * 0.96);
+        assert_eq!(s.highest_rate(375.0, 381.0), 12.0);
+        assert_eq!(s.highest_rate(415.0, 425.0), 12.0);
+        assert_eq!(s.highest_rate(600.0, 700.0), 0.0, "past the end");
     }
 
     #[test]

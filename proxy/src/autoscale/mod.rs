@@ -95,6 +95,8 @@ pub struct SloAnswer {
     /// last seconds instead, `window_s` of them, where it jumped past the
     /// noise).
     pub workload: Workload,
+    /// The pool is sized for this many times the workload's rate.
+    pub headroom: f64,
     /// The fewest pods the model says meet the SLO at that workload.
     pub needed: u32,
     /// The model at `needed` pods (`limit` set when even `max_replicas` fail).
@@ -262,10 +264,19 @@ impl Hook {
             (Role::Decode, Some(p)) => p,
             _ => &slo.pod,
         };
+        let (ttft, ttft_quantile) = slo.ttft();
         let targets = Targets {
-            ttft_p90_ms: slo.ttft_p90.get().as_secs_f64() * 1000.0,
+            ttft_ms: ttft.get().as_secs_f64() * 1000.0,
+            ttft_quantile,
             itl_p99_ms: slo.itl_p99.get().as_secs_f64() * 1000.0,
             kv_usage: cfg.target_kv_usage.get(),
+        };
+        // Sized for the headroom over the measured rate; the answer shows
+        // the rate measured.
+        let measured = w;
+        let w = Workload {
+            arrival_rate: w.arrival_rate * slo.headroom,
+            ..w
         };
         let (mut needed, mut predicted) = slo::pods_needed(profile, &targets, &w, cfg.max_replicas);
         // Down only past the noise: a smaller pool must also hold at one
@@ -294,7 +305,7 @@ impl Hook {
             // the pool holds is prefill time, and it needs the pods that
             // compute it within the TTFT target.
             let work_ms = in_system * slo::mean_prefill_ms(profile, &w);
-            saturating_u32((work_ms / targets.ttft_p90_ms.max(1.0)).ceil())
+            saturating_u32((work_ms / targets.ttft_ms.max(1.0)).ceil())
         } else {
             // The batch a pod holds within the SLO: what its KV share and
             // max_num_seqs allow.
@@ -328,7 +339,8 @@ impl Hook {
             ratio: f64::from(needed) / f64::from(by_queue.pods.max(1)),
             signal,
             slo: Some(SloAnswer {
-                workload: w,
+                workload: measured,
+                headroom: slo.headroom,
                 needed,
                 predicted,
                 rate_per_pod,
@@ -598,6 +610,40 @@ mod tests {
     }
 
     #[test]
+    fn headroom_sizes_the_pool_for_a_multiple_of_the_rate_it_measured() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + std::time::Duration::from_secs(n);
+        let sized = |headroom: f64| {
+            let mut cfg = slo_config();
+            cfg.slo.as_mut().unwrap().headroom = headroom;
+            let hook = Hook::new(&cfg, &mut Registry::default());
+            hook.answer(&[busy(1, 0, 2), busy(2, 0, 2)], s(0));
+            // 10 req/s for 10 s over two pods.
+            hook.answer(&[busy(1, 50, 2), busy(2, 50, 2)], s(10))["aggregated"].clone()
+        };
+        let (plain, roomy) = (sized(1.0), sized(1.5));
+        let (p, r) = (plain.slo.unwrap(), roomy.slo.unwrap());
+        // The answer shows the rate measured, and the headroom over it.
+        assert!((r.workload.arrival_rate - 10.0).abs() < 1e-9, "{r:?}");
+        assert_eq!((p.headroom, r.headroom), (1.0, 1.5));
+        // Sized as the plain hook sizes 15 req/s.
+        let profile = &slo_config().slo.unwrap().pod;
+        let targets = Targets {
+            ttft_ms: 2000.0,
+            ttft_quantile: 0.9,
+            itl_p99_ms: 250.0,
+            kv_usage: slo_config().target_kv_usage.get(),
+        };
+        let at_15 = Workload {
+            arrival_rate: 15.0,
+            ..p.workload
+        };
+        let (expected, _) = slo::pods_needed(profile, &targets, &at_15, 16);
+        assert!(expected > p.needed, "{expected} against {p:?}");
+        assert_eq!((r.needed, roomy.desired), (expected, expected), "{r:?}");
+    }
+
+    #[test]
     fn the_slo_hook_sizes_by_the_measured_rate_and_explains_itself() {
         let r = &mut Registry::default();
         let hook = Hook::new(&slo_config(), r);
@@ -623,10 +669,7 @@ mod tests {
         for field in ["arrival_rate", "uncached_tokens", "output_tokens"] {
             assert!(json["slo"]["workload"][field].is_number(), "{json}");
         }
-        assert!(
-            json["slo"]["predicted"]["ttft_p90_ms"].is_number(),
-            "{json}"
-        );
+        assert!(json["slo"]["predicted"]["ttft_ms"].is_number(), "{json}");
         // The rate falls to 0.4 req/s: once the window has passed the high
         // rate, the model asks for one pod (well past the rate's noise).
         let mut finished = 50;
@@ -707,7 +750,8 @@ mod tests {
         let cfg = slo_config();
         let slo = cfg.slo.clone().unwrap();
         let targets = Targets {
-            ttft_p90_ms: 2000.0,
+            ttft_ms: 2000.0,
+            ttft_quantile: 0.9,
             itl_p99_ms: 250.0,
             kv_usage: cfg.target_kv_usage.get(),
         };

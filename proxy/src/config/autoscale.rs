@@ -30,11 +30,17 @@ pub struct Autoscale {
 
 /// The latency targets a pool is sized for, how its workload is measured,
 /// and what one pod can do.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Slo {
-    /// Time to first token that 90% of requests should meet.
-    pub ttft_p90: Duration,
+    /// Time to first token that 90% of requests should meet; or, set
+    /// instead (exactly one of the three), that 95% or 99% should.
+    #[serde(default)]
+    pub ttft_p90: Option<Duration>,
+    #[serde(default)]
+    pub ttft_p95: Option<Duration>,
+    #[serde(default)]
+    pub ttft_p99: Option<Duration>,
     /// Inter-token latency that 99% of tokens should meet.
     pub itl_p99: Duration,
     /// The arrival rate and tokens per request are measured over this window
@@ -46,6 +52,12 @@ pub struct Slo {
     /// How often every sidecar samples the fleet's counters, polled or not.
     #[serde(default = "default_sample_interval")]
     pub sample_interval: Duration,
+    /// Pools are sized for this many times the measured rate (1 to 10): the
+    /// headroom that absorbs a burst that comes faster than a pod starts,
+    /// paid for in pods all the time (as an HPA's target utilisation below
+    /// 100%; docs/autoscaling.md).
+    #[serde(default = "default_headroom")]
+    pub headroom: f64,
     /// One pod's costs (every pool's; the decode pool's too unless `decode_pod`).
     pub pod: PodProfile,
     /// The decode pool's pods, when their GPUs differ.
@@ -60,6 +72,13 @@ fn default_window() -> Duration {
 fn default_sample_interval() -> Duration {
     Duration::from_secs(5)
 }
+
+fn default_headroom() -> f64 {
+    1.0
+}
+
+// `headroom` is validated finite, so comparing bits is an equivalence.
+impl Eq for Slo {}
 
 /// What one engine step costs and what one pod holds: the terms
 /// `kvmesh-engine-sim profile --profile gpu:MODEL@GPU` prints (derived from
@@ -144,9 +163,38 @@ impl PodProfile {
 }
 
 impl Slo {
+    /// The TTFT target and the share of requests that should meet it.
+    pub fn ttft(&self) -> (Duration, f64) {
+        let (_, d, q) = self.ttft_given();
+        (d, q)
+    }
+
+    /// The TTFT key set, its target and its share (the first set; validation
+    /// requires exactly one).
+    fn ttft_given(&self) -> (&'static str, Duration, f64) {
+        [
+            ("ttft_p90", self.ttft_p90, 0.9),
+            ("ttft_p95", self.ttft_p95, 0.95),
+            ("ttft_p99", self.ttft_p99, 0.99),
+        ]
+        .into_iter()
+        .find_map(|(k, d, q)| d.map(|d| (k, d, q)))
+        .unwrap_or(("ttft_p90", Duration::from_secs(0), 0.9))
+    }
+
     fn validate(&self) -> Result<(), (String, String)> {
+        let given = [self.ttft_p90, self.ttft_p95, self.ttft_p99]
+            .iter()
+            .filter(|d| d.is_some())
+            .count();
+        if given != 1 {
+            return Err((
+                "autoscale.slo.ttft_p90".to_owned(),
+                format!("give one TTFT target: ttft_p90, ttft_p95 or ttft_p99 ({given} given)"),
+            ));
+        }
         for (name, d) in [
-            ("ttft_p90", self.ttft_p90),
+            (self.ttft_given().0, self.ttft().0),
             ("itl_p99", self.itl_p99),
             ("sample_interval", self.sample_interval),
         ] {
@@ -163,6 +211,15 @@ impl Slo {
                 format!(
                     "{} holds fewer than two samples {} apart: a rate needs two",
                     self.window, self.sample_interval
+                ),
+            ));
+        }
+        if !(1.0..=10.0).contains(&self.headroom) {
+            return Err((
+                "autoscale.slo.headroom".to_owned(),
+                format!(
+                    "{} is not a multiple of the measured rate from 1 (none) to 10",
+                    self.headroom
                 ),
             ));
         }
@@ -264,6 +321,26 @@ mod tests {
             (
                 "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 0}}\n",
                 "autoscale.slo.pod.kv_cache_tokens",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, ttft_p99: 3s, itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "one TTFT target",
+            ),
+            (
+                "autoscale:\n  slo: {itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "one TTFT target",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p99: 0s, itl_p99: 80ms, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.ttft_p99",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, headroom: 0.8, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.headroom",
+            ),
+            (
+                "autoscale:\n  slo: {ttft_p90: 2s, itl_p99: 80ms, headroom: .nan, pod: {step_base_ms: 20, prefill_ms_per_token: 0.1, decode_ms_per_seq: 0.1, kv_cache_tokens: 30000}}\n",
+                "autoscale.slo.headroom",
             ),
         ] {
             let e = from_yaml_str(yaml, "proxy.yaml").unwrap_err().to_string();
