@@ -533,9 +533,10 @@ async fn an_sglang_prefill_leg_counts_towards_the_prefill_pod_while_it_runs() {
     .await;
 }
 
-/// The schedulers pick prefill pods by the requests at them: a leg the
-/// decode sidecar has sent counts there (and is what it publishes to the
-/// mesh), beside the request's count at its decode pod.
+/// The schedulers pick prefill pods by the requests at them and by the
+/// prompt tokens waiting there: a leg the decode sidecar has sent counts
+/// there, both (and is what it publishes to the mesh), beside the request's
+/// count at its decode pod, which computes none of the prompt.
 async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &SimHandle)) {
     let (prefill, _decode, prefill_sidecar, sidecar) = scheduled_split(flavor, tune).await;
     let prefill_id = prefill_sidecar.addr().to_string();
@@ -559,6 +560,17 @@ async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &
         Some(&1),
         "and the request at its decode pod"
     );
+    let tokens = sidecar.fleet().published_prefill();
+    let at_prefill = tokens.get(&prefill_id).copied().unwrap_or(0);
+    assert!(
+        at_prefill > 1000,
+        "the cold prompt's tokens wait at the prefill pod: {tokens:?}"
+    );
+    assert_eq!(
+        tokens.get(&decode_id).copied().unwrap_or(0),
+        0,
+        "{tokens:?}"
+    );
     // The prefill pod's sidecar runs the leg it was sent without publishing
     // it again: the mesh counts it once.
     let own = prefill_sidecar.fleet().local_id().to_owned();
@@ -568,6 +580,14 @@ async fn prefill_leg_is_counted(flavor: Flavor, tune: impl FnOnce(&mut Config, &
         counts(&sidecar).is_empty().then_some(())
     })
     .await;
+    assert!(
+        sidecar
+            .fleet()
+            .published_prefill()
+            .values()
+            .all(|&t| t == 0),
+        "the prompt was prefilled"
+    );
     assert_eq!(inference(&prefill).len(), 1, "one prefill leg");
 }
 

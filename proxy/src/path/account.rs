@@ -84,8 +84,9 @@ pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
     }
     let guard = pod.as_ref().and_then(|id| a.fleet.begin(id));
     let prefill = match (target, &pod) {
-        // A split's prompt is computed on its prefill pod, whose tokens are
-        // not counted (docs/filters.md, token-cost-scorer).
+        // A split's prompt is computed on its prefill pod, which counts
+        // them while the prefill leg runs (`pd::twoleg::prefill_tokens`);
+        // its decode pod computes none.
         (Target::Disaggregated { .. }, _) | (_, None) => None,
         (_, Some(id)) => {
             let tokens = ctx.uncached_tokens.iter().find(|(p, _)| p == id);

@@ -43,7 +43,9 @@ pub async fn run(
     let prefill_leg = async {
         // The prefill pod counts this leg until it ends (the decode pod
         // counts the request: the execute stage tracks it there).
-        let _queued = h.fleet.begin(&prefill.pod(h.fleet));
+        let pod = prefill.pod(h.fleet);
+        let _queued = h.fleet.begin(&pod);
+        let _prefill = super::twoleg::prefill_tokens(h.fleet, ctx, &pod);
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();
