@@ -45,8 +45,7 @@ pub async fn run(
         // counts the request: the execute stage tracks it there).
         let pod = prefill.pod(h.fleet);
         let _queued = h.fleet.begin(&pod);
-        // And its prompt tokens, until the leg's one token.
-        let _prefill = ctx.begin_prefill(h.fleet, &pod);
+        let _prefill = super::twoleg::prefill_tokens(h.fleet, ctx, &pod);
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();

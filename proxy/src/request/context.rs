@@ -74,19 +74,6 @@ pub enum Served {
 }
 
 impl RequestCtx {
-    /// Counts the prompt tokens this request computes on `pod`, as the
-    /// scheduler priced them, as waiting to be prefilled there until the
-    /// guard drops (at its first token). `None` for a pod it did not price
-    /// (an llm-d prefiller named by the gateway) or nothing to compute.
-    pub fn begin_prefill(
-        &self,
-        fleet: &crate::fleet::Fleet,
-        pod: &str,
-    ) -> Option<crate::fleet::AmountGuard> {
-        let (_, tokens) = self.uncached_tokens.iter().find(|(p, _)| p == pod)?;
-        fleet.begin_prefill(pod, *tokens)
-    }
-
     pub fn new<B>(req: &Request<B>, in_flight: InFlight) -> Self {
         let h = req.headers();
         Self {
