@@ -338,6 +338,16 @@ impl Fleet {
         Some(AmountGuard::new(counter, tokens))
     }
 
+    /// [`Fleet::begin_prefill`] for the tokens the scheduler priced at
+    /// `id`, out of `priced` (pod, uncached tokens): a request's prompt
+    /// counts where it is computed, wherever the plan placed that. A pod
+    /// it did not price (an llm-d prefiller named by the gateway) counts
+    /// none.
+    pub fn begin_priced_prefill(&self, id: &str, priced: &[(String, u64)]) -> Option<AmountGuard> {
+        let (_, tokens) = priced.iter().find(|(pod, _)| pod == id)?;
+        self.begin_prefill(id, *tokens)
+    }
+
     /// What this sidecar publishes to its peers: the prompt tokens it sent
     /// that wait to be prefilled, per target. Requests peers forwarded here
     /// are not among them (their forwarders count and publish them).

@@ -168,6 +168,12 @@ fn prompt_tokens_to_prefill_count_own_guards_and_every_peer_report() {
     let _second = f.begin_prefill(peer, 300).unwrap();
     assert!(f.begin_prefill(peer, 0).is_none(), "nothing to prefill");
     assert!(f.begin_prefill("nowhere:1", 5).is_none());
+    // What the scheduler priced there, and nothing where it priced none.
+    let priced = [(local.to_owned(), 40), (peer.to_owned(), 60)];
+    let third = f.begin_priced_prefill(peer, &priced).unwrap();
+    assert_eq!(f.published_prefill()[peer], 1060);
+    drop(third);
+    assert!(f.begin_priced_prefill(peer, &priced[..1]).is_none());
     assert_eq!(
         f.published_prefill(),
         HashMap::from([(peer.to_owned(), 1000)])

@@ -85,13 +85,10 @@ pub(crate) fn track(a: Accounting<'_>, ctx: &mut RequestCtx, target: &Target) {
     let guard = pod.as_ref().and_then(|id| a.fleet.begin(id));
     let prefill = match (target, &pod) {
         // A split's prompt is computed on its prefill pod, which counts
-        // them while the prefill leg runs (`pd::twoleg::prefill_tokens`);
-        // its decode pod computes none.
+        // them while the prefill leg runs (`pd::twoleg`, `pd::sglang`); its
+        // decode pod computes none.
         (Target::Disaggregated { .. }, _) | (_, None) => None,
-        (_, Some(id)) => {
-            let tokens = ctx.uncached_tokens.iter().find(|(p, _)| p == id);
-            tokens.and_then(|(_, n)| a.fleet.begin_prefill(id, *n))
-        }
+        (_, Some(id)) => a.fleet.begin_priced_prefill(id, &ctx.uncached_tokens),
     };
     if let Some(in_flight) = ctx.in_flight.as_mut() {
         in_flight.hold_target(guard);

@@ -45,7 +45,7 @@ pub async fn run(
         // counts the request: the execute stage tracks it there).
         let pod = prefill.pod(h.fleet);
         let _queued = h.fleet.begin(&pod);
-        let _prefill = super::twoleg::prefill_tokens(h.fleet, ctx, &pod);
+        let _prefill = h.fleet.begin_priced_prefill(&pod, &ctx.uncached_tokens);
         let (resp, name, hop) =
             send(&up, ctx, prefill, &req.head, full(legs.clone()), PREFILL, 1).await?;
         let status = resp.status();

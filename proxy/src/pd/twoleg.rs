@@ -269,19 +269,6 @@ fn prefill_retryable(e: &ProxyError) -> bool {
     }
 }
 
-/// Counts the prompt tokens `ctx` computes on prefill pod `pod` as waiting
-/// to be prefilled there until the guard drops (the leg's end: its one
-/// token). The scheduler knew them when it picked the pod; a pod it did not
-/// price (an llm-d prefiller named by the gateway) counts none.
-pub(super) fn prefill_tokens(
-    fleet: &crate::fleet::Fleet,
-    ctx: &RequestCtx,
-    pod: &str,
-) -> Option<crate::fleet::AmountGuard> {
-    let (_, tokens) = ctx.uncached_tokens.iter().find(|(p, _)| p == pod)?;
-    fleet.begin_prefill(pod, *tokens)
-}
-
 /// A prefill attempt's number for its span (1-based).
 fn attempt_no(attempt: usize) -> u8 {
     u8::try_from(attempt + 1).unwrap_or(u8::MAX)
@@ -303,7 +290,7 @@ async fn prefill_once(
     let _queued = h.fleet.begin(&pod);
     // And its prompt tokens, until the leg's one token: what the pod has
     // to prefill (token-cost-scorer's pending prefill, mesh-wide).
-    let _prefill = prefill_tokens(h.fleet, ctx, &pod);
+    let _prefill = h.fleet.begin_priced_prefill(&pod, &ctx.uncached_tokens);
     let sent = Instant::now();
     let (resp, name, hop) = send(
         &up,
