@@ -70,7 +70,7 @@ pub struct AutoscaleArgs {
     /// kvmesh-slo's `autoscale.slo.headroom`: pools sized for this many times the measured rate (default 1).
     #[arg(long)]
     slo_headroom: Option<f64>,
-    /// The share of requests, in percent, kvmesh-slo sizes to meet the TTFT target: 90, 95 or 99 (`autoscale.slo.ttft_p90` ...; default 90).
+    /// The share of requests, in percent, kvmesh-slo sizes to meet the TTFT target: 90, 95 or 99 (`autoscale.slo.ttft_p90` ...; default 99, the share the attainment target asks for); the fixed fleets are sized for it too.
     #[arg(long)]
     slo_percentile: Option<u32>,
     /// Write the report as JSON.

@@ -168,14 +168,10 @@ impl AutoscaleReport {
                 String::new()
             } else {
                 format!(", kvmesh-slo headroom {}x", s.slo_headroom)
-            } + &if s.slo_ttft_quantile == 0.9 {
-                String::new()
-            } else {
-                format!(
-                    ", kvmesh-slo sized for TTFT p{:.0}",
-                    s.slo_ttft_quantile * 100.0
-                )
-            }
+            } + &format!(
+                ", every fleet sized for TTFT p{:.0}",
+                s.slo_ttft_quantile * 100.0
+            )
         );
         for f in &self.runs {
             out.push_str(&format!(
