@@ -329,56 +329,70 @@ pub async fn run(opts: &AutoscaleOpts) -> Result<AutoscaleReport> {
     Ok(report)
 }
 
-/// The pods a pool needs at `rate` by the SLO model, with the TTFT target
-/// held by the `ttft_quantile` share of requests (the run's percentile: a
-/// fleet sized for the peak is sized for the share the hook is).
-pub fn model_pods(
-    opts: &AutoscaleOpts,
-    profile: &LatencyProfile,
+/// The SLO model's sizes for one fleet's pools: requests shaped like the
+/// trace's (their moments drawn once), the TTFT target held by the run's
+/// percentile (a fleet sized for the peak is sized for the share the hook
+/// is).
+struct ModelSizes<'a> {
+    opts: &'a AutoscaleOpts,
+    profile: &'a LatencyProfile,
     fleet: FleetKind,
-    role: Role,
-    rate: f64,
-    ttft_quantile: f64,
-) -> u32 {
-    let (prompt, prompt_sq, output) = trace_moments(opts, fleet);
-    let prompt_sq = Some(prompt_sq);
-    let w = match role {
-        // A prefill pod computes every prompt and streams one token.
-        Role::Prefill => Workload {
-            arrival_rate: rate,
-            prompt_tokens: prompt,
-            uncached_tokens: prompt,
-            output_tokens: 1.0,
-            prompt_tokens_sq: prompt_sq,
-            window_s: 60.0,
-        },
-        // A decode pod receives the prompt's KV and generates.
-        Role::Decode => Workload {
-            arrival_rate: rate,
-            prompt_tokens: prompt,
-            uncached_tokens: 0.0,
-            output_tokens: output,
-            prompt_tokens_sq: prompt_sq,
-            window_s: 60.0,
-        },
-        Role::Both => Workload {
-            arrival_rate: rate,
-            prompt_tokens: prompt,
-            uncached_tokens: prompt,
-            output_tokens: output,
-            prompt_tokens_sq: prompt_sq,
-            window_s: 60.0,
-        },
-    };
-    let (ttft, itl) = fleet.slo();
-    let targets = Targets {
-        ttft_ms: ttft,
-        ttft_quantile,
-        itl_p99_ms: itl,
-        kv_usage: config::Autoscale::default().target_kv_usage.get(),
-    };
-    let pod = pod_profile(&role_profile(profile, role), 1.0);
-    slo::pods_needed(&pod, &targets, &w, opts.max_pods_per_pool).0
+    /// The mean prompt, its mean square and the mean output.
+    moments: (f64, f64, f64),
+}
+
+impl<'a> ModelSizes<'a> {
+    fn new(opts: &'a AutoscaleOpts, profile: &'a LatencyProfile, fleet: FleetKind) -> Self {
+        Self {
+            opts,
+            profile,
+            fleet,
+            moments: trace_moments(opts, fleet),
+        }
+    }
+
+    /// The pods `role`'s pool needs at `rate`.
+    fn pods(&self, role: Role, rate: f64) -> u32 {
+        let (prompt, prompt_sq, output) = self.moments;
+        let prompt_sq = Some(prompt_sq);
+        let w = match role {
+            // A prefill pod computes every prompt and streams one token.
+            Role::Prefill => Workload {
+                arrival_rate: rate,
+                prompt_tokens: prompt,
+                uncached_tokens: prompt,
+                output_tokens: 1.0,
+                prompt_tokens_sq: prompt_sq,
+                window_s: 60.0,
+            },
+            // A decode pod receives the prompt's KV and generates.
+            Role::Decode => Workload {
+                arrival_rate: rate,
+                prompt_tokens: prompt,
+                uncached_tokens: 0.0,
+                output_tokens: output,
+                prompt_tokens_sq: prompt_sq,
+                window_s: 60.0,
+            },
+            Role::Both => Workload {
+                arrival_rate: rate,
+                prompt_tokens: prompt,
+                uncached_tokens: prompt,
+                output_tokens: output,
+                prompt_tokens_sq: prompt_sq,
+                window_s: 60.0,
+            },
+        };
+        let (ttft, itl) = self.fleet.slo();
+        let targets = Targets {
+            ttft_ms: ttft,
+            ttft_quantile: self.opts.slo_ttft_quantile,
+            itl_p99_ms: itl,
+            kv_usage: config::Autoscale::default().target_kv_usage.get(),
+        };
+        let pod = pod_profile(&role_profile(self.profile, role), 1.0);
+        slo::pods_needed(&pod, &targets, &w, self.opts.max_pods_per_pool).0
+    }
 }
 
 /// The pods the hook's model asks for at each trace minute's scheduled
@@ -388,6 +402,7 @@ pub fn model_pods(
 fn ideal_pods(opts: &AutoscaleOpts, profile: &LatencyProfile, kind: FleetKind) -> Vec<(f64, u32)> {
     let s = opts.schedule();
     let minute = s.minute.as_secs_f64();
+    let sizes = ModelSizes::new(opts, profile, kind);
     (0..trace::CONV_MINUTES.len())
         .map(|m| {
             let at = m as f64 * minute;
@@ -395,9 +410,7 @@ fn ideal_pods(opts: &AutoscaleOpts, profile: &LatencyProfile, kind: FleetKind) -
             let pods = kind
                 .pools()
                 .iter()
-                .map(|&(_, role)| {
-                    model_pods(opts, profile, kind, role, rate, opts.slo_ttft_quantile)
-                })
+                .map(|&(_, role)| sizes.pods(role, rate))
                 .sum();
             (at, pods)
         })
@@ -582,6 +595,7 @@ async fn run_one(
         scale: opts.time_scale,
     };
     let mut fleet = ElasticFleet::new(template, clock).context("fleet")?;
+    let sizes = ModelSizes::new(opts, profile, kind);
     // The fixed fleets hold their size; the reactive ones start at the mean's.
     let mut hpas = Vec::new();
     for &(_, role) in kind.pools() {
@@ -590,7 +604,7 @@ async fn run_one(
         } else {
             mean
         };
-        let n = model_pods(opts, profile, kind, role, at, opts.slo_ttft_quantile);
+        let n = sizes.pods(role, at);
         fleet.start_warm(role, n as usize);
         // The queue policies keep KEDA's default; the SLO hook's triggers
         // run with the window the shipped ScaledObjects set.
@@ -677,14 +691,7 @@ async fn run_one(
                         // until then.
                         let ahead = (opts.timing.startup + opts.timing.poll).as_secs_f64();
                         let rate = schedule.highest_rate(now, now + ahead);
-                        f64::from(model_pods(
-                            opts,
-                            profile,
-                            kind,
-                            role,
-                            rate,
-                            opts.slo_ttft_quantile,
-                        ))
+                        f64::from(sizes.pods(role, rate))
                     }
                     _ => {
                         // KEDA reaches one sidecar through the Service.
