@@ -3,10 +3,10 @@
 //! ReplicaSet does it.
 //!
 //! - **Start.** A new pod is billed from the moment it is asked for. It
-//!   loads its model for `startup` (simulated), then its engine and sidecar
-//!   start; once the sidecar reports ready the pod joins the mesh (the peers
-//!   file every sidecar follows, as a headless Service lists ready pods) and
-//!   the client Service's endpoints.
+//!   loads its model for `startup` (simulated) while its engine and sidecar
+//!   start; once both are done and the sidecar reports ready, the pod joins
+//!   the mesh (the peers file every sidecar follows, as a headless Service
+//!   lists ready pods) and the client Service's endpoints.
 //! - **Stop.** The newest pod goes first, a starting one before a ready
 //!   one (the ReplicaSet deletes not-ready pods first). A ready pod leaves
 //!   the endpoints and the mesh, waits `pre_stop` (a preStop hook, so that
@@ -182,8 +182,14 @@ impl ElasticFleet {
         let peers_file = self.peers_file.clone();
         let delay = self.clock.wall(startup);
         let task = tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            start_pod(&t, role, &peers_file).await
+            // The sidecar and the engine's process come up while the model
+            // loads, as a pod's containers do: the pod serves `startup`
+            // after it was asked for, not that plus this machine's time
+            // to spawn them (a few tenths of a second of wall time, seconds
+            // at the time scale).
+            let (pod, ()) =
+                tokio::join!(start_pod(&t, role, &peers_file), tokio::time::sleep(delay));
+            pod
         });
         self.pods.push(Pod {
             role,
