@@ -58,7 +58,7 @@ pub struct AutoscaleArgs {
     /// Fleets: aggregated, pd (default both).
     #[arg(long, value_delimiter = ',')]
     fleets: Vec<String>,
-    /// Policies: fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo (default: these five), clairvoyant (the bound: the model at the rate a start-up ahead, read off the trace).
+    /// Policies: fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo (default: these five); the bounds clairvoyant (the model at the highest rate a start-up ahead, read off the trace) and reactive-bound (the model at the rate now, known the moment it changes).
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
     /// Simulated seconds per wall second.
@@ -67,7 +67,7 @@ pub struct AutoscaleArgs {
     /// Requests per second at the trace's mean rate.
     #[arg(long)]
     base_rate: Option<f64>,
-    /// kvmesh-slo's `autoscale.slo.headroom`: pools sized for this many times the measured rate (default 1).
+    /// kvmesh-slo's `autoscale.slo.headroom`: pools sized for this many times the measured rate (default 1); the bounds size for this many times the trace's.
     #[arg(long)]
     slo_headroom: Option<f64>,
     /// The share of requests, in percent, kvmesh-slo sizes to meet the TTFT target: 90, 95 or 99 (`autoscale.slo.ttft_p90` ...; default 99, the share the attainment target asks for); the fixed fleets are sized for it too.
@@ -464,7 +464,7 @@ async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
             .iter()
             .map(|p| {
                 ScalePolicy::parse(p).with_context(|| {
-                    format!("unknown policy {p:?} (expected fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo or clairvoyant)")
+                    format!("unknown policy {p:?} (expected fixed-peak, fixed-mean, queue-hpa, kvmesh-queue, kvmesh-slo, clairvoyant or reactive-bound)")
                 })
             })
             .collect::<Result<_>>()?;

@@ -199,12 +199,13 @@ pub struct AutoscaleOpts {
     /// The GPU profile every pod runs (`gpu:MODEL@GPU`).
     pub profile: String,
     pub max_pods_per_pool: u32,
-    /// `kvmesh-slo`'s `autoscale.slo.headroom`.
+    /// `kvmesh-slo`'s `autoscale.slo.headroom`; the bounds (`clairvoyant`,
+    /// `reactive-bound`) size for this many times the trace's rate.
     pub slo_headroom: f64,
     /// The share of requests `kvmesh-slo` sizes to meet the TTFT target
     /// (`autoscale.slo.ttft_p90`, `_p95` or `_p99`); the fixed fleets, the
-    /// reactive ones' starting size, the clairvoyant bound and the model's
-    /// line use it too.
+    /// reactive ones' starting size, the bounds and the model's line use
+    /// it too.
     pub slo_ttft_quantile: f64,
     pub progress: bool,
 }
@@ -610,7 +611,7 @@ async fn run_one(
         // run with the window the shipped ScaledObjects set.
         let hold = match policy {
             ScalePolicy::KvmeshSlo => opts.timing.hook_stabilization.as_secs_f64(),
-            ScalePolicy::Clairvoyant => 0.0,
+            ScalePolicy::Clairvoyant | ScalePolicy::ReactiveBound => 0.0,
             _ => opts.timing.stabilization.as_secs_f64(),
         };
         hpas.push(Hpa::new(1, opts.max_pods_per_pool, hold, n));
@@ -691,7 +692,11 @@ async fn run_one(
                         // until then.
                         let ahead = (opts.timing.startup + opts.timing.poll).as_secs_f64();
                         let rate = schedule.highest_rate(now, now + ahead);
-                        f64::from(sizes.pods(role, rate))
+                        f64::from(sizes.pods(role, rate * opts.slo_headroom))
+                    }
+                    ScalePolicy::ReactiveBound => {
+                        let rate = schedule.rate_at(now);
+                        f64::from(sizes.pods(role, rate * opts.slo_headroom))
                     }
                     _ => {
                         // KEDA reaches one sidecar through the Service.

@@ -36,6 +36,13 @@ pub enum ScalePolicy {
     /// once. The bound on what sizing by the model can reach when the rate
     /// is known in time; run on request only (`--policies clairvoyant`).
     Clairvoyant,
+    /// Not a policy anyone can run either: the hook's model at the rate
+    /// the trace runs at now, known the moment it changes (no window, no
+    /// noise, no detection lag), scaled down at once. The bound on every
+    /// scaler that reacts to the rate, however fast it reads it: what a
+    /// pod start-up behind a step costs whatever the scaler
+    /// (`--policies reactive-bound`).
+    ReactiveBound,
 }
 
 impl ScalePolicy {
@@ -47,14 +54,15 @@ impl ScalePolicy {
         ScalePolicy::KvmeshSlo,
     ];
 
-    /// Every policy `--policies` accepts: the compared ones and the bound.
-    pub const KNOWN: [ScalePolicy; 6] = [
+    /// Every policy `--policies` accepts: the compared ones and the bounds.
+    pub const KNOWN: [ScalePolicy; 7] = [
         ScalePolicy::FixedPeak,
         ScalePolicy::FixedMean,
         ScalePolicy::QueueHpa,
         ScalePolicy::KvmeshQueue,
         ScalePolicy::KvmeshSlo,
         ScalePolicy::Clairvoyant,
+        ScalePolicy::ReactiveBound,
     ];
 
     pub fn name(self) -> &'static str {
@@ -65,6 +73,7 @@ impl ScalePolicy {
             ScalePolicy::KvmeshQueue => "kvmesh-queue",
             ScalePolicy::KvmeshSlo => "kvmesh-slo",
             ScalePolicy::Clairvoyant => "clairvoyant",
+            ScalePolicy::ReactiveBound => "reactive-bound",
         }
     }
 

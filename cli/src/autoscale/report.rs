@@ -167,7 +167,7 @@ impl AutoscaleReport {
             if s.slo_headroom == 1.0 {
                 String::new()
             } else {
-                format!(", kvmesh-slo headroom {}x", s.slo_headroom)
+                format!(", headroom {}x (kvmesh-slo and the bounds)", s.slo_headroom)
             } + &format!(
                 ", every fleet sized for TTFT p{:.0}",
                 s.slo_ttft_quantile * 100.0
