@@ -3,8 +3,11 @@
 //! and queue, sampled over a window.
 //!
 //! Arrivals are what finished plus what the pool took on: `Δfinished +
-//! Δ(waiting + running)`, so a pool that falls behind still shows the rate
-//! it is asked for, not the rate it manages. Tokens per request are ratios
+//! Δ(in system)`, so a pool that falls behind still shows the rate it is
+//! asked for, not the rate it manages. A pod's requests in system are its
+//! engine's `waiting + running`, or the sidecars' in-flight count to it
+//! where that is larger ([`in_system`]): an engine counts a request only
+//! from the step after it arrived. Tokens per request are ratios
 //! of the counters' deltas over the same window (prompt, cached, generated
 //! per finished request).
 //!
@@ -96,7 +99,7 @@ impl History {
                     id: p.info.id.clone(),
                     role: p.info.role,
                     work: p.load.work?,
-                    in_system: u64::from(p.load.waiting) + u64::from(p.load.running),
+                    in_system: in_system(p),
                 })
             })
             .collect();
@@ -190,6 +193,17 @@ impl History {
     }
 }
 
+/// The requests a pod holds: its engine's queue and batch, or what the
+/// sidecars have in flight to it when that is more. An engine takes new
+/// requests in between its steps, so while a prefill pod runs a long step
+/// the requests sent to it meanwhile are in no count of its own yet: the
+/// mesh's count shows them a step earlier, and a burst with them.
+fn in_system(p: &PodSnapshot) -> u64 {
+    let engine = u64::from(p.load.waiting) + u64::from(p.load.running);
+    let mesh = u64::from(p.in_flight_local) + u64::from(p.in_flight_mesh);
+    engine.max(mesh)
+}
+
 /// The mean square of a prompt from `[finished, prompt tokens, histogram
 /// tokens, histogram tokens²]` summed over a window: the histogram's mean
 /// square, scaled by how far its mean is from the exact counters' (bucket
@@ -243,6 +257,27 @@ mod tests {
         assert!((w.uncached_tokens - 600.0).abs() < 1e-9);
         assert!((w.output_tokens - 200.0).abs() < 1e-9);
         assert_eq!(h.workload(Role::Decode), None, "no pod of the pool");
+    }
+
+    #[test]
+    fn requests_the_mesh_sent_that_the_engine_does_not_count_yet_are_arrivals() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        h.record(t0, &[pod("a", Role::Prefill, 100, 1)]);
+        // 10 s later: 20 finished; the engine, mid-step, counts 1 waiting,
+        // but the sidecars have 9 in flight to it.
+        let mut busy = pod("a", Role::Prefill, 120, 1);
+        busy.in_flight_local = 4;
+        busy.in_flight_mesh = 5;
+        h.record(t0 + Duration::from_secs(10), &[busy.clone()]);
+        let w = h.workload(Role::Prefill).unwrap();
+        assert!((w.arrival_rate - 2.8).abs() < 1e-9, "{w:?}"); // (20 + 9 - 1) / 10 s
+                                                               // Once the engine counts them, the arrivals are not counted twice.
+        let mut caught_up = pod("a", Role::Prefill, 120, 9);
+        caught_up.in_flight_local = 9;
+        h.record(t0 + Duration::from_secs(20), &[caught_up]);
+        let w = h.workload(Role::Prefill).unwrap();
+        assert!((w.arrival_rate - 1.4).abs() < 1e-9, "{w:?}"); // (20 + 9 - 1) / 20 s
     }
 
     #[test]
