@@ -686,16 +686,17 @@ async fn run_one(
                             fleet.ready(role).map(|p| p.engine.stats().waiting).sum();
                         waiting as f64 / 5.0
                     }
-                    ScalePolicy::Clairvoyant => {
+                    ScalePolicy::Clairvoyant | ScalePolicy::ReactiveBound => {
                         // The pods asked for now serve a start-up (and at
-                        // most a poll) later: size for the highest rate
-                        // until then.
+                        // most a poll) later: clairvoyant sizes for the
+                        // highest rate until then, the reactive bound for
+                        // the rate now.
                         let ahead = (opts.timing.startup + opts.timing.poll).as_secs_f64();
-                        let rate = schedule.highest_rate(now, now + ahead);
-                        f64::from(sizes.pods(role, rate * opts.slo_headroom))
-                    }
-                    ScalePolicy::ReactiveBound => {
-                        let rate = schedule.rate_at(now);
+                        let rate = if policy == ScalePolicy::Clairvoyant {
+                            schedule.highest_rate(now, now + ahead)
+                        } else {
+                            schedule.rate_at(now)
+                        };
                         f64::from(sizes.pods(role, rate * opts.slo_headroom))
                     }
                     _ => {

@@ -269,15 +269,17 @@ mod tests {
         let mut busy = pod("a", Role::Prefill, 120, 1);
         busy.in_flight_local = 4;
         busy.in_flight_mesh = 5;
-        h.record(t0 + Duration::from_secs(10), &[busy.clone()]);
+        h.record(t0 + Duration::from_secs(10), &[busy]);
         let w = h.workload(Role::Prefill).unwrap();
-        assert!((w.arrival_rate - 2.8).abs() < 1e-9, "{w:?}"); // (20 + 9 - 1) / 10 s
-                                                               // Once the engine counts them, the arrivals are not counted twice.
+        // (20 finished + 9 in flight - 1 before) / 10 s.
+        assert!((w.arrival_rate - 2.8).abs() < 1e-9, "{w:?}");
+        // Once the engine counts them, the arrivals are not counted twice:
+        // the same 28 over 20 s.
         let mut caught_up = pod("a", Role::Prefill, 120, 9);
         caught_up.in_flight_local = 9;
         h.record(t0 + Duration::from_secs(20), &[caught_up]);
         let w = h.workload(Role::Prefill).unwrap();
-        assert!((w.arrival_rate - 1.4).abs() < 1e-9, "{w:?}"); // (20 + 9 - 1) / 20 s
+        assert!((w.arrival_rate - 1.4).abs() < 1e-9, "{w:?}");
     }
 
     #[test]
