@@ -12,6 +12,7 @@
 //! handler gives `single-profile-handler`. [`FilterConfig::builtin_default`]
 //! is the config used when there is no file.
 
+pub mod flow;
 mod raw;
 
 use std::collections::HashMap;
@@ -40,8 +41,10 @@ pub const DEFAULT_PROFILE: &str = "default";
 pub struct FilterConfig {
     /// The `apiVersion` written.
     pub api_version: String,
-    /// `featureGates`, as written (none are interpreted yet).
+    /// `featureGates`, as written (`flowControl` is the one read).
     pub feature_gates: Vec<String>,
+    /// `flowControl`, when its gate is on ([`flow`]).
+    pub flow_control: Option<flow::FlowControl>,
     /// Every plugin instance, including the implicit ones (default picker, handler).
     pub plugins: Vec<PluginSpec>,
     /// The scheduling profiles.
@@ -166,9 +169,11 @@ impl FilterConfig {
             resolve_profiles(&raw.scheduling_profiles, &mut plugins, &errs)?
         };
         let handler = resolve_handler(&mut plugins, &profiles, &errs)?;
+        let flow_control = flow::resolve(raw.flow_control, &raw.feature_gates, &errs)?;
         let cfg = FilterConfig {
             api_version: raw.api_version,
             feature_gates: raw.feature_gates,
+            flow_control,
             plugins,
             profiles,
             handler,
@@ -215,6 +220,7 @@ impl FilterConfig {
         FilterConfig {
             api_version: API_VERSIONS[0].to_owned(),
             feature_gates: Vec::new(),
+            flow_control: None,
             plugins,
             profiles: vec![ProfileSpec {
                 name: DEFAULT_PROFILE.to_owned(),

@@ -16,6 +16,7 @@ pub(crate) struct RawConfig {
     pub plugins: Vec<RawPlugin>,
     #[serde(default)]
     pub scheduling_profiles: Vec<RawProfile>,
+    pub flow_control: Option<super::flow::RawFlowControl>,
 }
 
 /// One `plugins` entry.
