@@ -37,6 +37,8 @@ pub struct App {
     pub pd_metrics: Arc<crate::pd::metrics::PdMetrics>,
     /// The autoscaling hook: its samples of the fleet and its metrics.
     pub autoscale: Arc<crate::autoscale::Hook>,
+    /// Flow control's lines of held requests (`crate::flow`).
+    pub flow: Arc<crate::flow::Gate>,
 }
 
 impl App {
@@ -60,6 +62,7 @@ impl App {
             index: self.index.clone(),
             pd_metrics: self.pd_metrics.clone(),
             autoscale: self.autoscale.clone(),
+            flow: self.flow.clone(),
         }
     }
 }

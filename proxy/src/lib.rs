@@ -24,6 +24,7 @@ pub mod cli;
 pub mod config;
 mod error;
 pub mod fleet;
+mod flow;
 #[cfg(test)]
 mod graph_tests;
 pub mod h1;

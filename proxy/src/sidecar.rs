@@ -142,6 +142,7 @@ impl Sidecar {
             &config.autoscale,
             &mut registry,
         ));
+        let flow = Arc::new(crate::flow::Gate::new(&mut registry));
         let (tracer, exporter) = match &config.tracing {
             Some(t) => {
                 let (tracer, exporter) = crate::otel::build(t, fleet.local_id())?;
@@ -169,6 +170,7 @@ impl Sidecar {
             index: index.clone(),
             pd_metrics,
             autoscale: autoscale.clone(),
+            flow,
         });
         let app_index = index.clone();
         let shutdown = Shutdown::new();

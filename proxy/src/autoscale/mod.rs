@@ -121,12 +121,23 @@ pub type Answer = BTreeMap<&'static str, PoolAnswer>;
 pub fn answer(cfg: &Autoscale, pods: &[PodSnapshot]) -> Answer {
     POOLS
         .iter()
-        .map(|&(name, role)| (name, queue::size(cfg, role, &members(pods, role))))
+        .map(|&(name, role)| {
+            let answer = queue::size(cfg, role, &members(pods, role), held(pods, role));
+            (name, answer)
+        })
         .collect()
 }
 
 fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
     pods.iter().filter(|p| p.info.role == role).collect()
+}
+
+/// The requests every pod's sidecar holds for the pool of `role` (flow
+/// control): they wait for it as its engines' queues do.
+fn held(pods: &[PodSnapshot], role: Role) -> u32 {
+    pods.iter()
+        .map(|p| p.held.of(role))
+        .fold(0, u32::saturating_add)
 }
 
 /// The spans, in sample intervals, whose rate counts at once when it is
@@ -222,9 +233,10 @@ impl Hook {
                 st.last[i] = measured;
             }
             let members = members(pods, role);
+            let held = held(pods, role);
             a.insert(
                 name,
-                self.size_for_slo(slo, role, &members, st.last[i], warming),
+                self.size_for_slo(slo, role, &members, held, st.last[i], warming),
             );
         }
         drop(st);
@@ -234,17 +246,20 @@ impl Hook {
 
     /// One pool's answer under the SLO. A sidecar `warming` (it has watched
     /// less than a window: it just started) does not know the rate its
-    /// peers measured, so it never answers below the pool's size.
+    /// peers measured, so it never answers below the pool's size. `held`:
+    /// the requests sidecars hold for the pool (flow control), which its
+    /// in-flight floor counts as queued.
     fn size_for_slo(
         &self,
         slo: &crate::config::autoscale::Slo,
         role: Role,
         members: &[&PodSnapshot],
+        held: u32,
         workload: Option<Workload>,
         warming: bool,
     ) -> PoolAnswer {
         let cfg = &self.cfg;
-        let by_queue = queue::size(cfg, role, members);
+        let by_queue = queue::size(cfg, role, members, held);
         let keep = if warming { by_queue.pods } else { 0 };
         let Some(w) = workload.filter(|_| !members.is_empty()) else {
             let (desired, signal) = if members.is_empty() {
@@ -299,7 +314,8 @@ impl Hook {
             .iter()
             .filter(|p| p.load_age_ms.is_some())
             .map(|p| f64::from(p.load.waiting) + f64::from(p.load.running))
-            .sum();
+            .sum::<f64>()
+            + f64::from(held);
         let in_flight_floor = if role == Role::Prefill {
             // A prefill pod holds a request only until its first token: what
             // the pool holds is prefill time, and it needs the pods that
@@ -488,6 +504,7 @@ mod tests {
             healthy: true,
             in_flight_local: 0,
             in_flight_mesh: 0,
+            held: Default::default(),
             ejected_ms: None,
             ejections: 0,
         }
@@ -504,6 +521,31 @@ mod tests {
         assert_eq!((a.pods, a.measured, a.signal), (2, 2, "waiting"));
         assert!((a.ratio - 2.5).abs() < 1e-9, "{a:?}");
         assert_eq!(a.desired, 5);
+    }
+
+    #[test]
+    fn requests_sidecars_hold_for_a_pool_count_in_its_queue() {
+        let cfg = Autoscale::default(); // 2 waiting per pod
+                                        // Flow control keeps the engines' queues short and holds the rest:
+                                        // 12 held for the aggregated pool, by a sidecar of another pool.
+        let mut holder = pod(Role::Decode, 0, 0.1, Some(100));
+        holder.held.both = 12;
+        let pods = [
+            pod(Role::Both, 1, 0.1, Some(100)),
+            pod(Role::Both, 1, 0.1, Some(100)),
+            holder,
+        ];
+        let a = &answer(&cfg, &pods)["aggregated"];
+        assert!(
+            (a.waiting_per_pod - 7.0).abs() < 1e-9,
+            "(1 + 1 + 12) / 2: {a:?}"
+        );
+        assert_eq!(a.desired, 7);
+        assert_eq!(
+            answer(&cfg, &pods)["decode"].desired,
+            1,
+            "held for another pool"
+        );
     }
 
     #[test]

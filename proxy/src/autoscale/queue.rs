@@ -8,6 +8,9 @@
 //! - decode and aggregated: `ratio = max(mean waiting / target_waiting_per_pod,
 //!   mean KV usage / target_kv_usage)`.
 //!
+//! Requests the sidecars hold for the pool (flow control) wait too: they
+//! count in its mean waiting, spread over its pods.
+//!
 //! As the HPA does, `desired = ceil(pods × ratio)`, unchanged while `ratio`
 //! is within `tolerance` of 1, and bounded by `min_replicas..=max_replicas`.
 //! A pool with pods but no fresh load keeps its size: a pause in the metrics
@@ -21,8 +24,9 @@ use super::PoolAnswer;
 use crate::config::Autoscale;
 use crate::fleet::PodSnapshot;
 
-/// The pool's answer by its queue and KV usage.
-pub(super) fn size(cfg: &Autoscale, role: Role, members: &[&PodSnapshot]) -> PoolAnswer {
+/// The pool's answer by its queue (its engines' and the `held` requests
+/// sidecars hold for it) and KV usage.
+pub(super) fn size(cfg: &Autoscale, role: Role, members: &[&PodSnapshot], held: u32) -> PoolAnswer {
     let max_age = u64::try_from(cfg.max_load_age.get().as_millis()).unwrap_or(u64::MAX);
     let fresh: Vec<&&PodSnapshot> = members
         .iter()
@@ -44,7 +48,8 @@ pub(super) fn size(cfg: &Autoscale, role: Role, members: &[&PodSnapshot]) -> Poo
         };
     }
     let n = fresh.len() as f64;
-    let waiting = fresh.iter().map(|p| f64::from(p.load.waiting)).sum::<f64>() / n;
+    let waiting =
+        (fresh.iter().map(|p| f64::from(p.load.waiting)).sum::<f64>() + f64::from(held)) / n;
     let kv = fresh
         .iter()
         // A load without a usable KV figure counts as empty, not as NaN.

@@ -7,7 +7,8 @@
 //! asked for, not the rate it manages. A pod's requests in system are its
 //! engine's `waiting + running`, or the sidecars' in-flight count to it
 //! where that is larger ([`in_system`]): an engine counts a request only
-//! from the step after it arrived. Tokens per request are ratios
+//! from the step after it arrived. Requests the sidecars hold for a pool
+//! (flow control) are in its system too. Tokens per request are ratios
 //! of the counters' deltas over the same window (prompt, cached, generated
 //! per finished request).
 //!
@@ -23,7 +24,7 @@ use kvmesh_filters::sched::Role;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::fleet::{EngineWork, PodSnapshot};
+use crate::fleet::{EngineWork, HeldCounts, PodSnapshot};
 
 /// One pod's counters at one sample.
 #[derive(Debug, Clone)]
@@ -38,6 +39,9 @@ struct PodCount {
 struct Sample {
     at: Instant,
     pods: Vec<PodCount>,
+    /// Requests the sidecars held for each pool (flow control), summed
+    /// over every pod's sidecar.
+    held: HeldCounts,
 }
 
 /// A pool's workload over the window.
@@ -89,8 +93,16 @@ impl History {
         }
     }
 
-    /// Records the counters of every pod that reports them.
+    /// Records the counters of every pod that reports them, and the
+    /// requests every sidecar holds.
     pub fn record(&mut self, at: Instant, pods: &[PodSnapshot]) {
+        let held = pods
+            .iter()
+            .fold(HeldCounts::default(), |sum, p| HeldCounts {
+                prefill: sum.prefill.saturating_add(p.held.prefill),
+                decode: sum.decode.saturating_add(p.held.decode),
+                both: sum.both.saturating_add(p.held.both),
+            });
         let pods = pods
             .iter()
             .filter(|p| p.load_age_ms.is_some())
@@ -103,7 +115,7 @@ impl History {
                 })
             })
             .collect();
-        self.samples.push_back(Sample { at, pods });
+        self.samples.push_back(Sample { at, pods, held });
         // Keep one sample at or before the window's start, none older.
         while self
             .samples
@@ -177,6 +189,8 @@ impl History {
             in_system_change += i64::try_from(now.in_system).unwrap_or(i64::MAX)
                 - i64::try_from(then.in_system).unwrap_or(i64::MAX);
         }
+        // Requests held for the pool (flow control) were asked of it too.
+        in_system_change += i64::from(last.held.of(role)) - i64::from(first.held.of(role));
         if finished == 0 {
             return None;
         }
@@ -234,6 +248,34 @@ mod tests {
             prompt_spread: None,
         });
         p
+    }
+
+    #[test]
+    fn requests_sidecars_hold_for_a_pool_are_its_arrivals() {
+        let t0 = Instant::now();
+        let mut h = History::new(Duration::from_secs(60));
+        let mut a = pod("a", Role::Prefill, 100, 2);
+        h.record(t0, std::slice::from_ref(&a));
+        // 10 s later: 20 finished, and flow control holds 30 more for the
+        // prefill pool in some sidecar (on a decode pod, say).
+        a.load.work.as_mut().unwrap().finished = 120;
+        a.load.work.as_mut().unwrap().prompt_tokens = 120_000;
+        a.load.work.as_mut().unwrap().cached_tokens = 48_000;
+        a.load.work.as_mut().unwrap().generation_tokens = 24_000;
+        let mut holder = pod("d", Role::Decode, 0, 0);
+        holder.load.work = None;
+        holder.held.prefill = 30;
+        h.record(t0 + Duration::from_secs(10), &[a, holder]);
+        let w = h.workload(Role::Prefill).unwrap();
+        assert!(
+            (w.arrival_rate - 5.0).abs() < 1e-9,
+            "(20 + 30) / 10 s: {w:?}"
+        );
+        assert_eq!(
+            h.workload(Role::Decode),
+            None,
+            "held for prefill, not decode"
+        );
     }
 
     #[test]

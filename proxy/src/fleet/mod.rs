@@ -11,6 +11,7 @@
 //! [`Fleet::endpoints`]; nothing here does I/O.
 
 pub mod adapters;
+pub mod held;
 mod load;
 pub mod outlier;
 pub mod ranks;
@@ -25,6 +26,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
 
+pub use held::HeldCounts;
 pub use load::{
     parse_engine_metrics, parse_lora_info, parse_rank_loads, EngineLoad, EngineWork, LoraInfo,
     PromptSpread,
@@ -58,6 +60,8 @@ pub struct PodSnapshot {
     /// Requests other sidecars have in flight to it: the mesh's published
     /// counts, or (on Valkey) the pod's own count from its record.
     pub in_flight_mesh: u32,
+    /// Requests its sidecar holds per pool (flow control).
+    pub held: HeldCounts,
     /// Milliseconds left of this pod's outlier ejection (`None`: not ejected).
     pub ejected_ms: Option<u64>,
     /// Times this sidecar ejected the pod (recently; see [`outlier`]).
@@ -99,6 +103,8 @@ pub struct Fleet {
     ranks: ranks::Ranks,
     /// Pods ejected for failing calls ([`outlier`]).
     outliers: outlier::Outliers,
+    /// Requests this sidecar holds per pool (flow control; [`held`]).
+    held: held::Held,
     /// The sidecar addresses of peers that left discovery lately, and when
     /// ([`DEPARTED_GRACE`]).
     departed: parking_lot::Mutex<std::collections::VecDeque<(SocketAddr, Instant)>>,
@@ -148,6 +154,7 @@ impl Fleet {
             received: Arc::new(AtomicU32::new(0)),
             ranks: ranks::Ranks::default(),
             outliers: outlier::Outliers::default(),
+            held: held::Held::default(),
             departed: parking_lot::Mutex::new(std::collections::VecDeque::new()),
         }
     }
@@ -378,7 +385,8 @@ impl Fleet {
 
     /// What this sidecar publishes to its peers: its in-flight counts per
     /// target, less the requests peers forwarded here (their forwarders
-    /// publish those), so no request is counted twice across the mesh.
+    /// publish those), so no request is counted twice across the mesh; and
+    /// the requests it holds per pool, under [`held::target`].
     pub fn published_in_flight(&self) -> HashMap<String, u32> {
         let received = self.received.load(Ordering::Relaxed);
         let mut counts = self.local_in_flight();
@@ -386,7 +394,24 @@ impl Fleet {
             *n = n.saturating_sub(received);
         }
         counts.retain(|_, n| *n > 0);
+        counts.extend(self.held.published());
         counts
+    }
+
+    /// Counts a request this sidecar holds for the pool of `role` (flow
+    /// control) until the guard drops.
+    pub fn begin_held(&self, role: Role) -> InFlightGuard {
+        self.held.begin(role)
+    }
+
+    /// The requests held for `role`'s pool, by this sidecar and as its
+    /// peers last published.
+    pub fn held(&self, role: Role) -> u32 {
+        let remote = self.remote_in_flight.read();
+        let peers = remote
+            .values()
+            .map(|report| report.get(held::target(role)).copied().unwrap_or(0));
+        peers.fold(self.held.counts().of(role), u32::saturating_add)
     }
 
     /// This sidecar's own in-flight counts per target, for publishing to peers.
@@ -564,6 +589,7 @@ impl Fleet {
                 healthy: false,
                 in_flight_local: 0,
                 in_flight_mesh: 0,
+                held: HeldCounts::default(),
                 ejected_ms: None,
                 ejections: 0,
             };
@@ -607,6 +633,7 @@ impl Fleet {
             healthy: s.healthy,
             in_flight_local: s.in_flight.load(Ordering::Relaxed),
             in_flight_mesh: s.others_in_flight(id, mesh),
+            held: self.held_by(id),
             ejected_ms: self
                 .outliers
                 .ejected_for(id, now)
@@ -649,6 +676,19 @@ impl Fleet {
             // request a peer forwarded here is counted by that peer only.
             prefill: sum_reports(&self.remote_prefill.read(), None, u64::saturating_add),
         }
+    }
+
+    /// The requests pod `id`'s sidecar holds per pool: this sidecar's own,
+    /// or what that peer last published.
+    fn held_by(&self, id: &str) -> HeldCounts {
+        if id == self.local_id {
+            return self.held.counts();
+        }
+        self.remote_in_flight
+            .read()
+            .get(id)
+            .map(HeldCounts::from_report)
+            .unwrap_or_default()
     }
 
     /// Peers' published in-flight counts, summed per target. The local

@@ -202,3 +202,29 @@ fn prompt_tokens_to_prefill_count_own_guards_and_every_peer_report() {
     let views = f.endpoints(Instant::now(), 16, |_| 0);
     assert_eq!(views[0].load.prefill_tokens, 0);
 }
+
+#[test]
+fn held_requests_are_published_with_in_flight_and_read_back_per_sidecar() {
+    let f = fleet();
+    let (local, peer) = ("10.0.0.1:8000", "10.0.0.2:8000");
+    let held = f.begin_held(Role::Prefill);
+    let _also = f.begin_held(Role::Prefill);
+    let published = f.published_in_flight();
+    assert_eq!(published.get("held:prefill"), Some(&2), "{published:?}");
+    // A peer's report: one request in flight to us, three held for the
+    // decode pool. The pseudo-target is no pod: nothing routes to it.
+    f.set_remote_in_flight(
+        peer,
+        HashMap::from([(local.to_owned(), 1), ("held:decode".to_owned(), 3)]),
+    );
+    assert_eq!(f.held(Role::Decode), 3);
+    assert_eq!(f.held(Role::Prefill), 2);
+    let views = f.endpoints(Instant::now(), 16, |_| 0);
+    assert_eq!(views.len(), 2, "{views:?}");
+    let snap = f.snapshot(Instant::now());
+    let of = |id: &str| snap.iter().find(|p| p.info.id == id).unwrap().held;
+    assert_eq!(of(local).prefill, 2);
+    assert_eq!(of(peer).decode, 3);
+    drop(held);
+    assert_eq!(f.local_snapshot(Instant::now()).held.prefill, 1);
+}

@@ -10,6 +10,7 @@ use crate::request::migrate::{Continuing, Job, Reroute, RerouteSource};
 use crate::request::{Served, Target, Upstreams};
 
 use super::account::Accounting;
+use super::admit::Admit;
 use super::classify::Classify;
 use super::execute::Execute;
 use super::observe::Observe;
@@ -39,6 +40,14 @@ pub fn schedule(app: &App) -> Schedule<'_> {
         inputs: routing_inputs(app),
         index: app.index.as_deref(),
         routes: app.mesh.routes(),
+    }
+}
+
+/// The schedule stage's handle and flow control's lines.
+pub fn admit(app: &App) -> Admit<'_> {
+    Admit {
+        schedule: schedule(app),
+        gate: &app.flow,
     }
 }
 

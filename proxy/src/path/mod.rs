@@ -6,6 +6,7 @@
 //! | classify | `classify.rs` | method check, bounded body read, parse the [`RequestView`] once |
 //! | prefix | `prefix.rs` | prompt to block keys, once, inference calls only (`crate::prefix`) |
 //! | schedule | `schedule.rs` | choose a [`Target`] and fallbacks |
+//! | admit | `admit.rs` | flow control: hold the request while its pool is saturated, then schedule it again |
 //! | execute | `execute.rs` | walk the plan's targets, each call and relay through [`crate::request`], or run a P/D split (`crate::pd`) |
 //! | account | `account.rs` | called by execute as it goes: predictions, in-flight counts, outlier calls, mesh counters, the approximate index, the mesh publish |
 //! | observe | `observe.rs` | map errors to responses, metrics, logs |
@@ -15,6 +16,7 @@
 //! are the request core's, re-exported here.
 
 pub mod account;
+pub mod admit;
 pub mod classify;
 pub mod execute;
 pub mod handles;
@@ -56,6 +58,7 @@ pub async fn handle(app: Arc<App>, req: Request<IncomingBody>) -> Response<Respo
         let req = classify::classify(handles::classify(&app), &mut ctx, req).await?;
         prefix::prefix(handles::prefix(&app), &mut ctx).await?;
         let plan = schedule::schedule(handles::schedule(&app), &mut ctx).await?;
+        let plan = admit::admit(handles::admit(&app), &mut ctx, plan).await?;
         execute::execute(handles::execute_migrating(&app), &mut ctx, plan, req).await
     }
     .await;

@@ -48,5 +48,5 @@ pub trait Peers: Sync {
 pub(crate) use call::{leg_upstream, relay, send, send_traced, Upstream, FORWARD};
 pub use client::{ClientBody, ClientRequest};
 pub use context::{RequestCtx, Served};
-pub use plan::{Leg, Plan, Target, MAX_ATTEMPTS};
+pub use plan::{Leg, Plan, Pool, Target, MAX_ATTEMPTS};
 pub use view::{Prompt, RequestView};

@@ -61,6 +61,18 @@ pub struct Plan {
     /// (what its cache does not hold), by pod id: counted as waiting to be
     /// prefilled there while it is ([`crate::path::account::track`]).
     pub uncached_tokens: Vec<(String, u64)>,
+    /// The pool its first leg runs in, as flow control sees it (`None`:
+    /// flow control is off, or the request was not scheduled).
+    pub pool: Option<Pool>,
+}
+
+/// The pods a request's first leg could run on: those of the role of the
+/// pod chosen for it (its prefill pod when split) serving its model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool {
+    pub role: kvmesh_filters::sched::Role,
+    /// Every healthy pod of it is saturated (`crate::flow`).
+    pub saturated: bool,
 }
 
 impl Plan {
@@ -76,6 +88,7 @@ impl Plan {
             prefill_fallbacks: Vec::new(),
             reason: "prefiller_header",
             uncached_tokens: Vec::new(),
+            pool: None,
         }
     }
 
@@ -87,6 +100,7 @@ impl Plan {
             prefill_fallbacks: Vec::new(),
             reason,
             uncached_tokens: Vec::new(),
+            pool: None,
         }
     }
 

@@ -75,6 +75,8 @@ pub struct Active {
     pub origin: String,
     /// What its prefix producers set ([`producers`]).
     pub prefix: PrefixSettings,
+    /// `flowControl`, when its feature gate is on (`crate::flow`).
+    pub flow: Option<kvmesh_filters::sched::config::flow::FlowControl>,
 }
 
 impl Active {
@@ -124,6 +126,7 @@ pub fn compile(cfg: &FilterConfig) -> Result<Active, FiltersError> {
         scheduler: Scheduler::new(cfg)?,
         origin: cfg.file().to_owned(),
         prefix: PrefixSettings::of(cfg),
+        flow: cfg.flow_control.clone(),
     })
 }
 
@@ -246,7 +249,8 @@ impl Routing {
         } else {
             TraceLevel::Summary
         };
-        let decision = self.active().scheduler.schedule_with(
+        let active = self.active();
+        let decision = active.scheduler.schedule_with(
             &req,
             &endpoints,
             self.now_ms(now),
@@ -256,7 +260,10 @@ impl Routing {
         m.scheduling_latency(started.elapsed().as_secs_f64());
         match decision {
             Ok(Decision { route, trace }) => {
-                let plan = plan::from_route(h.fleet, &route, &req, &endpoints);
+                let mut plan = plan::from_route(h.fleet, &route, &req, &endpoints);
+                if let (Some(flow), Some(plan)) = (&active.flow, plan.as_mut()) {
+                    plan.pool = crate::flow::pool(flow, &route, &req.model, &endpoints);
+                }
                 tracing::debug!(
                     request_id = ctx.id(),
                     decision = plan.as_ref().map_or("error", Plan::decision),

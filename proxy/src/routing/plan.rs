@@ -54,6 +54,7 @@ pub fn from_route(
         prefill_fallbacks,
         reason: "scheduled",
         uncached_tokens: uncached_on(req, endpoints, route),
+        pool: None,
     })
 }
 

@@ -282,6 +282,7 @@ impl Valkey {
                         healthy: record.healthy,
                         in_flight_local: 0,
                         in_flight_mesh: record.in_flight,
+                        held: Default::default(),
                         ejected_ms: None,
                         ejections: 0,
                     },
