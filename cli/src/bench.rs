@@ -73,6 +73,9 @@ pub struct AutoscaleArgs {
     /// The share of requests, in percent, kvmesh-slo sizes to meet the TTFT target: 90, 95 or 99 (`autoscale.slo.ttft_p90` ...; default 99, the share the attainment target asks for); the fixed fleets are sized for it too.
     #[arg(long)]
     slo_percentile: Option<u32>,
+    /// The sidecars hold requests while every pod of their pool is saturated (filter config `featureGates: [flowControl]`, llm-d's thresholds), under every policy.
+    #[arg(long)]
+    flow_control: bool,
     /// Write the report as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -487,6 +490,7 @@ async fn autoscale_cmd(a: AutoscaleArgs) -> Result<()> {
         }
         opts.base_rate = r;
     }
+    opts.flow_control = a.flow_control;
     if let Some(h) = a.slo_headroom {
         if !(1.0..=10.0).contains(&h) {
             bail!("--slo-headroom must be from 1 to 10, not {h}");

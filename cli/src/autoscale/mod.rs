@@ -207,6 +207,10 @@ pub struct AutoscaleOpts {
     /// reactive ones' starting size, the bounds and the model's line use
     /// it too.
     pub slo_ttft_quantile: f64,
+    /// The sidecars hold requests while their pool is saturated
+    /// (`featureGates: [flowControl]` with llm-d's thresholds), under every
+    /// policy.
+    pub flow_control: bool,
     pub progress: bool,
 }
 
@@ -227,6 +231,7 @@ impl AutoscaleOpts {
             slo_headroom: 1.0,
             // Issue 41's target: 99% of requests within the TTFT target.
             slo_ttft_quantile: 0.99,
+            flow_control: false,
             progress: false,
         }
     }
@@ -512,8 +517,19 @@ fn edit_config(
 /// The sidecars' filters: kvmesh's default, or on the P/D fleet the P/D
 /// example with every request split (`promptTokens` and `nonCachedTokens` 1),
 /// so the prefill pool prefills every prompt and the decode pool decodes
-/// every answer, as a fully disaggregated deployment runs.
-fn filters(kind: FleetKind) -> Result<kvmesh_filters::sched::FilterConfig> {
+/// every answer, as a fully disaggregated deployment runs. With
+/// `flow_control`, its gate on at llm-d's thresholds.
+fn filters(kind: FleetKind, flow_control: bool) -> Result<kvmesh_filters::sched::FilterConfig> {
+    let mut cfg = filters_of(kind)?;
+    if flow_control {
+        cfg.feature_gates
+            .push(kvmesh_filters::sched::config::flow::GATE.to_owned());
+        cfg.flow_control = Some(Default::default());
+    }
+    Ok(cfg)
+}
+
+fn filters_of(kind: FleetKind) -> Result<kvmesh_filters::sched::FilterConfig> {
     let policy = match kind {
         FleetKind::Aggregated => return Ok(Policy::Kvmesh.filter_config()?),
         FleetKind::Pd => Policy::Pd,
@@ -586,7 +602,7 @@ async fn run_one(
             FleetKind::Aggregated => Policy::Kvmesh,
             FleetKind::Pd => Policy::Pd,
         },
-        filters: filters(kind)?,
+        filters: filters(kind, opts.flow_control)?,
         edit: Arc::new(edit_config(opts, profile, kind, policy)),
         startup: opts.timing.startup,
         pre_stop: opts.timing.pre_stop,

@@ -34,6 +34,8 @@ pub struct Setup {
     pub slo_headroom: f64,
     /// The share of requests `kvmesh-slo` sizes to meet the TTFT target.
     pub slo_ttft_quantile: f64,
+    /// The sidecars ran flow control (`--flow-control`).
+    pub flow_control: bool,
 }
 
 /// One fleet's policies.
@@ -86,6 +88,7 @@ impl AutoscaleReport {
                 kv_cache_tokens: profile.kv_cache_tokens,
                 slo_headroom: opts.slo_headroom,
                 slo_ttft_quantile: opts.slo_ttft_quantile,
+                flow_control: opts.flow_control,
             },
             runs: Vec::new(),
         }
@@ -169,8 +172,13 @@ impl AutoscaleReport {
             } else {
                 format!(", headroom {}x (kvmesh-slo and the bounds)", s.slo_headroom)
             } + &format!(
-                ", every fleet sized for TTFT p{:.0}",
-                s.slo_ttft_quantile * 100.0
+                ", every fleet sized for TTFT p{:.0}{}",
+                s.slo_ttft_quantile * 100.0,
+                if s.flow_control {
+                    ", sidecars with flow control"
+                } else {
+                    ""
+                }
             )
         );
         for f in &self.runs {
