@@ -281,10 +281,10 @@ fn syntax_and_shape_errors() {
         "plugins[0].type",
     );
     assert_err(
-        "plugins: []\nflowControl: {}\n",
+        "plugins: []\ndataLayer: {}\n",
         ConfigErrorKind::UnknownField,
         4,
-        "flowControl",
+        "dataLayer",
     );
     assert_err(
         "plugins:\n  - type: queue-scorer\n    params: {}\n",

@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 
 use kvmesh_engine_sim::{SimConfig, SimHandle};
+use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::client::{admin_get, fetch, http1, post_json};
 use kvmesh_tests::route::{eventually, metric, sidecar, sim_with, MODEL};
 use tokio::task::JoinHandle;
@@ -19,14 +20,22 @@ async fn one_at_a_time() -> SimHandle {
     sim_with(SimConfig::new(MODEL).with_max_num_seqs(1)).await
 }
 
-/// A filter file with flow control on and `flow` under `flowControl:`.
-fn flow_filters(dir: &tempfile::TempDir, flow: &str) -> std::path::PathBuf {
+/// A pod with one request queued is saturated.
+const QUEUE_OF_ONE: &str = "  saturationDetector:\n    queueDepthThreshold: 1\n";
+
+/// A one-at-a-time engine, and a sidecar in front of it whose filter file
+/// turns flow control on with `flow` under `flowControl:` (the file's
+/// folder lives as long as the test holds it).
+async fn start(flow: &str) -> (SimHandle, SidecarHandle, tempfile::TempDir) {
+    let engine = one_at_a_time().await;
+    let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("filters.yaml");
     let text = format!(
         "apiVersion: kvmesh.dev/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\nflowControl:\n{flow}"
     );
     std::fs::write(&path, text).unwrap();
-    path
+    let proxy = sidecar(&engine, &[], Some(&path)).await;
+    (engine, proxy, dir)
 }
 
 /// Sends request `n` (its prompt names it) for `tokens` tokens and
@@ -70,7 +79,7 @@ async fn engine_received(engine: &SimHandle, n: usize) {
     .await;
 }
 
-async fn held_now(proxy: &kvmesh_proxy::SidecarHandle, n: f64) {
+async fn held_now(proxy: &SidecarHandle, n: f64) {
     eventually("the sidecar holds the requests", || async {
         (metric(proxy, HELD).await == Some(n)).then_some(())
     })
@@ -79,11 +88,7 @@ async fn held_now(proxy: &kvmesh_proxy::SidecarHandle, n: f64) {
 
 #[tokio::test]
 async fn a_saturated_pool_holds_requests_and_sends_them_in_arrival_order_as_its_pod_frees() {
-    let engine = one_at_a_time().await;
-    let dir = tempfile::tempdir().unwrap();
-    // A pod with one request queued is saturated.
-    let filters = flow_filters(&dir, "  saturationDetector:\n    queueDepthThreshold: 1\n");
-    let proxy = sidecar(&engine, &[], Some(&filters)).await;
+    let (engine, proxy, _dir) = start(QUEUE_OF_ONE).await;
     let addr = proxy.addr();
     let mut sent = vec![send(addr, 0, 60)];
     engine_received(&engine, 1).await;
@@ -122,13 +127,8 @@ async fn a_saturated_pool_holds_requests_and_sends_them_in_arrival_order_as_its_
 
 #[tokio::test]
 async fn a_request_held_its_ttl_or_past_max_requests_is_sent_at_once_and_served() {
-    let engine = one_at_a_time().await;
-    let dir = tempfile::tempdir().unwrap();
-    let filters = flow_filters(
-        &dir,
-        "  maxRequests: 1\n  defaultRequestTTL: 200ms\n  saturationDetector:\n    queueDepthThreshold: 1\n",
-    );
-    let proxy = sidecar(&engine, &[], Some(&filters)).await;
+    let flow = format!("  maxRequests: 1\n  defaultRequestTTL: 200ms\n{QUEUE_OF_ONE}");
+    let (engine, proxy, _dir) = start(&flow).await;
     let addr = proxy.addr();
     // Request 0 holds the engine about a second: request 2's 200 ms run
     // out first.
@@ -162,10 +162,7 @@ async fn a_request_held_its_ttl_or_past_max_requests_is_sent_at_once_and_served(
 
 #[tokio::test]
 async fn a_client_that_leaves_while_held_leaves_the_line_and_reaches_no_engine() {
-    let engine = one_at_a_time().await;
-    let dir = tempfile::tempdir().unwrap();
-    let filters = flow_filters(&dir, "  saturationDetector:\n    queueDepthThreshold: 1\n");
-    let proxy = sidecar(&engine, &[], Some(&filters)).await;
+    let (engine, proxy, _dir) = start(QUEUE_OF_ONE).await;
     let addr = proxy.addr();
     let first = send(addr, 0, 150);
     engine_received(&engine, 1).await;

@@ -27,11 +27,11 @@ pub struct Admit<'a> {
 }
 
 pub async fn admit(h: Admit<'_>, ctx: &mut RequestCtx, plan: Plan) -> Result<Plan, ProxyError> {
-    let (Some(flow), Some(pool), Some(view)) = (
-        h.schedule.routing.active().flow.clone(),
-        plan.pool,
-        ctx.view.as_ref(),
-    ) else {
+    // A plan has a pool only when flow control was on as it was made.
+    let (Some(pool), Some(view)) = (plan.pool, ctx.view.as_ref()) else {
+        return Ok(plan);
+    };
+    let Some(flow) = h.schedule.routing.active().flow.clone() else {
         return Ok(plan);
     };
     let i = h.schedule.inputs;
