@@ -522,6 +522,24 @@ impl Fleet {
             .collect()
     }
 
+    /// [`Fleet::endpoints`] of the pods `keep` picks by what they announced,
+    /// with no prefix match: flow control reads one pool's loads this way,
+    /// every few milliseconds while the pool is saturated, and builds no
+    /// view of the pods of other pools.
+    pub fn endpoints_where(
+        &self,
+        now: Instant,
+        keep: impl Fn(&PodInfo) -> bool,
+    ) -> Vec<EndpointView> {
+        let mesh = self.mesh_load();
+        self.pods
+            .read()
+            .iter()
+            .filter(|(_, s)| keep(&s.info))
+            .map(|(id, s)| self.view(id, s, &mesh, now, 0, &|_| 0))
+            .collect()
+    }
+
     fn view(
         &self,
         id: &str,

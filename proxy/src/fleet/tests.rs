@@ -228,3 +228,24 @@ fn held_requests_are_published_with_in_flight_and_read_back_per_sidecar() {
     drop(held);
     assert_eq!(f.local_snapshot(Instant::now()).held.prefill, 1);
 }
+
+#[test]
+fn endpoints_where_builds_views_of_the_pods_picked_only() {
+    let f = fleet();
+    f.set_remote_in_flight(
+        "10.0.0.2:8000",
+        HashMap::from([("10.0.0.1:8000".to_owned(), 1)]),
+    );
+    let _g = f.begin("10.0.0.2:8000");
+    let decode = f.endpoints_where(Instant::now(), |p| p.role == Role::Decode);
+    assert_eq!(decode.len(), 1);
+    assert_eq!(decode[0].id, "10.0.0.2:8000");
+    assert_eq!(
+        decode[0].load.in_flight, 1,
+        "its loads as endpoints reads them"
+    );
+    let all = f.endpoints(Instant::now(), 0, |_| 0);
+    let same = all.iter().find(|v| v.id == "10.0.0.2:8000").unwrap();
+    assert_eq!(same.load, decode[0].load);
+    assert!(f.endpoints_where(Instant::now(), |_| false).is_empty());
+}

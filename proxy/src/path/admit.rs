@@ -47,7 +47,9 @@ pub async fn admit(h: Admit<'_>, ctx: &mut RequestCtx, plan: Plan) -> Result<Pla
     // wait their turn (or their deadline).
     let turn = tokio::time::timeout_at(deadline, ticket.turn()).await;
     let why = loop {
-        let endpoints = i.fleet.endpoints(Instant::now(), 0, |_| 0);
+        let endpoints = i
+            .fleet
+            .endpoints_where(Instant::now(), |p| p.role == pool.role);
         if !crate::flow::pool_saturated(&flow, pool.role, &model, &endpoints) {
             break Sent::Room;
         }
