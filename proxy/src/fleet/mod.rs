@@ -487,12 +487,7 @@ impl Fleet {
         block_size: u32,
         matched_blocks: impl Fn(&str) -> u32,
     ) -> Vec<EndpointView> {
-        let mesh = self.mesh_load();
-        self.pods
-            .read()
-            .iter()
-            .map(|(id, s)| self.view(id, s, &mesh, now, block_size, &matched_blocks))
-            .collect()
+        self.views(now, block_size, &matched_blocks, |_| true)
     }
 
     /// [`Fleet::endpoints`] of the local pod and the pods named in `ids`
@@ -531,12 +526,23 @@ impl Fleet {
         now: Instant,
         keep: impl Fn(&PodInfo) -> bool,
     ) -> Vec<EndpointView> {
+        self.views(now, 0, &|_| 0, keep)
+    }
+
+    /// The views of the pods `keep` picks, in id order.
+    fn views(
+        &self,
+        now: Instant,
+        block_size: u32,
+        matched_blocks: &impl Fn(&str) -> u32,
+        keep: impl Fn(&PodInfo) -> bool,
+    ) -> Vec<EndpointView> {
         let mesh = self.mesh_load();
         self.pods
             .read()
             .iter()
             .filter(|(_, s)| keep(&s.info))
-            .map(|(id, s)| self.view(id, s, &mesh, now, 0, &|_| 0))
+            .map(|(id, s)| self.view(id, s, &mesh, now, block_size, matched_blocks))
             .collect()
     }
 
