@@ -50,7 +50,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::config::{Autoscale, Config};
-use crate::fleet::{Fleet, PodSnapshot};
+use crate::fleet::{Fleet, HeldCounts, PodSnapshot};
 use crate::shutdown::Shutdown;
 use kvmesh_filters::sched::Role;
 use rates::{History, Workload};
@@ -135,9 +135,7 @@ fn members(pods: &[PodSnapshot], role: Role) -> Vec<&PodSnapshot> {
 /// The requests every pod's sidecar holds for the pool of `role` (flow
 /// control): they wait for it as its engines' queues do.
 fn held(pods: &[PodSnapshot], role: Role) -> u32 {
-    pods.iter()
-        .map(|p| p.held.of(role))
-        .fold(0, u32::saturating_add)
+    pods.iter().map(|p| p.held).sum::<HeldCounts>().of(role)
 }
 
 /// The spans, in sample intervals, whose rate counts at once when it is
@@ -525,9 +523,10 @@ mod tests {
 
     #[test]
     fn requests_sidecars_hold_for_a_pool_count_in_its_queue() {
-        let cfg = Autoscale::default(); // 2 waiting per pod
-                                        // Flow control keeps the engines' queues short and holds the rest:
-                                        // 12 held for the aggregated pool, by a sidecar of another pool.
+        // 2 waiting per pod.
+        let cfg = Autoscale::default();
+        // Flow control keeps the engines' queues short and holds the rest:
+        // 12 held for the aggregated pool, by a sidecar of another pool.
         let mut holder = pod(Role::Decode, 0, 0.1, Some(100));
         holder.held.both = 12;
         let pods = [

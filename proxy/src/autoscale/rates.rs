@@ -96,13 +96,7 @@ impl History {
     /// Records the counters of every pod that reports them, and the
     /// requests every sidecar holds.
     pub fn record(&mut self, at: Instant, pods: &[PodSnapshot]) {
-        let held = pods
-            .iter()
-            .fold(HeldCounts::default(), |sum, p| HeldCounts {
-                prefill: sum.prefill.saturating_add(p.held.prefill),
-                decode: sum.decode.saturating_add(p.held.decode),
-                both: sum.both.saturating_add(p.held.both),
-            });
+        let held = pods.iter().map(|p| p.held).sum();
         let pods = pods
             .iter()
             .filter(|p| p.load_age_ms.is_some())

@@ -40,6 +40,15 @@ impl HeldCounts {
         }
     }
 
+    /// Each pool's count plus `other`'s.
+    fn saturating_add(self, other: Self) -> Self {
+        Self {
+            prefill: self.prefill.saturating_add(other.prefill),
+            decode: self.decode.saturating_add(other.decode),
+            both: self.both.saturating_add(other.both),
+        }
+    }
+
     /// The counts a peer published among its in-flight targets.
     pub fn from_report<'a>(report: impl IntoIterator<Item = (&'a String, &'a u32)>) -> Self {
         let mut held = Self::default();
@@ -49,6 +58,13 @@ impl HeldCounts {
             }
         }
         held
+    }
+}
+
+/// Every sidecar's counts, summed per pool.
+impl std::iter::Sum for HeldCounts {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), Self::saturating_add)
     }
 }
 
@@ -74,7 +90,12 @@ pub(super) struct Held([Arc<AtomicU32>; 3]);
 
 impl Held {
     fn counter(&self, role: Role) -> &Arc<AtomicU32> {
-        &self.0[ROLES.iter().position(|r| *r == role).unwrap_or(2)]
+        let [prefill, decode, both] = &self.0;
+        match role {
+            Role::Prefill => prefill,
+            Role::Decode => decode,
+            Role::Both => both,
+        }
     }
 
     /// Counts one request held for `role`'s pool until the guard drops.

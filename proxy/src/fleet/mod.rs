@@ -404,16 +404,6 @@ impl Fleet {
         self.held.begin(role)
     }
 
-    /// The requests held for `role`'s pool, by this sidecar and as its
-    /// peers last published.
-    pub fn held(&self, role: Role) -> u32 {
-        let remote = self.remote_in_flight.read();
-        let peers = remote
-            .values()
-            .map(|report| report.get(held::target(role)).copied().unwrap_or(0));
-        peers.fold(self.held.counts().of(role), u32::saturating_add)
-    }
-
     /// This sidecar's own in-flight counts per target, for publishing to peers.
     pub fn local_in_flight(&self) -> HashMap<String, u32> {
         self.pods

@@ -144,22 +144,21 @@ impl Gate {
     /// requests are held already (the request is then sent at once).
     pub fn join(&self, fleet: &Fleet, model: &str, role: Role, max: u32) -> Option<Ticket<'_>> {
         use std::sync::atomic::Ordering::Relaxed;
+        let pool = pool_name(role);
         let admitted = self
             .held
             .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1));
         if admitted.is_err() {
-            self.metrics
-                .sent(pool_name(role), Sent::Full, Duration::ZERO);
+            self.metrics.sent(pool, Sent::Full, Duration::ZERO);
             return None;
         }
         let line = self
             .lines
             .lock()
-            .entry((model.to_owned(), pool_name(role)))
+            .entry((model.to_owned(), pool))
             .or_default()
             .clone();
         line.waiting.fetch_add(1, Relaxed);
-        let pool = pool_name(role);
         self.metrics.held.get_or_create(&PoolLabels { pool }).inc();
         Some(Ticket {
             gate: self,
