@@ -264,6 +264,8 @@ impl SimHandle {
             held_transfers: m.held_transfers,
             prefix_queries: m.prefix_queries,
             prefix_hits: m.prefix_hits,
+            preempted_queries: m.preempted_queries,
+            preempted_hits: m.preempted_hits,
             prompt_tokens: m.prompt_tokens,
             generation_tokens: m.generation_tokens,
             external_kv_tokens: m.by_source_external,

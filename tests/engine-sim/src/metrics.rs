@@ -65,6 +65,10 @@ pub struct EngineMetrics {
     pub held_transfers: usize,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Prefix lookups of preempted requests resuming: counted apart and not
+    /// exported, as vLLM does (`PrefixCacheStats.preempted_queries`).
+    pub preempted_queries: u64,
+    pub preempted_hits: u64,
     pub external_queries: u64,
     pub external_hits: u64,
     pub prompt_tokens: u64,
@@ -115,6 +119,8 @@ impl EngineMetrics {
             held_transfers: 0,
             prefix_queries: 0,
             prefix_hits: 0,
+            preempted_queries: 0,
+            preempted_hits: 0,
             external_queries: 0,
             external_hits: 0,
             prompt_tokens: 0,

@@ -92,6 +92,11 @@ pub struct SimStats {
     pub held_transfers: usize,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Prompt tokens preempted requests looked up again when they resumed,
+    /// and those they found cached: their difference is the recompute
+    /// preemption cost (not in `prefix_queries`, as in vLLM).
+    pub preempted_queries: u64,
+    pub preempted_hits: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub external_kv_tokens: u64,

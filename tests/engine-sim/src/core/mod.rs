@@ -181,6 +181,22 @@ struct Seq {
     /// is a function of it alone, as greedy decoding is of the context
     /// (`step::next_token`).
     context: u64,
+    /// Set once the sequence has been preempted: the request as the client
+    /// sent it, which the recompute's longer prompt hides.
+    resumed: Option<Resumed>,
+}
+
+/// What a preempted sequence had before it went back to wait. Recompute
+/// preemption (vLLM's) prefills the prompt and the tokens generated so far
+/// together, so the simulator appends those to the prompt; the client still
+/// gets its whole answer, and its usage counts the prompt it sent, the
+/// tokens it got, and what its first lookup found cached.
+#[derive(Debug)]
+struct Resumed {
+    prompt_len: usize,
+    output: Vec<u32>,
+    max_tokens: usize,
+    cached_tokens: usize,
 }
 
 struct Held {
@@ -350,6 +366,7 @@ impl Core {
             last_token_v: 0.0,
             transfer_done_v: None,
             context,
+            resumed: None,
         });
     }
 

@@ -2,7 +2,7 @@
 //! each prefills, who is admitted) and finishing (advance, commit full blocks
 //! to the prefix cache, sample tokens, retire finished requests).
 
-use super::{Core, CoreEvent, FinishReason, Held, KvMode, Outcome, Seq};
+use super::{Core, CoreEvent, FinishReason, Held, KvMode, Outcome, Resumed, Seq};
 use crate::kv::cache::BlockRun;
 use crate::kv::hash;
 use crate::profile::StepLoad;
@@ -127,11 +127,19 @@ impl Core {
             s.blocks.extend(fresh);
             s.cached_tokens = s.committed * bs;
             s.computed = s.cached_tokens;
-            s.scheduled_v = Some(self.vnow);
+            s.scheduled_v.get_or_insert(self.vnow);
             {
                 let mut m = self.metrics.lock();
-                m.prefix_queries += plen as u64;
-                m.prefix_hits += s.cached_tokens as u64;
+                // vLLM counts a preempted request's lookup apart, so that a
+                // victim hitting its own blocks again does not raise the hit
+                // rate; its recompute shows there instead.
+                if s.resumed.is_some() {
+                    m.preempted_queries += plen as u64;
+                    m.preempted_hits += s.cached_tokens as u64;
+                } else {
+                    m.prefix_queries += plen as u64;
+                    m.prefix_hits += s.cached_tokens as u64;
+                }
                 if s.req.kv == KvMode::ReceiveKv {
                     m.external_queries += plen as u64;
                     m.external_hits += (plen - s.cached_tokens) as u64;
@@ -184,8 +192,15 @@ impl Core {
             s.blocks.clear();
             s.committed = 0;
             s.computed = 0;
-            s.hashes.truncate(s.req.prompt.len() / bs);
-            // The prompt is recomputed; tokens already sent stay sent.
+            let resumed = s.resumed.get_or_insert_with(|| Resumed {
+                prompt_len: s.req.prompt.len(),
+                output: Vec::new(),
+                max_tokens: s.req.max_tokens,
+                cached_tokens: s.cached_tokens,
+            });
+            resumed.output.extend_from_slice(&s.output);
+            // Prompt and output are recomputed together; tokens already sent
+            // stay sent, and the answer goes on from the next one.
             s.req.prompt.extend_from_slice(&s.output);
             s.req.max_tokens = s.req.max_tokens.saturating_sub(s.output.len()).max(1);
             s.output.clear();
@@ -287,7 +302,7 @@ impl Core {
         self.update_gauges();
     }
 
-    fn retire(&mut self, s: Seq) {
+    fn retire(&mut self, mut s: Seq) {
         let now = self.vnow;
         let aborted = s.req.out.is_closed();
         let reason = if s.output.len() >= s.req.max_tokens {
@@ -297,7 +312,17 @@ impl Core {
         };
         let first = s.first_token_v.unwrap_or(now);
         let sched = s.scheduled_v.unwrap_or(now);
-        let plen = s.req.prompt.len();
+        // A preempted request is reported as its client sent it.
+        let plen = match s.resumed.take() {
+            Some(mut r) => {
+                r.output.append(&mut s.output);
+                s.output = r.output;
+                s.req.max_tokens = r.max_tokens;
+                s.cached_tokens = r.cached_tokens;
+                r.prompt_len
+            }
+            None => s.req.prompt.len(),
+        };
         let mut held_blocks = None;
         match (&s.req.kv, reason, aborted) {
             (KvMode::HoldForDecode { remote_request_id }, FinishReason::Length, false) => {

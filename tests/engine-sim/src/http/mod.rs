@@ -297,6 +297,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
             let v = json!({
                 "running": m.running, "waiting": m.waiting, "kv_cache_usage": m.kv_usage,
                 "prefix_cache_queries": m.prefix_queries, "prefix_cache_hits": m.prefix_hits,
+                "preempted_queries": m.preempted_queries, "preempted_hits": m.preempted_hits,
                 "kv_batches_published": m.kv_batches_published, "engine_id": shared.engine_id,
                 "held_transfers": m.held_transfers, "external_kv_tokens": m.by_source_external,
                 "failed_kv_transfers": m.nixl_failed_transfers,
