@@ -132,6 +132,7 @@ mod tests {
             computed_tokens: (rate * 10.0) as u64,
             computed_per_engine: vec![],
             preemptions: 0,
+            recomputed_tokens: 0,
             ideal_computed_tokens: Some(100),
             requests_per_engine: vec![],
             goodput: 1.0,

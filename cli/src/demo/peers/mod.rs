@@ -934,12 +934,18 @@ async fn run_one(
         .then(|| sent_rate(&result.records, scale))
         .flatten()
         .map(|sent| sent / rate);
+    let recomputed: Vec<u64> = stats
+        .iter()
+        .map(|s| s.preempted_queries.saturating_sub(s.preempted_hits))
+        .collect();
     let computed: Vec<u64> = stats
         .iter()
-        .map(|s| {
+        .zip(&recomputed)
+        .map(|(s, again)| {
             s.prefix_queries
                 .saturating_sub(s.prefix_hits)
                 .saturating_sub(s.external_kv_tokens)
+                + again
         })
         .collect();
     let (queries, hits) = stats.iter().fold((0, 0), |(q, h), s| {
@@ -960,6 +966,7 @@ async fn run_one(
         hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
         computed_tokens: computed.iter().sum(),
         preemptions: stats.iter().map(|s| s.preemptions).sum(),
+        recomputed_tokens: recomputed.iter().sum(),
         ideal_computed_tokens: b.ideal.as_ref().map(|f| f(&workload)),
         computed_per_engine: computed,
         requests_per_engine: served,
@@ -1038,7 +1045,7 @@ fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> 
 fn progress_line(workload: &str, r: &Run) -> String {
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     format!(
-        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {}, errors {}{}",
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {} ({} tokens computed again), errors {}{}",
         r.router,
         r.rate,
         r.seed,
@@ -1050,6 +1057,7 @@ fn progress_line(workload: &str, r: &Run) -> String {
         r.ideal_computed_tokens.map_or("-".to_owned(), |t| t.to_string()),
         r.requests_per_engine,
         r.preemptions,
+        r.recomputed_tokens,
         r.errors,
         r.sent_share
             .map_or(String::new(), |s| format!(", sent {s:.2} of the rate")),

@@ -20,12 +20,17 @@ pub struct Run {
     pub e2e_p50_ms: Option<f64>,
     /// Prefix-cache hits over queries, in tokens, from the engines' own counters.
     pub hit_rate: Option<f64>,
-    /// Prompt tokens the engines computed (not served from cache or received).
+    /// Prompt tokens the engines computed (not served from cache or
+    /// received), `recomputed_tokens` included.
     pub computed_tokens: u64,
     /// The same per engine, in pod order.
     pub computed_per_engine: Vec<u64>,
     /// Requests the engines preempted (sent back to wait, KV recomputed).
     pub preemptions: u64,
+    /// The part of `computed_tokens` that preempted requests computed again
+    /// when they resumed (what they found cached not counted). vLLM counts
+    /// these lookups apart from new requests' and does not export them.
+    pub recomputed_tokens: u64,
     /// What an ideal placement would compute (each shared prefix once), where
     /// the workload defines it.
     pub ideal_computed_tokens: Option<u64>,
@@ -215,6 +220,7 @@ mod tests {
             computed_per_engine: vec![],
             ideal_computed_tokens: None,
             preemptions: 0,
+            recomputed_tokens: 0,
             requests_per_engine: vec![],
             goodput: 1.0,
             sent_share: None,
