@@ -133,6 +133,7 @@ mod tests {
             computed_per_engine: vec![],
             preemptions: 0,
             recomputed_tokens: 0,
+            placement_replay_vs_ideal: None,
             ideal_computed_tokens: Some(100),
             requests_per_engine: vec![],
             goodput: 1.0,

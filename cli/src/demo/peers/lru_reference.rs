@@ -22,6 +22,11 @@
 //! tokens on the quick run's workloads: the gap between the ideal and this
 //! reference is the engines' eviction order.
 //!
+//! The same replay takes a run's own placement too (which engine each
+//! request reached, [`placed_lru_tokens`]): what the run computed above
+//! that is what its load added, and what that lies above this reference is
+//! its placement's.
+//!
 //! A pod's cache holds `num_blocks` blocks of `block_size` words (the
 //! simulated engines count a word as a token). A request's blocks, prompt
 //! and answer, are freed when it ends, the last first (vLLM frees them in
@@ -44,12 +49,61 @@ pub fn online_lru_tokens(
     num_blocks: usize,
     block_size: usize,
 ) -> u64 {
-    let block_size = block_size.max(1);
-    let mut pods: Vec<LruBlocks> = (0..engines.max(1))
-        .map(|_| LruBlocks::new(num_blocks))
-        .collect();
+    let engines = engines.max(1);
     let mut first_pod: HashMap<u64, usize> = HashMap::new();
-    let mut firsts = vec![0usize; pods.len()];
+    let mut firsts = vec![0usize; engines];
+    replay(
+        workload,
+        engines,
+        num_blocks,
+        block_size,
+        |_, prompt, held| {
+            let best = held.iter().copied().max().unwrap_or(0);
+            Some(match prompt.first() {
+                _ if best > 0 => held.iter().position(|&h| h == best).unwrap_or(0),
+                Some(&head) => *first_pod.entry(head).or_insert_with(|| {
+                    let p = (0..firsts.len()).min_by_key(|&p| firsts[p]).unwrap_or(0);
+                    firsts[p] += 1;
+                    p
+                }),
+                None => 0,
+            })
+        },
+    )
+}
+
+/// Prompt tokens (words) the same LRU caches compute, one request at a
+/// time, when request `n` goes to pod `placed[n]`: a run's own placement
+/// with the load, the races and the stale index taken away, so that what a
+/// run computes above it is what its load added (running requests holding
+/// KV, preemptions, prefills of one prefix that overlap), and what it lies
+/// above [`online_lru_tokens`] is its placement's. Requests placed nowhere
+/// (`None`, or past `placed`'s end) are skipped.
+pub fn placed_lru_tokens(
+    workload: &Workload,
+    placed: &[Option<usize>],
+    engines: usize,
+    num_blocks: usize,
+    block_size: usize,
+) -> u64 {
+    let engines = engines.max(1);
+    replay(workload, engines, num_blocks, block_size, |n, _, _| {
+        placed.get(n).copied().flatten().filter(|&p| p < engines)
+    })
+}
+
+/// Replays `workload` one request at a time through `engines` LRU caches,
+/// each request on the pod `place(n, its block keys, each pod's cached
+/// prefix length)` names (none: skipped); the prompt tokens computed.
+fn replay(
+    workload: &Workload,
+    engines: usize,
+    num_blocks: usize,
+    block_size: usize,
+    mut place: impl FnMut(usize, &[u64], &[usize]) -> Option<usize>,
+) -> u64 {
+    let block_size = block_size.max(1);
+    let mut pods: Vec<LruBlocks> = (0..engines).map(|_| LruBlocks::new(num_blocks)).collect();
     let mut computed = 0u64;
     for (n, r) in workload.requests.iter().enumerate() {
         let Prompt::Text(text) = &r.prompt else {
@@ -58,15 +112,8 @@ pub fn online_lru_tokens(
         let words: Vec<&str> = text.split_whitespace().collect();
         let prompt = chain(&words, block_size);
         let held: Vec<usize> = pods.iter().map(|p| p.prefix_len(&prompt)).collect();
-        let best = held.iter().copied().max().unwrap_or(0);
-        let pod = match prompt.first() {
-            _ if best > 0 => held.iter().position(|&h| h == best).unwrap_or(0),
-            Some(&head) => *first_pod.entry(head).or_insert_with(|| {
-                let p = (0..firsts.len()).min_by_key(|&p| firsts[p]).unwrap_or(0);
-                firsts[p] += 1;
-                p
-            }),
-            None => 0,
+        let Some(pod) = place(n, &prompt, &held) else {
+            continue;
         };
         let cached = held[pod].min(prompt.len());
         computed += words.len().saturating_sub(cached * block_size) as u64;
@@ -206,6 +253,28 @@ mod tests {
         // a: 3 blocks + 1 word; b takes 1 block: the pod of 3 evicts a's
         // third block, the second `a` computes 4 words and the question.
         assert_eq!(online_lru_tokens(&w, 1, 3, 4), 13 + 5 + 5);
+    }
+
+    /// A given placement replays as placed: the online placement's own
+    /// choices give its tokens, and splitting each group over two pods
+    /// computes every prompt on both.
+    #[test]
+    fn a_given_placement_is_replayed_as_placed() {
+        let w = workload(vec![
+            text("a", 2, "q1"),
+            text("b", 2, "q2"),
+            text("a", 2, "q3"),
+            text("b", 2, "q4"),
+        ]);
+        let online = online_lru_tokens(&w, 2, 8, 4);
+        assert_eq!(
+            placed_lru_tokens(&w, &[Some(0), Some(1), Some(0), Some(1)], 2, 8, 4),
+            online
+        );
+        let split = placed_lru_tokens(&w, &[Some(0), Some(0), Some(1), Some(1)], 2, 8, 4);
+        assert_eq!(split, 4 * 9);
+        // A request placed nowhere (or on no such pod) is left out.
+        assert_eq!(placed_lru_tokens(&w, &[Some(0), None, Some(7)], 2, 8, 4), 9);
     }
 
     /// On a pressured shared-prefix workload the reference lies above the

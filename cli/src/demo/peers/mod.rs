@@ -29,12 +29,12 @@ pub mod smg;
 pub mod sweep;
 mod table;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvmesh_engine_sim::{Engine, Flavor, LatencyProfile, SimHandle, SimStats};
 use kvmesh_filters::sched::{FilterConfig, Role};
-use kvmesh_loadgen::workload::{PdParams, PressureParams};
+use kvmesh_loadgen::workload::{PdParams, PressureParams, Prompt};
 use kvmesh_loadgen::{runner, Load, Workload};
 use serde::Serialize;
 
@@ -769,19 +769,50 @@ impl Stand {
     }
 
     fn stats(&self) -> Vec<SimStats> {
+        self.engines().into_iter().map(SimHandle::stats).collect()
+    }
+
+    /// The engines, in pod order.
+    fn engines(&self) -> Vec<&SimHandle> {
         match self {
-            Stand::Kvmesh(f) => f.pods.iter().map(|p| p.engine.stats()).collect(),
-            Stand::Bare { engines, .. } => engines.iter().map(SimHandle::stats).collect(),
+            Stand::Kvmesh(f) => f.pods.iter().map(|p| &p.engine).collect(),
+            Stand::Bare { engines, .. } => engines.iter().collect(),
         }
+    }
+
+    /// The engine each request of `workload` reached, in the workload's
+    /// order, found by its prompt text in the engines' logs of what they
+    /// received; `None` where none logged it (or its prompt is not text).
+    fn placements(&self, workload: &Workload) -> Vec<Option<usize>> {
+        let index: HashMap<&str, usize> = workload
+            .requests
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| match &r.prompt {
+                Prompt::Text(t) => Some((t.as_ref(), n)),
+                Prompt::Messages(_) => None,
+            })
+            .collect();
+        let mut placed = vec![None; workload.requests.len()];
+        for (pod, engine) in self.engines().into_iter().enumerate() {
+            for r in engine.received_requests() {
+                let Some(body) = r.json() else {
+                    continue;
+                };
+                if let Some(&n) = body["prompt"].as_str().and_then(|p| index.get(p)) {
+                    placed[n].get_or_insert(pod);
+                }
+            }
+        }
+        placed
     }
 
     /// Requests each engine completed.
     fn served(&self) -> Vec<u64> {
-        let count = |e: &SimHandle| e.completed_requests().len() as u64;
-        match self {
-            Stand::Kvmesh(f) => f.pods.iter().map(|p| count(&p.engine)).collect(),
-            Stand::Bare { engines, .. } => engines.iter().map(count).collect(),
-        }
+        self.engines()
+            .into_iter()
+            .map(|e| e.completed_requests().len() as u64)
+            .collect()
     }
 
     async fn shutdown(self) {
@@ -923,6 +954,19 @@ async fn run_one(
     let outcome = drive(&stand, b, &workload, rate, seed).await;
     let stats = stand.stats();
     let served = stand.served();
+    let ideal = b.ideal.as_ref().map(|f| f(&workload));
+    let placement_replay_vs_ideal = ideal.filter(|&i| b.lru_reference && i > 0).map(|i| {
+        let placed = stand.placements(&workload);
+        let spec = &b.spec;
+        let tokens = lru_reference::placed_lru_tokens(
+            &workload,
+            &placed,
+            spec.engines,
+            spec.num_blocks,
+            spec.block_size,
+        );
+        tokens as f64 / i as f64
+    });
     stand.shutdown().await;
     let result = outcome?;
     let scale = b.spec.time_scale;
@@ -967,7 +1011,8 @@ async fn run_one(
         computed_tokens: computed.iter().sum(),
         preemptions: stats.iter().map(|s| s.preemptions).sum(),
         recomputed_tokens: recomputed.iter().sum(),
-        ideal_computed_tokens: b.ideal.as_ref().map(|f| f(&workload)),
+        ideal_computed_tokens: ideal,
+        placement_replay_vs_ideal,
         computed_per_engine: computed,
         requests_per_engine: served,
         goodput,
@@ -1045,7 +1090,7 @@ fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> 
 fn progress_line(workload: &str, r: &Run) -> String {
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     format!(
-        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {} ({} tokens computed again), errors {}{}",
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {} ({} tokens computed again), errors {}{}{}",
         r.router,
         r.rate,
         r.seed,
@@ -1059,6 +1104,9 @@ fn progress_line(workload: &str, r: &Run) -> String {
         r.preemptions,
         r.recomputed_tokens,
         r.errors,
+        r.placement_replay_vs_ideal.map_or(String::new(), |x| format!(
+            ", its placement replayed one request at a time {x:.2}x the ideal"
+        )),
         r.sent_share
             .map_or(String::new(), |s| format!(", sent {s:.2} of the rate")),
     )

@@ -34,6 +34,12 @@ pub struct Run {
     /// What an ideal placement would compute (each shared prefix once), where
     /// the workload defines it.
     pub ideal_computed_tokens: Option<u64>,
+    /// This run's placement (the engine each request reached) replayed one
+    /// request at a time through the engines' LRU caches, over the ideal
+    /// placement's tokens (`lru_reference::placed_lru_tokens`): what
+    /// `computed_tokens` lies above it is what the load added.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_replay_vs_ideal: Option<f64>,
     /// Requests each engine served, in pod order.
     pub requests_per_engine: Vec<u64>,
     /// Share of requests that met the SLO (TTFT and mean ITL each within it).
@@ -221,6 +227,7 @@ mod tests {
             ideal_computed_tokens: None,
             preemptions: 0,
             recomputed_tokens: 0,
+            placement_replay_vs_ideal: None,
             requests_per_engine: vec![],
             goodput: 1.0,
             sent_share: None,
