@@ -21,6 +21,7 @@ use kvmesh_loadgen::valkey::{ValkeyCluster, ValkeyReplicaSet, ValkeySentinelSet,
 use kvmesh_proxy::config::index::{Backend, Valkey as ValkeyConfig, ValkeySentinel};
 use kvmesh_proxy::config::{Config, Duration as CfgDuration, TokenizerChoice};
 use kvmesh_proxy::valkey::metrics::IndexMetrics;
+use kvmesh_proxy::valkey::store::{StoreError, STALL_AFTER};
 use kvmesh_proxy::valkey::{Lookup, PodRecord, Store, Writer};
 use kvmesh_proxy::{Shutdown, SidecarHandle};
 use kvmesh_tests::client::{fetch, http1, request};
@@ -390,6 +391,55 @@ async fn a_restarted_empty_valkey_is_refilled_by_the_writers_and_a_frozen_one_ti
     }
     assert!(whole, "the index never became whole again");
     assert_ne!(a.writer.member(), old, "a new member after the restart");
+    shutdown.trigger();
+}
+
+/// A hung server (SIGSTOP: the socket stays open and nothing answers) is
+/// cut off: once calls have missed their deadlines for `STALL_AFTER`, the
+/// store counts as down and a call fails at once instead of waiting out its
+/// deadline; when the server answers again, the store connects again.
+#[tokio::test]
+async fn a_silent_valkey_is_cut_off_and_connected_again() {
+    let server = ValkeyServer::start().await.unwrap();
+    let shutdown = Shutdown::new();
+    let store = connected(fast(vec![server.url()]), &shutdown).await;
+    let m = &IndexMetrics::default();
+    let lookup = Lookup::new(store.clone());
+    let index = PrefixIndex::default();
+    let keys = index.request_keys("m", None, &tokens(4, 3), BS);
+    assert!(lookup.find(m, "m", &keys).await.is_ok());
+    let before = store.generation();
+
+    server.freeze().unwrap();
+    let frozen = std::time::Instant::now();
+    let mut cut = false;
+    for _ in 0..200 {
+        // Misses its deadline (or is answered from the lookup's cache).
+        let _ = lookup.find(m, "m", &keys).await;
+        if !store.is_up() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(cut, "still up after {:?} of silence", frozen.elapsed());
+    assert!(
+        frozen.elapsed() >= STALL_AFTER,
+        "cut before the silence lasted"
+    );
+    let started = std::time::Instant::now();
+    let down = store
+        .call::<String>(&redis::cmd("PING"), Duration::from_secs(5))
+        .await;
+    assert!(matches!(down, Err(StoreError::Down)), "{down:?}");
+    assert!(started.elapsed() < Duration::from_secs(1), "a call waited");
+
+    server.thaw().unwrap();
+    eventually("connected again", || async {
+        (store.is_up() && store.generation() > before).then_some(())
+    })
+    .await;
+    assert!(lookup.find(m, "m", &keys).await.is_ok());
     shutdown.trigger();
 }
 

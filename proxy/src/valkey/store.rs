@@ -14,15 +14,21 @@
 //!   drops a connection to an old primary and cuts a reconnect's backoff
 //!   short.
 //! * Every call has a deadline; redis-rs's own timeouts are only a backstop.
+//! * A connection that answers nothing is cut: after [`STALL_CALLS`] calls
+//!   in a row miss their deadlines with no answer for [`STALL_AFTER`] (a
+//!   server that hangs, or whose node went away without closing the
+//!   socket), the connection is dropped and made again, and calls fail at
+//!   once meanwhile instead of each waiting out its deadline. A server that
+//!   is slow but alive answers the writers' longer calls and is never cut.
 //! * `rediss://` URLs speak TLS (rustls): the server is verified against
 //!   `index.valkey.tls.ca` or the system's roots, and `tls.cert`/`tls.key`
 //!   are presented when the server asks for a client certificate.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, ToRedisArgs};
@@ -39,6 +45,11 @@ pub const FUNCTIONS_VERSION: &str = "5";
 
 /// Deadline of connecting and loading the functions.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Calls in a row that miss their deadlines before a silent connection is
+/// cut (with [`STALL_AFTER`]).
+pub const STALL_CALLS: u32 = 4;
+/// How long a connection must have answered nothing before it is cut.
+pub const STALL_AFTER: Duration = Duration::from_secs(1);
 
 /// Why a call to Valkey did not answer.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +109,32 @@ pub struct Store {
     server: RwLock<String>,
     /// Why the last attempt to connect failed ("" once connected).
     last_error: RwLock<String>,
+    /// Whether the live connection still answers ([`Silence`]).
+    silence: Mutex<Silence>,
+}
+
+/// Calls that missed their deadlines on the live connection since its last
+/// answer, and when that answer came (or the connection was made).
+#[derive(Debug)]
+struct Silence {
+    missed: u32,
+    since: Instant,
+}
+
+impl Silence {
+    fn new() -> Self {
+        Silence {
+            missed: 0,
+            since: Instant::now(),
+        }
+    }
+
+    /// One more call missed its deadline at `now`: whether the connection
+    /// has now been silent long enough to be cut.
+    fn missed_at(&mut self, now: Instant) -> bool {
+        self.missed = self.missed.saturating_add(1);
+        self.missed >= STALL_CALLS && now.duration_since(self.since) >= STALL_AFTER
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -119,6 +156,7 @@ impl Store {
             switched: Notify::new(),
             server: RwLock::new(String::new()),
             last_error: RwLock::new(String::new()),
+            silence: Mutex::new(Silence::new()),
         }
     }
 
@@ -173,8 +211,21 @@ impl Store {
         let Some((generation, mut link)) = self.link.read().clone() else {
             return Err(StoreError::Down);
         };
-        match tokio::time::timeout(deadline, link.query(cmd)).await {
-            Err(_) => Err(StoreError::Timeout(deadline)),
+        let answer = tokio::time::timeout(deadline, link.query(cmd)).await;
+        if answer.is_ok() {
+            *self.silence.lock() = Silence::new();
+        }
+        match answer {
+            Err(_) => {
+                let live = self.link.read().as_ref().map(|(g, _)| *g) == Some(generation);
+                if live && self.silence.lock().missed_at(Instant::now()) {
+                    let why = format!(
+                        "no answer for {STALL_AFTER:?} ({STALL_CALLS} calls in a row past their deadlines)"
+                    );
+                    self.drop_link(generation, &why);
+                }
+                Err(StoreError::Timeout(deadline))
+            }
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 if must_reconnect(&e) {
@@ -185,7 +236,7 @@ impl Store {
         }
     }
 
-    fn drop_link(&self, generation: u64, why: &RedisError) {
+    fn drop_link(&self, generation: u64, why: &dyn std::fmt::Display) {
         let mut link = self.link.write();
         if link.as_ref().is_some_and(|(g, _)| *g == generation) {
             tracing::warn!(server = %self.server.read(), error = %why, "valkey: connection lost; reconnecting");
@@ -244,6 +295,7 @@ impl Store {
                         failures = 0;
                         self.last_error.write().clear();
                         *self.server.write() = server;
+                        *self.silence.lock() = Silence::new();
                         *self.link.write() = Some((g, link));
                     }
                     Err(e) => {
@@ -406,4 +458,27 @@ fn must_reconnect(e: &RedisError) -> bool {
             Some("READONLY") | Some("MASTERDOWN") | Some("LOADING")
         )
         || e.to_string().contains("Function not found")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection is cut only after both enough calls in a row and long
+    /// enough without an answer: a few slow calls, or a long quiet spell
+    /// with one missed call, are not silence.
+    #[test]
+    fn silence_needs_both_missed_calls_and_time() {
+        let mut s = Silence::new();
+        let t0 = s.since;
+        for _ in 1..STALL_CALLS {
+            assert!(!s.missed_at(t0 + STALL_AFTER * 2), "too few calls");
+        }
+        let mut s = Silence::new();
+        let t0 = s.since;
+        for _ in 0..STALL_CALLS * 3 {
+            assert!(!s.missed_at(t0 + STALL_AFTER / 2), "too soon");
+        }
+        assert!(s.missed_at(t0 + STALL_AFTER));
+    }
 }
