@@ -134,6 +134,7 @@ mod tests {
             preemptions: 0,
             recomputed_tokens: 0,
             placement_replay_vs_ideal: None,
+            prefix_computes: None,
             ideal_computed_tokens: Some(100),
             requests_per_engine: vec![],
             goodput: 1.0,

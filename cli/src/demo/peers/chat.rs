@@ -114,6 +114,7 @@ pub(super) fn multi_turn_chat(opts: &PeersOpts) -> Result<Bench, DemoError> {
         ideal: Some(Box::new(move |_| p.ideal_computed_tokens())),
         // Each turn carries the engine's own answers: no text to replay.
         lru_reference: false,
+        prefix_words: None,
     })
 }
 

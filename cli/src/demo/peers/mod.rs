@@ -25,6 +25,7 @@ pub mod chat;
 pub mod kv_bound;
 pub mod lru_reference;
 pub mod pd_pays;
+pub mod prefix_computes;
 pub mod smg;
 pub mod sweep;
 mod table;
@@ -328,6 +329,10 @@ struct Bench {
     /// Whether to replay each seed's workload through the fleet's LRU
     /// caches ([`lru_reference`]): workloads of text prompts with an ideal.
     lru_reference: bool,
+    /// Words of the group prefix every request opens with, where requests
+    /// do (the shared-prefix workloads): each run then sorts its requests
+    /// by what their prefix cost ([`prefix_computes`]).
+    prefix_words: Option<usize>,
 }
 
 /// Requests per run.
@@ -458,6 +463,7 @@ fn pressure_bench(
             let p = p.clone();
             move |seed| p.build(seed)
         }),
+        prefix_words: Some(p.system_tokens),
         ideal: Some(Box::new(move |w| p.ideal_computed_tokens(w))),
         lru_reference: true,
     }
@@ -540,6 +546,7 @@ fn pd_long_prompt(opts: &PeersOpts) -> Result<Bench, DemoError> {
             w.requests.iter().map(|r| r.prompt_words() as u64).sum()
         })),
         lru_reference: false,
+        prefix_words: None,
     })
 }
 
@@ -672,6 +679,41 @@ async fn measure(
         points,
         runs,
     })
+}
+
+/// [`Run::prefix_computes`]: each served request's group (its first block of
+/// words), the pod it reached and what it found cached, sorted by what its
+/// `prefix_words`-word prefix cost.
+fn prefix_computes_of(
+    workload: &Workload,
+    placed: &[Option<usize>],
+    records: &[kvmesh_loadgen::RequestRecord],
+    prefix_words: usize,
+    block_size: usize,
+) -> prefix_computes::PrefixComputes {
+    let groups: Vec<u64> = workload
+        .requests
+        .iter()
+        .map(|r| match &r.prompt {
+            Prompt::Text(t) => {
+                let head: Vec<&str> = t.split_whitespace().take(block_size).collect();
+                xxhash_rust::xxh3::xxh3_64(head.join(" ").as_bytes())
+            }
+            Prompt::Messages(_) => 0,
+        })
+        .collect();
+    let served: Vec<prefix_computes::Served> = records
+        .iter()
+        .filter(|r| r.is_ok())
+        .filter_map(|r| {
+            Some(prefix_computes::Served {
+                index: r.index,
+                pod: placed.get(r.index).copied().flatten()?,
+                cached: r.cached_tokens?,
+            })
+        })
+        .collect();
+    prefix_computes::classify(&groups, &served, prefix_words as u64, block_size as u64)
 }
 
 /// [`WorkloadResult::lru_reference_vs_ideal`]: each seed's workload replayed
@@ -955,8 +997,12 @@ async fn run_one(
     let stats = stand.stats();
     let served = stand.served();
     let ideal = b.ideal.as_ref().map(|f| f(&workload));
+    let placed = if b.lru_reference || b.prefix_words.is_some() {
+        stand.placements(&workload)
+    } else {
+        Vec::new()
+    };
     let placement_replay_vs_ideal = ideal.filter(|&i| b.lru_reference && i > 0).map(|i| {
-        let placed = stand.placements(&workload);
         let spec = &b.spec;
         let tokens = lru_reference::placed_lru_tokens(
             &workload,
@@ -973,6 +1019,15 @@ async fn run_one(
     let summary = report::to_simulated(&result.summary(), scale);
     report_failures(&router.name(), rate, seed, &result.records);
     let goodput = goodput(&result.records, &b.slo, scale);
+    let prefix_computes = b.prefix_words.map(|words| {
+        prefix_computes_of(
+            &workload,
+            &placed,
+            &result.records,
+            words,
+            b.spec.block_size,
+        )
+    });
     let sent_share = workload
         .ordered_per_user
         .then(|| sent_rate(&result.records, scale))
@@ -1013,6 +1068,7 @@ async fn run_one(
         recomputed_tokens: recomputed.iter().sum(),
         ideal_computed_tokens: ideal,
         placement_replay_vs_ideal,
+        prefix_computes,
         computed_per_engine: computed,
         requests_per_engine: served,
         goodput,
@@ -1090,7 +1146,7 @@ fn goodput(records: &[kvmesh_loadgen::RequestRecord], slo: &Slo, scale: f64) -> 
 fn progress_line(workload: &str, r: &Run) -> String {
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     format!(
-        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {} ({} tokens computed again), errors {}{}{}",
+        "[{workload}] {:<16} rate {:>5.1} seed {}: ttft p90 {} ms, itl p99 {} ms, hit {:.2}, computed {} tokens {:?} (ideal {}), served {:?}, preemptions {} ({} tokens computed again), errors {}{}{}{}",
         r.router,
         r.rate,
         r.seed,
@@ -1106,6 +1162,10 @@ fn progress_line(workload: &str, r: &Run) -> String {
         r.errors,
         r.placement_replay_vs_ideal.map_or(String::new(), |x| format!(
             ", its placement replayed one request at a time {x:.2}x the ideal"
+        )),
+        r.prefix_computes.as_ref().map_or(String::new(), |c| format!(
+            ", prefix computed: {} first, {} moved, {} again ({} hits)",
+            c.first, c.moved, c.again, c.hit
         )),
         r.sent_share
             .map_or(String::new(), |s| format!(", sent {s:.2} of the rate")),

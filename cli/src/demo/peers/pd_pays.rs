@@ -152,6 +152,7 @@ pub(super) async fn run(opts: &PeersOpts) -> Result<PdPays, DemoError> {
             build: Box::new(move |seed| p.build(seed)),
             ideal: None,
             lru_reference: false,
+            prefix_words: None,
         };
         let mut runs = Vec::new();
         for &rate in &rates {

@@ -40,6 +40,11 @@ pub struct Run {
     /// `computed_tokens` lies above it is what the load added.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement_replay_vs_ideal: Option<f64>,
+    /// Shared-prefix workloads: the served requests by what their group
+    /// prefix cost them (found cached, or computed first, after a move, or
+    /// again on a pod that had it), from the engines' answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_computes: Option<super::prefix_computes::PrefixComputes>,
     /// Requests each engine served, in pod order.
     pub requests_per_engine: Vec<u64>,
     /// Share of requests that met the SLO (TTFT and mean ITL each within it).
@@ -228,6 +233,7 @@ mod tests {
             preemptions: 0,
             recomputed_tokens: 0,
             placement_replay_vs_ideal: None,
+            prefix_computes: None,
             requests_per_engine: vec![],
             goodput: 1.0,
             sent_share: None,
