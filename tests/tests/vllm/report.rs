@@ -41,8 +41,13 @@ impl Timings {
         let out = f();
         let took = t.elapsed();
         let ok = out.is_ok();
+        // A failure's reason on the same line: CI shows this line, not always the panic.
+        let why = match &out {
+            Ok(_) => String::new(),
+            Err(e) => format!(": {e:#}"),
+        };
         note(&format!(
-            "{}: {name}: {} in {:.1} s",
+            "{}: {name}: {} in {:.1} s{why}",
             self.group,
             if ok { "ok" } else { "FAILED" },
             took.as_secs_f64()
