@@ -52,6 +52,9 @@ pub struct Args {
     max_num_seqs: Option<usize>,
     #[arg(long, default_value_t = 8192)]
     max_model_len: usize,
+    /// Tokens per streamed event after the first (vLLM `--stream-interval`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    stream_interval: u32,
     /// KV-event PUB endpoint (vLLM rule: bind if it has `*` or `::`, else connect).
     #[arg(long)]
     kv_events_endpoint: Option<String>,
@@ -149,6 +152,7 @@ impl Args {
             .with_num_blocks(num_blocks)
             .with_max_num_seqs(max_num_seqs)
             .with_max_model_len(self.max_model_len)
+            .with_stream_interval(self.stream_interval as usize)
             .with_data_parallel_size(self.data_parallel_size)
             .with_max_loras(self.max_loras)
             .with_profile(profile)

@@ -100,6 +100,10 @@ pub struct SimConfig {
     pub max_num_seqs: usize,
     /// Longest prompt + output (vLLM `--max-model-len`).
     pub max_model_len: usize,
+    /// Tokens a streamed event carries (vLLM `--stream-interval`): the first
+    /// token goes alone, then one event per this many, and the last with
+    /// whatever is left (`http::openai::Interval`).
+    pub stream_interval: usize,
     /// Waiting-queue limit; beyond it requests get 503 (vLLM has none by default).
     pub max_waiting: usize,
     /// Output length when a request gives no `max_tokens` (finish reason `stop`).
@@ -169,6 +173,7 @@ impl SimConfig {
             num_blocks: 4096,
             max_num_seqs: 256,
             max_model_len: 8192,
+            stream_interval: 1,
             max_waiting: 8192,
             default_max_tokens: 16,
             profile: LatencyProfile::small_gpu(),
@@ -218,6 +223,11 @@ impl SimConfig {
 
     pub fn with_max_model_len(mut self, max_model_len: usize) -> Self {
         self.max_model_len = max_model_len;
+        self
+    }
+
+    pub fn with_stream_interval(mut self, tokens: usize) -> Self {
+        self.stream_interval = tokens.max(1);
         self
     }
 

@@ -494,22 +494,66 @@ struct StreamState {
     /// `return_token_ids`: the prompt's ids, sent with the first token.
     return_ids: Option<Vec<u32>>,
     pending: Option<u32>,
+    interval: Interval,
     started: bool,
     done: bool,
 }
 
 impl StreamState {
-    /// One token's chunk, with its id (and, first, the prompt's) when the
-    /// request asked for them.
-    fn token_chunk(&mut self, id: u32, finish: Option<&str>, fingerprint: bool) -> Value {
-        let text = self.shared.tokenizer.decode_token(id);
+    /// One event's chunk: its tokens' text, with their ids (and, first, the
+    /// prompt's) when the request asked for them.
+    fn token_chunk(&mut self, ids: &[u32], finish: Option<&str>, fingerprint: bool) -> Value {
+        let text = decode(&self.shared, ids);
         let mut chunk = self.meta.token_chunk(&text, finish, fingerprint);
         if let Some(prompt) = &mut self.return_ids {
             let first = std::mem::take(prompt);
             let prompt = (!first.is_empty()).then_some(first.as_slice());
-            shapes::with_token_ids(&mut chunk, self.meta.chat, &[id], prompt);
+            shapes::with_token_ids(&mut chunk, self.meta.chat, ids, prompt);
         }
         chunk
+    }
+}
+
+/// The text of tokens sent together, each decoded as the stream decodes one.
+pub(crate) fn decode(shared: &Shared, ids: &[u32]) -> String {
+    ids.iter()
+        .map(|id| shared.tokenizer.decode_token(*id))
+        .collect()
+}
+
+/// Which tokens go out together, as vLLM's output processor sends them with
+/// `--stream-interval N` (`RequestState.make_request_output` in
+/// `vllm/v1/engine/output_processor.py`): the first token at once, then an
+/// event each time N more have come, and at the end whatever is left.
+pub(crate) struct Interval {
+    every: usize,
+    held: Vec<u32>,
+    sent: bool,
+}
+
+impl Interval {
+    pub(crate) fn new(every: usize) -> Self {
+        Self {
+            every: every.max(1),
+            held: Vec::new(),
+            sent: false,
+        }
+    }
+
+    /// A token before the last: the tokens to send now, if it is time.
+    pub(crate) fn token(&mut self, id: u32) -> Option<Vec<u32>> {
+        self.held.push(id);
+        if self.sent && self.held.len() < self.every {
+            return None;
+        }
+        self.sent = true;
+        Some(std::mem::take(&mut self.held))
+    }
+
+    /// The end: what is held, and the last token.
+    pub(crate) fn last(&mut self, id: Option<u32>) -> Vec<u32> {
+        self.held.extend(id);
+        std::mem::take(&mut self.held)
     }
 }
 
@@ -524,6 +568,7 @@ fn stream_body(
     include_usage: bool,
     return_ids: Option<Vec<u32>>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    let interval = Interval::new(shared.cfg.stream_interval);
     let st = StreamState {
         shared,
         meta,
@@ -531,6 +576,7 @@ fn stream_body(
         include_usage,
         return_ids,
         pending: None,
+        interval,
         started: false,
         done: false,
     };
@@ -547,15 +593,18 @@ fn stream_body(
             match st.rx.recv().await {
                 Some(CoreEvent::Token { id, last: true }) => st.pending = Some(id),
                 Some(CoreEvent::Token { id, last: false }) => {
-                    out.push_str(&sse(&st.token_chunk(id, None, false)));
-                    return Some((Ok(Bytes::from(out)), st));
+                    if let Some(ids) = st.interval.token(id) {
+                        out.push_str(&sse(&st.token_chunk(&ids, None, false)));
+                        return Some((Ok(Bytes::from(out)), st));
+                    }
                 }
                 Some(CoreEvent::Finished(o)) => {
                     record(&st.shared, &st.meta.id, &o);
-                    if let Some(last) = st.pending.take() {
+                    let last = st.interval.last(st.pending.take());
+                    if !last.is_empty() {
                         let fingerprint = !st.include_usage;
                         let chunk =
-                            st.token_chunk(last, Some(o.finish_reason.as_str()), fingerprint);
+                            st.token_chunk(&last, Some(o.finish_reason.as_str()), fingerprint);
                         out.push_str(&sse(&chunk));
                     }
                     if st.include_usage {
@@ -585,4 +634,34 @@ fn stream_body(
 
 fn sse(v: &Value) -> String {
     format!("data: {v}\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Interval;
+
+    #[test]
+    fn the_first_token_goes_alone_then_every_n_and_the_rest_at_the_end() {
+        let mut i = Interval::new(3);
+        let sent: Vec<Option<Vec<u32>>> = (1..=8).map(|id| i.token(id)).collect();
+        assert_eq!(
+            sent,
+            [
+                Some(vec![1]),
+                None,
+                None,
+                Some(vec![2, 3, 4]),
+                None,
+                None,
+                Some(vec![5, 6, 7]),
+                None
+            ]
+        );
+        assert_eq!(i.last(Some(9)), [8, 9]);
+        // One token an event, vLLM's default.
+        let mut one = Interval::new(1);
+        assert_eq!(one.token(1), Some(vec![1]));
+        assert_eq!(one.token(2), Some(vec![2]));
+        assert_eq!(one.last(None), Vec::<u32>::new());
+    }
 }

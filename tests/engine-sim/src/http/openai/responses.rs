@@ -14,7 +14,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{bad, flatten_content, prepare, record, unix_now, ApiError};
+use super::{bad, decode, flatten_content, prepare, record, unix_now, ApiError, Interval};
 use crate::core::{Cmd, CoreEvent, FinishReason, Outcome};
 use crate::faults::Verdict;
 use crate::http::shapes;
@@ -242,13 +242,15 @@ struct StreamState {
     started: bool,
     opened: bool,
     pending: Option<u32>,
+    interval: Interval,
     done: bool,
 }
 
 impl StreamState {
-    /// One token's delta, after the item and its part are opened.
-    fn delta(&mut self, id: u32, out: &mut String) {
-        let delta = self.shared.tokenizer.decode_token(id);
+    /// One event's delta (its tokens' text), after the item and its part are
+    /// opened.
+    fn delta(&mut self, ids: &[u32], out: &mut String) {
+        let delta = decode(&self.shared, ids);
         if !self.opened {
             self.opened = true;
             let added = json!({"type": "response.output_item.added", "output_index": 0,
@@ -297,10 +299,12 @@ fn stream_body(
     resp: Resp,
     rx: mpsc::UnboundedReceiver<CoreEvent>,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    let interval = Interval::new(shared.cfg.stream_interval);
     let st = StreamState {
         shared,
         resp,
         rx,
+        interval,
         seq: 0,
         text: String::new(),
         started: false,
@@ -331,13 +335,16 @@ fn stream_body(
             match st.rx.recv().await {
                 Some(CoreEvent::Token { id, last: true }) => st.pending = Some(id),
                 Some(CoreEvent::Token { id, last: false }) => {
-                    st.delta(id, &mut out);
-                    return Some((Ok(Bytes::from(out)), st));
+                    if let Some(ids) = st.interval.token(id) {
+                        st.delta(&ids, &mut out);
+                        return Some((Ok(Bytes::from(out)), st));
+                    }
                 }
                 Some(CoreEvent::Finished(o)) => {
                     record(&st.shared, &st.resp.id, &o);
-                    if let Some(last) = st.pending.take() {
-                        st.delta(last, &mut out);
+                    let last = st.interval.last(st.pending.take());
+                    if !last.is_empty() {
+                        st.delta(&last, &mut out);
                     }
                     st.finish(&o, &mut out);
                     st.done = true;
