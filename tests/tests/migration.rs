@@ -344,6 +344,70 @@ async fn a_chat_stream_whose_peer_fails_goes_on_with_the_partial_answer() {
 }
 
 #[tokio::test]
+async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
+    // Engine b sends three tokens an event after the first (vLLM's
+    // `--stream-interval 3`, and what vLLM sends whenever its API server falls
+    // behind); its sidecar's stream dies after three chunks. The chat answer
+    // goes on on a by text: counting b's events (3) and not their tokens (7)
+    // would let a generate 4 tokens past the client's limit.
+    let dir = tempfile::tempdir().unwrap();
+    let ea = sim().await;
+    let eb = kvmesh_tests::route::sim_with(
+        kvmesh_engine_sim::SimConfig::new(MODEL)
+            .with_time_scale(10.0)
+            .with_stream_interval(3),
+    )
+    .await;
+    let s = fleet(dir.path(), &[&ea, &eb], "b", |_| {}).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me about lakes"}],
+        "max_completion_tokens": 16, "min_tokens": 16, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let whole = stream(&s[0], "/v1/chat/completions", &body).await;
+    assert!(whole.done && whole.errors() == 0, "{:?}", whole.events);
+    let sizes: Vec<usize> = whole
+        .events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.split_whitespace().count())
+        .collect();
+    assert_eq!(sizes, [1, 3, 3, 3, 3, 3], "b's events, uninterrupted");
+
+    eb.faults().die_after_chunks(Some(3));
+    let got = stream(&s[0], "/v1/chat/completions", &body).await;
+    assert!(got.done && got.errors() == 0, "{:?}", got.events);
+    assert_eq!(got.ids().len(), 1, "{:?}", got.ids());
+    // 16 tokens, as the client asked: the simulator's words are its tokens.
+    assert_eq!(got.text().split_whitespace().count(), 16, "{}", got.text());
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(got.usage()[k], whole.usage()[k], "{k}");
+    }
+    let continued = inference_requests(&ea);
+    let c = continued.last().expect("the continuation reached a");
+    let partial = c["messages"][1]["content"].as_str().unwrap();
+    assert!(got.text().starts_with(partial), "{partial:?}");
+    let k = partial.split_whitespace().count() as u64;
+    assert!(
+        k > 3,
+        "b's 3 chunks held more tokens than events: {partial:?}"
+    );
+    assert_eq!(c["max_completion_tokens"], 16 - k);
+    assert_eq!(c["min_tokens"], 16 - k);
+    // a's engine counted them: two `/tokenize` calls before the continuation.
+    let counted = ea
+        .received_requests()
+        .into_iter()
+        .filter(|r| r.path == "/tokenize")
+        .count();
+    assert_eq!(counted, 2);
+    for h in s {
+        h.shutdown().await;
+    }
+    ea.shutdown().await;
+    eb.shutdown().await;
+}
+
+#[tokio::test]
 async fn the_limit_ends_a_stream_that_keeps_failing() {
     let dir = tempfile::tempdir().unwrap();
     let (ea, eb, ec) = (sim().await, sim().await, sim().await);

@@ -446,12 +446,13 @@ fn vllm_migration_group() -> Result<()> {
     let mut t = Timings::new("migration");
     let venv = t.step("set-up: vLLM venv", vllm::setup::venv)?;
     let work = work_dir();
-    let spec = |name, cpu| EngineSpec {
+    let spec = |name, cpu, interval: u32| EngineSpec {
         kv_cache_bytes: PAIR_KV_BLOCKS * 65_536,
+        extra_args: vec!["--stream-interval".to_owned(), interval.to_string()],
         ..EngineSpec::new(name, cpu)
     };
-    let mut engines = t.step("start two vLLM engines", || {
-        Engine::start_all(&venv, work.path(), &[spec("a", 0), spec("b", 1)])
+    let mut engines = t.step("start two vLLM engines (a: --stream-interval 3)", || {
+        Engine::start_all(&venv, work.path(), &[spec("a", 0, 3), spec("b", 1, 1)])
     })?;
     let rt = runtime();
     let http = Http::default();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::app::App;
 use crate::error::UpstreamName;
-use crate::request::migrate::{Continuing, Job, Reroute, RerouteSource};
+use crate::request::migrate::{Continuing, Count, Counting, Job, Reroute, RerouteSource};
 use crate::request::{Served, Target, Upstreams};
 
 use super::account::Accounting;
@@ -94,6 +94,11 @@ impl Reroute for Rerouter {
     fn send(&self, to: Served, job: Job) -> Continuing {
         let app = Arc::clone(&self.0);
         Box::pin(async move { super::migrate::send_to(execute(&app), to, job).await })
+    }
+
+    fn count(&self, to: Served, count: Count) -> Counting {
+        let app = Arc::clone(&self.0);
+        Box::pin(async move { super::migrate::count_on(execute(&app), to, count).await })
     }
 }
 

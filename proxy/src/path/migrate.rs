@@ -9,13 +9,25 @@
 //! the fleet knows, least loaded first, then the local engine. The
 //! continuation's prompt holds the whole output so far, so any such pod
 //! can serve it; most of its prefix is cached only on the pod that failed.
+//!
+//! A continuation whose output went by text is counted first by the next
+//! pod's `/tokenize` ([`count_on`]): the engine's own, through its sidecar
+//! for a peer (which passes the path through to it).
 
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method};
+use http_body_util::{BodyExt, Limited};
 use kvmesh_filters::sched::Role;
+use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::body::{streamed, Counted, Streamed, UpstreamBody};
 use crate::error::{ProxyError, UpstreamName};
-use crate::request::migrate::Job;
+use crate::metrics::Route;
+use crate::otel::Hop;
+use crate::request::migrate::{Count, Job};
 use crate::request::{send_traced, RequestCtx, Served, Target, Upstream};
 
 use super::execute::Execute;
@@ -130,4 +142,65 @@ pub async fn send_to(
             Err(e)
         }
     }
+}
+
+/// How long the two `/tokenize` calls of a count may take together; past
+/// it the continuation goes with the stream's own count.
+const COUNT_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Largest `/tokenize` answer read (its `tokens` list: a long conversation's
+/// prompt is under 1 MiB of JSON).
+const MAX_COUNT_ANSWER: usize = 8 * 1024 * 1024;
+
+/// The tokens `to`'s `/tokenize` counts in the first probe less those in
+/// the second (`crate::request::migrate::Count`); `None` when either call
+/// fails, is refused, or the pair takes past [`COUNT_DEADLINE`]. The calls
+/// are not the request's: a failure here marks nothing against the pod.
+pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
+    let ctx = RequestCtx::continuation(count.request_id, Route::Other, count.started);
+    let upstream = upstream_of(to);
+    let one = |body: Bytes| tokenized(h, &ctx, &upstream, body);
+    let [with, without] = count.probes;
+    let pair = async { tokio::join!(one(with), one(without)) };
+    match tokio::time::timeout(COUNT_DEADLINE, pair).await {
+        Ok((Some(with), Some(without))) => with.checked_sub(without),
+        _ => None,
+    }
+}
+
+/// vLLM's `/tokenize` answer: `count`, beside the ids.
+#[derive(Deserialize)]
+struct Tokenized {
+    count: u64,
+}
+
+/// One `/tokenize` call's `count`.
+async fn tokenized(
+    h: Execute<'_>,
+    ctx: &RequestCtx,
+    upstream: &Upstream,
+    body: Bytes,
+) -> Option<u64> {
+    let mut head = http::Request::new(()).into_parts().0;
+    head.method = Method::POST;
+    head.uri = http::Uri::from_static("/tokenize");
+    head.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let body = UpstreamBody::full(body);
+    let (resp, _, _) = send_traced(&h.up, ctx, upstream, &head, body, Hop::off())
+        .await
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let bytes = Limited::new(resp.into_body(), MAX_COUNT_ANSWER)
+        .collect()
+        .await
+        .ok()?
+        .to_bytes();
+    serde_json::from_slice::<Tokenized>(&bytes)
+        .ok()
+        .map(|t| t.count)
 }

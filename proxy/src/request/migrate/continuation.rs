@@ -1,10 +1,11 @@
 //! A migrating stream's continuation: the client's body with the output so
 //! far added to the prompt (token ids when known, else text; chat's and
 //! Responses' partial answer as an open assistant message) and the token
-//! limits lowered by it.
+//! limits lowered by it; and, when the output went by text, the `/tokenize`
+//! calls that count the tokens it carries.
 
 use bytes::Bytes;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use super::{Start, Transcript};
 use crate::metrics::Route;
@@ -43,27 +44,11 @@ pub(super) fn unsupported_request(s: &Start) -> Option<&'static str> {
 }
 
 /// The continuation's body: the client's, with the output so far added to
-/// the prompt and the token limits lowered by it; `Err` is why not.
-pub(super) fn continuation(s: &Start, t: &Transcript) -> Result<Bytes, &'static str> {
+/// the prompt, its token limits as the client sent them ([`limited`] lowers
+/// them); `Err` is why not.
+pub(super) fn continuation(s: &Start, t: &Transcript) -> Result<Map<String, Value>, &'static str> {
     let mut body: Map<String, Value> =
         serde_json::from_slice(&s.body).map_err(|_| "unparsed_request")?;
-    let n = t.generated;
-    for k in ["max_tokens", "max_completion_tokens", "max_output_tokens"] {
-        if let Some(slot) = body.get_mut(k) {
-            if let Some(max) = slot.as_u64() {
-                let left = max.saturating_sub(n);
-                if left == 0 {
-                    return Err("finished");
-                }
-                *slot = Value::from(left);
-            }
-        }
-    }
-    if let Some(slot) = body.get_mut("min_tokens") {
-        if let Some(min) = slot.as_u64() {
-            *slot = Value::from(min.saturating_sub(n));
-        }
-    }
     match s.route {
         Route::Completions => {
             let prompt = body.get("prompt").ok_or("unparsed_request")?;
@@ -107,9 +92,117 @@ pub(super) fn continuation(s: &Start, t: &Transcript) -> Result<Bytes, &'static 
         Route::Responses => responses_input(&mut body, t)?,
         _ => return Err("route"),
     }
+    Ok(body)
+}
+
+/// `body` with its token limits lowered by the `n` tokens its prompt
+/// carries, serialized; `Err("finished")` when no token is left to generate.
+pub(super) fn limited(mut body: Map<String, Value>, n: u64) -> Result<Bytes, &'static str> {
+    if exhausted(&body, n) {
+        return Err("finished");
+    }
+    for k in LIMITS {
+        if let Some(slot) = body.get_mut(k) {
+            if let Some(max) = slot.as_u64() {
+                *slot = Value::from(max - n);
+            }
+        }
+    }
+    if let Some(slot) = body.get_mut("min_tokens") {
+        if let Some(min) = slot.as_u64() {
+            *slot = Value::from(min.saturating_sub(n));
+        }
+    }
     serde_json::to_vec(&body)
         .map(Bytes::from)
         .map_err(|_| "unparsed_request")
+}
+
+/// The token limits of the three routes' bodies.
+const LIMITS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
+
+/// Whether `n` generated tokens reach one of `body`'s token limits.
+pub(super) fn exhausted(body: &Map<String, Value>, n: u64) -> bool {
+    LIMITS.iter().any(|k| {
+        body.get(*k)
+            .and_then(Value::as_u64)
+            .is_some_and(|max| max <= n)
+    })
+}
+
+/// Two `/tokenize` bodies (vLLM's `TokenizeCompletionRequest` or
+/// `TokenizeChatRequest`) whose counts differ by the tokens the
+/// continuation's prompt carries, when the output went by text; `None` when
+/// the count is exact already (the stream's `token_ids`) or nothing was
+/// generated.
+///
+/// The stream's own count is one token per event with text, which is vLLM's
+/// chunking only while its API server keeps up: under load it merges the
+/// engine's outputs into one event, and `--stream-interval N` sends N tokens
+/// an event. The next engine's tokenizer counts what its prompt will hold:
+/// completions, the prompt text with and without the output; chat and
+/// Responses, a one-message conversation with the partial answer as the open
+/// assistant message (after the client's own open text, if it left one)
+/// against the same without it. The template around the answer is the same in
+/// both, so the difference is the answer's tokens.
+pub(super) fn count_probes(s: &Start, t: &Transcript) -> Option<[Bytes; 2]> {
+    if t.token_ids.is_some() || t.text.is_empty() {
+        return None;
+    }
+    let body: Map<String, Value> = serde_json::from_slice(&s.body).ok()?;
+    let model = body.get("model").cloned().unwrap_or(Value::Null);
+    let [with, without] = match s.route {
+        Route::Completions => {
+            let prompt = prompt_text(body.get("prompt")?)?;
+            [format!("{prompt}{}", t.text), prompt.to_owned()]
+                .map(|p| json!({"model": model, "prompt": p}))
+        }
+        Route::ChatCompletions | Route::Responses => {
+            let before = open_text(s.route, &body).unwrap_or_default();
+            let chat = |answer: Option<String>| {
+                let mut messages = vec![json!({"role": "user", "content": "."})];
+                let open = answer.is_some();
+                if let Some(a) = answer {
+                    messages.push(json!({"role": "assistant", "content": a}));
+                }
+                json!({"model": model, "messages": messages, "add_generation_prompt": !open,
+                       "continue_final_message": open})
+            };
+            let without = (!before.is_empty()).then(|| before.clone());
+            [chat(Some(format!("{before}{}", t.text))), chat(without)]
+        }
+        _ => return None,
+    };
+    let bytes = |v: Value| serde_json::to_vec(&v).ok().map(Bytes::from);
+    Some([bytes(with)?, bytes(without)?])
+}
+
+/// The text of a final assistant message the client left open itself (chat's
+/// `continue_final_message`, a Responses item `in_progress` or `incomplete`).
+fn open_text(route: Route, body: &Map<String, Value>) -> Option<String> {
+    let text = |content: &Value| match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => parts.last()?.get("text")?.as_str().map(str::to_owned),
+        _ => None,
+    };
+    match route {
+        Route::ChatCompletions => {
+            if body.get("continue_final_message").and_then(Value::as_bool) != Some(true) {
+                return None;
+            }
+            text(body.get("messages")?.as_array()?.last()?.get("content")?)
+        }
+        Route::Responses => {
+            let last = body.get("input")?.as_array()?.last()?;
+            (last.get("role").and_then(Value::as_str) == Some("assistant")
+                && matches!(
+                    last.get("status").and_then(Value::as_str),
+                    Some("in_progress" | "incomplete")
+                ))
+            .then(|| text(last.get("content")?))?
+        }
+        _ => None,
+    }
 }
 
 /// A Responses `input` with the output so far: the client's last item

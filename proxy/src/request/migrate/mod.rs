@@ -33,6 +33,13 @@
 //!   open; the continuation's typed events renumbered and rewritten as the
 //!   first stream's.
 //!
+//! What went by text is counted by the next pod's `/tokenize` before the
+//! continuation is sent ([`Reroute::count`]): an event may carry several
+//! tokens (vLLM merges outputs its API server fell behind on, and
+//! `--stream-interval` sends several at once), so one token per event is
+//! only the fallback when the pod cannot count. The count lowers the token
+//! limits and sets what `usage` moves from the prompt to the completion.
+//!
 //! A stream does not migrate (the reason is counted in
 //! `kvmesh_migrations_total{outcome}` and it ends with an error event, as
 //! without migration) past `migration.max_migrations` or
@@ -44,6 +51,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,7 +68,7 @@ use crate::body::{Migrate, Resuming, Streamed};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
 use crate::otel::{Hop, RequestTrace};
-use continuation::{continuation, unsupported_request};
+use continuation::{continuation, count_probes, exhausted, limited, unsupported_request};
 use responses::ResponsesState;
 use sse::{data_of, ends_event, event_end, sse_event};
 
@@ -90,6 +98,21 @@ pub trait Reroute: Send + Sync {
     /// Sends the continuation to `to`; a response other than a `200` stream
     /// is an error.
     fn send(&self, to: Served, job: Job) -> Continuing;
+    /// The tokens `to`'s `/tokenize` counts in `count.probes[0]` less those
+    /// in `count.probes[1]`; `None` when it cannot tell.
+    fn count(&self, to: Served, count: Count) -> Counting;
+}
+
+/// A token count's call: the difference, or `None`.
+pub type Counting = Pin<Box<dyn Future<Output = Option<u64>> + Send>>;
+
+/// Two `/tokenize` bodies whose counts differ by what a continuation's
+/// prompt carries (`continuation::count_probes`).
+pub struct Count {
+    pub request_id: HeaderValue,
+    /// When the client's request arrived.
+    pub started: Instant,
+    pub probes: [Bytes; 2],
 }
 
 /// What the execute stage holds to give each migrating stream its own,
@@ -158,7 +181,7 @@ pub struct KvResend {
 /// See the module docs.
 pub struct Migration {
     start: Start,
-    reroute: Box<dyn Reroute>,
+    reroute: Arc<dyn Reroute>,
     metrics: Arc<UpstreamMetrics>,
     /// Pods that failed this request.
     avoid: Vec<Served>,
@@ -175,10 +198,11 @@ pub struct Migration {
     out: Transcript,
     /// The current upstream is a continuation: its events are rewritten.
     rewrite: bool,
-    /// Tokens generated before the current continuation (its prompt holds them).
-    in_prompt: u64,
-    /// Tokens carried by every continuation, in all.
-    carried: u64,
+    /// Tokens generated before the current continuation (its prompt holds
+    /// them): set when its call counts them, before any of its events.
+    in_prompt: Arc<AtomicU64>,
+    /// Tokens carried by the continuations before the current one, in all.
+    carried_before: u64,
 }
 
 /// What the stream said so far.
@@ -191,7 +215,8 @@ struct Transcript {
     /// The generated ids, while every event carried them.
     token_ids: Option<Vec<u64>>,
     prompt_token_ids: Option<Vec<u64>>,
-    /// Tokens generated: exact with `token_ids`, else one per event with text.
+    /// Tokens generated: exact with `token_ids`, else one per event with
+    /// text (a lower bound: see the module docs).
     generated: u64,
     events: u64,
     /// Chat: the opening chunk (`delta.role`) reached the client.
@@ -255,15 +280,15 @@ impl Migration {
             kv_resent: false,
             upstream: start.upstream.clone(),
             start,
-            reroute,
+            reroute: Arc::from(reroute),
             metrics,
             migrations: 0,
             unsupported,
             pending: BytesMut::new(),
             out: Transcript::default(),
             rewrite: false,
-            in_prompt: 0,
-            carried: 0,
+            in_prompt: Arc::new(AtomicU64::new(0)),
+            carried_before: 0,
         }
     }
 
@@ -412,7 +437,7 @@ impl Migration {
             }
         }
         if let Some(Value::Object(u)) = v.get_mut("usage") {
-            let n = self.in_prompt;
+            let n = self.in_prompt.load(Ordering::Acquire);
             let add = |u: &mut Map<String, Value>, k: &str, by: i128| {
                 if let Some(x) = u.get(k).and_then(Value::as_u64) {
                     let y = (i128::from(x) + by).clamp(0, i128::from(u64::MAX));
@@ -459,7 +484,7 @@ impl Migration {
 
 impl Migrate for Migration {
     fn carried(&self) -> u64 {
-        self.carried
+        self.carried_before + self.in_prompt.load(Ordering::Acquire)
     }
 
     fn forward(&mut self, data: Bytes) -> (Bytes, Option<ProxyError>) {
@@ -515,10 +540,20 @@ impl Migrate for Migration {
             return None;
         }
         let resent = self.kv_resend_now();
-        let body = match resent
-            .clone()
-            .map_or_else(|| continuation(&self.start, &self.out), Ok)
-        {
+        // At least this many tokens were generated (one per event with text,
+        // or the exact ids); the next pod's count replaces it.
+        let estimate = self.out.generated;
+        let body = match &resent {
+            Some(leg) => Ok(Body::Resent(leg.clone())),
+            None => continuation(&self.start, &self.out).and_then(|b| {
+                if exhausted(&b, estimate) {
+                    Err("finished")
+                } else {
+                    Ok(Body::Continued(b))
+                }
+            }),
+        };
+        let body = match body {
             Ok(b) => b,
             Err(reason) => {
                 self.metrics.migration(reason);
@@ -533,37 +568,76 @@ impl Migrate for Migration {
             self.metrics.migration("no_target");
             return None;
         };
+        let probes = match body {
+            Body::Continued(_) => count_probes(&self.start, &self.out),
+            Body::Resent(_) => None,
+        };
         self.migrations += 1;
         self.start.attempts = self.start.attempts.saturating_add(1);
         self.avoid.push(to);
         self.pending.clear();
         self.rewrite = true;
-        self.in_prompt = self.out.generated;
-        self.carried += self.in_prompt;
+        self.carried_before = self.carried();
+        let in_prompt = Arc::new(AtomicU64::new(estimate));
+        self.in_prompt = Arc::clone(&in_prompt);
         let hop = Hop::of(trace, super::call::FORWARD, &name, self.start.attempts);
         let s = &self.start;
-        let job = Job {
+        let mut job = Job {
             request_id: s.request_id.clone(),
             route: s.route,
             started: s.started,
             method: s.method.clone(),
             uri: s.uri.clone(),
             headers: s.headers.clone(),
-            body,
+            body: Bytes::new(),
             attempt: s.attempts,
             hop,
         };
+        let counting = probes.map(|probes| {
+            let count = Count {
+                request_id: s.request_id.clone(),
+                started: s.started,
+                probes,
+            };
+            self.reroute.count(to, count)
+        });
+        let named = name.clone();
         self.upstream = name;
-        let call = self.reroute.send(to, job);
+        let reroute = Arc::clone(&self.reroute);
         let metrics = Arc::clone(&self.metrics);
-        let carried = self.in_prompt;
         let outcome = if resent.is_some() {
             KV_RESENT
         } else {
             "migrated"
         };
         Some(Box::pin(async move {
-            match call.await {
+            job.body = match body {
+                Body::Resent(leg) => leg,
+                Body::Continued(b) => {
+                    let counted = match counting {
+                        Some(c) => c.await,
+                        None => None,
+                    };
+                    // A re-tokenized text can hold fewer tokens than were
+                    // generated (two merged into one): the limits keep the larger.
+                    let n = counted.map_or(estimate, |c| c.max(estimate));
+                    in_prompt.store(n, Ordering::Release);
+                    match limited(b, n) {
+                        Ok(b) => b,
+                        Err(reason) => {
+                            metrics.migration(reason);
+                            return Err(ProxyError::UpstreamFailed {
+                                upstream: named,
+                                reason: format!(
+                                    "the output so far, counted, left no continuation: {reason}"
+                                ),
+                            });
+                        }
+                    }
+                }
+            };
+            let carried = in_prompt.load(Ordering::Acquire);
+            match reroute.send(to, job).await {
                 Ok((body, name)) => {
                     metrics.migration(outcome);
                     metrics.migrated_tokens(carried);
@@ -576,6 +650,13 @@ impl Migrate for Migration {
             }
         }))
     }
+}
+
+/// What a continuation sends: a P/D decode leg again, as it was, or the
+/// client's body continued (its limits lowered once the output is counted).
+enum Body {
+    Resent(Bytes),
+    Continued(Map<String, Value>),
 }
 
 /// The outcome in `kvmesh_migrations_total` of a P/D stream whose decode

@@ -237,7 +237,7 @@ impl Migration {
             }
         }
         if let Some(Value::Object(u)) = resp.get_mut("usage") {
-            let n = i128::from(self.in_prompt);
+            let n = i128::from(self.in_prompt.load(std::sync::atomic::Ordering::Acquire));
             for (k, by) in [("input_tokens", -n), ("output_tokens", n)] {
                 if let Some(x) = u.get(k).and_then(Value::as_u64) {
                     let y = (i128::from(x) + by).clamp(0, i128::from(u64::MAX));

@@ -16,6 +16,10 @@ struct Fake {
     sent: Arc<Mutex<Vec<(Served, Bytes)>>>,
     /// What the continuation answers (a whole SSE body).
     answer: Bytes,
+    /// What the peer's `/tokenize` counts (`None`: it cannot).
+    counts: Option<u64>,
+    /// The count calls' probes.
+    probed: Arc<Mutex<Vec<[Bytes; 2]>>>,
 }
 
 impl Reroute for Fake {
@@ -36,6 +40,12 @@ impl Reroute for Fake {
             let body = crate::body::streamed(Whole::new(answer));
             Ok((body, UpstreamName::Peer(PEER.to_owned())))
         })
+    }
+
+    fn count(&self, _: Served, count: Count) -> Counting {
+        self.probed.lock().unwrap().push(count.probes);
+        let n = self.counts;
+        Box::pin(async move { n })
     }
 }
 
@@ -336,6 +346,151 @@ async fn chat_extends_a_message_the_client_left_open() {
     let sent = sent_json(&fake);
     assert_eq!(sent["messages"][1]["content"], "Sure, yes");
     assert_eq!(sent["messages"].as_array().unwrap().len(), 2);
+}
+
+/// Chat events that each carry two tokens' text, as vLLM sends when its API
+/// server falls behind or runs with `--stream-interval 2`.
+fn merged_chat(m: &mut Migration) {
+    let role = ev(
+        json!({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+    );
+    let two = |t: &str| {
+        ev(json!({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": t}}]}))
+    };
+    m._fwd(Bytes::from(role + &two(" a b") + &two(" c d")))
+        .unwrap();
+}
+
+#[tokio::test]
+async fn text_output_is_counted_by_the_next_pods_tokenizer() {
+    let usage = ev(
+        json!({"id": "chatcmpl-2", "choices": [], "usage": {"prompt_tokens": 14, "completion_tokens": 6, "total_tokens": 20}}),
+    );
+    let fake = Fake {
+        answer: Bytes::from(format!("{usage}data: [DONE]\n\n")),
+        counts: Some(4),
+        ..Fake::default()
+    };
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+        "min_tokens": 5, "stream": true, "stream_options": {"include_usage": true}});
+    let (mut m, metrics) = migration(start(Route::ChatCompletions, body), &fake);
+    merged_chat(&mut m);
+    assert_eq!(m.out.generated, 2, "one per event: a lower bound");
+    let cont = resume(&mut m).await;
+    let sent = sent_json(&fake);
+    assert_eq!(sent["max_tokens"], 6, "10 less the 4 counted");
+    assert_eq!(sent["min_tokens"], 1);
+    // The probes: the answer as an open assistant message, and the same
+    // conversation without it, with the generation prompt.
+    let probes = fake.probed.lock().unwrap().pop().unwrap();
+    let [with, without] = probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+    assert_eq!(
+        with,
+        json!({"model": "m", "messages": [{"role": "user", "content": "."},
+            {"role": "assistant", "content": " a b c d"}],
+            "add_generation_prompt": false, "continue_final_message": true})
+    );
+    assert_eq!(
+        without,
+        json!({"model": "m", "messages": [{"role": "user", "content": "."}],
+            "add_generation_prompt": true, "continue_final_message": false})
+    );
+    // `usage` moves the 4 counted tokens from the prompt to the completion.
+    let out = String::from_utf8(m._fwd(cont).unwrap().to_vec()).unwrap();
+    assert!(out.contains(r#""completion_tokens":10"#), "{out}");
+    assert!(out.contains(r#""prompt_tokens":10"#), "{out}");
+    assert_eq!(m.carried(), 4);
+    assert_eq!(metrics.migration_counts("migrated").0, 1);
+}
+
+#[tokio::test]
+async fn without_a_count_the_stream_own_count_stands() {
+    for counts in [None, Some(1)] {
+        let fake = Fake {
+            counts,
+            ..Fake::default()
+        };
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+        let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+        merged_chat(&mut m);
+        resume(&mut m).await;
+        // The pod could not count, or counted fewer than the events: the
+        // events' count, a lower bound of what was generated, stands.
+        assert_eq!(sent_json(&fake)["max_tokens"], 8, "{counts:?}");
+        assert_eq!(m.carried(), 2);
+    }
+}
+
+#[tokio::test]
+async fn a_count_that_reaches_the_limit_ends_the_stream() {
+    let fake = Fake {
+        counts: Some(4),
+        ..Fake::default()
+    };
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let (mut m, metrics) = migration(start(Route::ChatCompletions, body), &fake);
+    merged_chat(&mut m);
+    let call = m
+        .resume(&died(), None)
+        .expect("the events' count leaves room");
+    let Err(e) = call.await else {
+        panic!("no continuation: the output was whole");
+    };
+    assert!(e.to_string().contains("finished"), "{e}");
+    assert_eq!(counted(&metrics, "finished"), 1);
+    assert!(fake.sent.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn what_each_route_counts() {
+    // Completions by text: the prompt with the output, and without.
+    let fake = Fake {
+        counts: Some(3),
+        ..Fake::default()
+    };
+    let (mut m, _) = migration(
+        start(Route::Completions, json!({"prompt": "p", "max_tokens": 9})),
+        &fake,
+    );
+    m._fwd(Bytes::from(cmpl(" a b", None, None))).unwrap();
+    resume(&mut m).await;
+    let probes = fake.probed.lock().unwrap().pop().unwrap();
+    let prompts =
+        probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap()["prompt"].clone());
+    assert_eq!(prompts, [json!("p a b"), json!("p")]);
+    assert_eq!(sent_json(&fake)["max_tokens"], 6);
+
+    // Completions with the output's ids: exact, nothing asked.
+    let fake = Fake {
+        counts: Some(99),
+        ..Fake::default()
+    };
+    let body = json!({"prompt": [1, 2], "max_tokens": 9, "return_token_ids": true});
+    let (mut m, _) = migration(start(Route::Completions, body), &fake);
+    m._fwd(Bytes::from(cmpl(" a b", Some(&[5, 6]), None)))
+        .unwrap();
+    resume(&mut m).await;
+    assert!(fake.probed.lock().unwrap().is_empty());
+    assert_eq!(sent_json(&fake)["max_tokens"], 7);
+
+    // A chat message the client left open: its own text is in both probes.
+    let fake = Fake {
+        counts: Some(2),
+        ..Fake::default()
+    };
+    let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+        "continue_final_message": true, "add_generation_prompt": false});
+    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+    m._fwd(Bytes::from(ev(
+        json!({"id": "x", "choices": [{"index": 0, "delta": {"content": " yes"}}]}),
+    )))
+    .unwrap();
+    resume(&mut m).await;
+    let probes = fake.probed.lock().unwrap().pop().unwrap();
+    let [with, without] = probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+    assert_eq!(with["messages"][1]["content"], "Sure, yes");
+    assert_eq!(without["messages"][1]["content"], "Sure,");
+    assert_eq!(without["continue_final_message"], true);
 }
 
 #[tokio::test]
