@@ -348,17 +348,17 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     // Engine b sends three tokens an event after the first (vLLM's
     // `--stream-interval 3`, and what vLLM sends whenever its API server falls
     // behind); its sidecar's stream dies after three chunks. The chat answer
-    // goes on on a by text: counting b's events (3) and not their tokens (7)
-    // would let a generate 4 tokens past the client's limit.
+    // goes on on c, a peer, by text: counting b's events (3) and not their
+    // tokens (7) would let c generate 4 tokens past the client's limit.
     let dir = tempfile::tempdir().unwrap();
-    let ea = sim().await;
+    let (ea, ec) = (sim().await, sim().await);
     let eb = kvmesh_tests::route::sim_with(
         kvmesh_engine_sim::SimConfig::new(MODEL)
             .with_time_scale(10.0)
             .with_stream_interval(3),
     )
     .await;
-    let s = fleet(dir.path(), &[&ea, &eb], "b", |_| {}).await;
+    let s = fleet(dir.path(), &[&ea, &eb, &ec], "b", |_| {}).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me about lakes"}],
         "max_completion_tokens": 16, "min_tokens": 16, "temperature": 0, "stream": true,
         "stream_options": {"include_usage": true}});
@@ -382,8 +382,10 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
         assert_eq!(got.usage()[k], whole.usage()[k], "{k}");
     }
-    let continued = inference_requests(&ea);
-    let c = continued.last().expect("the continuation reached a");
+    // The continuation went to the pod left after b (c, through its sidecar).
+    assert!(inference_requests(&ea).is_empty());
+    let continued = inference_requests(&ec);
+    let c = continued.last().expect("the continuation reached c");
     let partial = c["messages"][1]["content"].as_str().unwrap();
     assert!(got.text().starts_with(partial), "{partial:?}");
     let k = partial.split_whitespace().count() as u64;
@@ -393,8 +395,9 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     );
     assert_eq!(c["max_completion_tokens"], 16 - k);
     assert_eq!(c["min_tokens"], 16 - k);
-    // a's engine counted them: two `/tokenize` calls before the continuation.
-    let counted = ea
+    // c's engine counted them: two `/tokenize` calls, through c's sidecar,
+    // before the continuation.
+    let counted = ec
         .received_requests()
         .into_iter()
         .filter(|r| r.path == "/tokenize")
@@ -403,8 +406,9 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     for h in s {
         h.shutdown().await;
     }
-    ea.shutdown().await;
-    eb.shutdown().await;
+    for e in [ea, eb, ec] {
+        e.shutdown().await;
+    }
 }
 
 #[tokio::test]
