@@ -374,7 +374,19 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     assert_eq!(sizes, [1, 3, 3, 3, 3, 3], "b's events, uninterrupted");
 
     eb.faults().die_after_chunks(Some(3));
-    let got = stream(&s[0], "/v1/chat/completions", &body).await;
+    let asked = kvmesh_tests::client::request(
+        "POST",
+        s[0].addr(),
+        "/v1/chat/completions",
+        body.to_string(),
+        &[
+            ("content-type", "application/json"),
+            ("authorization", "Bearer k"),
+        ],
+    );
+    let r = fetch(&http1(), asked).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got = Read::of(&r.body);
     assert!(got.done && got.errors() == 0, "{:?}", got.events);
     assert_eq!(got.ids().len(), 1, "{:?}", got.ids());
     // 16 tokens, as the client asked: the simulator's words are its tokens.
@@ -396,13 +408,16 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     assert_eq!(c["max_completion_tokens"], 16 - k);
     assert_eq!(c["min_tokens"], 16 - k);
     // c's engine counted them: two `/tokenize` calls, through c's sidecar,
-    // before the continuation.
-    let counted = ec
+    // before the continuation, with the client's credentials.
+    let counted: Vec<_> = ec
         .received_requests()
         .into_iter()
         .filter(|r| r.path == "/tokenize")
-        .count();
-    assert_eq!(counted, 2);
+        .collect();
+    assert_eq!(counted.len(), 2);
+    for r in &counted {
+        assert_eq!(r.header("authorization"), Some("Bearer k"));
+    }
     for h in s {
         h.shutdown().await;
     }

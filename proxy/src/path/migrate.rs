@@ -159,7 +159,17 @@ const MAX_COUNT_ANSWER: usize = 8 * 1024 * 1024;
 pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
     let ctx = RequestCtx::continuation(count.request_id, Route::Other, count.started);
     let upstream = upstream_of(to);
-    let one = |body: Bytes| tokenized(h, &ctx, &upstream, body);
+    let mut head = http::Request::new(()).into_parts().0;
+    head.method = Method::POST;
+    head.uri = http::Uri::from_static("/tokenize");
+    head.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(auth) = count.authorization {
+        head.headers.insert(header::AUTHORIZATION, auth);
+    }
+    let one = |body: Bytes| tokenized(h, &ctx, &upstream, &head, body);
     let [with, without] = count.probes;
     let pair = async { tokio::join!(one(with), one(without)) };
     match tokio::time::timeout(COUNT_DEADLINE, pair).await {
@@ -179,17 +189,11 @@ async fn tokenized(
     h: Execute<'_>,
     ctx: &RequestCtx,
     upstream: &Upstream,
+    head: &http::request::Parts,
     body: Bytes,
 ) -> Option<u64> {
-    let mut head = http::Request::new(()).into_parts().0;
-    head.method = Method::POST;
-    head.uri = http::Uri::from_static("/tokenize");
-    head.headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
     let body = UpstreamBody::full(body);
-    let (resp, _, _) = send_traced(&h.up, ctx, upstream, &head, body, Hop::off())
+    let (resp, _, _) = send_traced(&h.up, ctx, upstream, head, body, Hop::off())
         .await
         .ok()?;
     if !resp.status().is_success() {

@@ -112,6 +112,8 @@ pub struct Count {
     pub request_id: HeaderValue,
     /// When the client's request arrived.
     pub started: Instant,
+    /// The client's `authorization`, for an engine that asks for it.
+    pub authorization: Option<HeaderValue>,
     pub probes: [Bytes; 2],
 }
 
@@ -597,6 +599,7 @@ impl Migrate for Migration {
             let count = Count {
                 request_id: s.request_id.clone(),
                 started: s.started,
+                authorization: s.headers.get(http::header::AUTHORIZATION).cloned(),
                 probes,
             };
             self.reroute.count(to, count)
