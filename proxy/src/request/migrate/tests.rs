@@ -334,7 +334,10 @@ async fn chat_continues_the_partial_assistant_message() {
 
 #[tokio::test]
 async fn chat_extends_a_message_the_client_left_open() {
-    let fake = Fake::default();
+    let fake = Fake {
+        counts: Some(2),
+        ..Fake::default()
+    };
     let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
         "continue_final_message": true, "add_generation_prompt": false});
     let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
@@ -346,6 +349,12 @@ async fn chat_extends_a_message_the_client_left_open() {
     let sent = sent_json(&fake);
     assert_eq!(sent["messages"][1]["content"], "Sure, yes");
     assert_eq!(sent["messages"].as_array().unwrap().len(), 2);
+    // The count's probes hold the client's own open text, both of them.
+    let probes = fake.probed.lock().unwrap().pop().unwrap();
+    let [with, without] = probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+    assert_eq!(with["messages"][1]["content"], "Sure, yes");
+    assert_eq!(without["messages"][1]["content"], "Sure,");
+    assert_eq!(without["continue_final_message"], true);
 }
 
 /// Chat events that each carry two tokens' text, as vLLM sends when its API
@@ -472,25 +481,6 @@ async fn what_each_route_counts() {
     resume(&mut m).await;
     assert!(fake.probed.lock().unwrap().is_empty());
     assert_eq!(sent_json(&fake)["max_tokens"], 7);
-
-    // A chat message the client left open: its own text is in both probes.
-    let fake = Fake {
-        counts: Some(2),
-        ..Fake::default()
-    };
-    let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
-        "continue_final_message": true, "add_generation_prompt": false});
-    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
-    m._fwd(Bytes::from(ev(
-        json!({"id": "x", "choices": [{"index": 0, "delta": {"content": " yes"}}]}),
-    )))
-    .unwrap();
-    resume(&mut m).await;
-    let probes = fake.probed.lock().unwrap().pop().unwrap();
-    let [with, without] = probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap());
-    assert_eq!(with["messages"][1]["content"], "Sure, yes");
-    assert_eq!(without["messages"][1]["content"], "Sure,");
-    assert_eq!(without["continue_final_message"], true);
 }
 
 #[tokio::test]
