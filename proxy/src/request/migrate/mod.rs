@@ -542,9 +542,14 @@ impl Migrate for Migration {
             return None;
         }
         let resent = self.kv_resend_now();
-        // At least this many tokens were generated (one per event with text,
-        // or the exact ids); the next pod's count replaces it.
-        let estimate = self.out.generated;
+        // At least this many tokens were generated: one per event with text
+        // (or the exact ids), or what a pod counted for the last continuation
+        // (a count that left none to generate ended it, and ends this one).
+        // The next pod's count replaces it.
+        let estimate = self
+            .out
+            .generated
+            .max(self.in_prompt.load(Ordering::Acquire));
         let body = match &resent {
             Some(leg) => Ok(Body::Resent(leg.clone())),
             None => continuation(&self.start, &self.out).and_then(|b| {
@@ -627,8 +632,9 @@ impl Migrate for Migration {
                     in_prompt.store(n, Ordering::Release);
                     match limited(b, n) {
                         Ok(b) => b,
+                        // The relay asks again, and the count refuses it
+                        // (and is counted) then.
                         Err(reason) => {
-                            metrics.migration(reason);
                             return Err(ProxyError::UpstreamFailed {
                                 upstream: named,
                                 reason: format!(

@@ -446,8 +446,11 @@ async fn a_count_that_reaches_the_limit_ends_the_stream() {
         panic!("no continuation: the output was whole");
     };
     assert!(e.to_string().contains("finished"), "{e}");
-    assert_eq!(counted(&metrics, "finished"), 1);
     assert!(fake.sent.lock().unwrap().is_empty());
+    // The relay asks again: refused at once, by the count, and counted once.
+    assert!(m.resume(&e, None).is_none());
+    assert_eq!(counted(&metrics, "finished"), 1);
+    assert_eq!(fake.probed.lock().unwrap().len(), 1);
 }
 
 #[tokio::test]
