@@ -351,6 +351,8 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     // goes on on c, a peer, by text: counting b's events (3) and not their
     // tokens (7) would let c generate 4 tokens past the client's limit.
     let dir = tempfile::tempdir().unwrap();
+    let lines = AccessLines::default();
+    let _guard = lines.capture();
     let (ea, ec) = (sim().await, sim().await);
     let eb = kvmesh_tests::route::sim_with(
         kvmesh_engine_sim::SimConfig::new(MODEL)
@@ -358,7 +360,10 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
             .with_stream_interval(3),
     )
     .await;
-    let s = fleet(dir.path(), &[&ea, &eb, &ec], "b", |_| {}).await;
+    let s = fleet(dir.path(), &[&ea, &eb, &ec], "b", |c| {
+        c.logging.access_log = true
+    })
+    .await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me about lakes"}],
         "max_completion_tokens": 16, "min_tokens": 16, "temperature": 0, "stream": true,
         "stream_options": {"include_usage": true}});
@@ -407,6 +412,17 @@ async fn merged_events_are_counted_by_the_next_engines_tokenizer() {
     );
     assert_eq!(c["max_completion_tokens"], 16 - k);
     assert_eq!(c["min_tokens"], 16 - k);
+    // a's access line carries the counted tokens, not the events.
+    let line = eventually("a's access line of the migrated stream", || async {
+        lines.all().into_iter().find(|l| {
+            l["route"] == "/v1/chat/completions"
+                && l["reason"] != "routed_by_peer"
+                && l["migrations"] == 1
+        })
+    })
+    .await;
+    assert_eq!(line["migrated_tokens"], k, "{line}");
+    assert_eq!(line["end"], "complete", "{line}");
     // c's engine counted them: two `/tokenize` calls, through c's sidecar,
     // before the continuation, with the client's credentials.
     let counted: Vec<_> = ec

@@ -91,7 +91,8 @@ pub struct Relay {
     pub(super) resuming: Option<std::sync::Mutex<Resuming>>,
     /// A failure reported after the bytes just forwarded: handled next poll.
     failure: Option<ProxyError>,
-    /// Migrations started, and those the access line and spans have heard of.
+    /// Migrations whose continuation's call has ended (answered or failed),
+    /// and those the access line and spans have heard of.
     pub(super) migrations: u8,
     pub(super) reported: u8,
     /// The last migration's cause, for its span event.
@@ -146,6 +147,7 @@ impl Relay {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Ok((inner, upstream))) => {
                         self.resuming = None;
+                        self.migrations = self.migrations.saturating_add(1);
                         self.inner = inner;
                         self.p.upstream = upstream;
                         self.deadline_at =
@@ -153,6 +155,7 @@ impl Relay {
                     }
                     Poll::Ready(Err(e)) => {
                         self.resuming = None;
+                        self.migrations = self.migrations.saturating_add(1);
                         match self.migrate_or_fail(e, trace) {
                             Some(r) => return Poll::Ready(Some(r)),
                             None => continue,
@@ -259,8 +262,9 @@ impl Relay {
             // The failed upstream's body goes now: dropping it cancels the
             // call (a hung engine stops working on it).
             self.inner = streamed(Whole::empty());
+            // Counted (and reported) once the continuation's call ends:
+            // by then the output it carries has been counted.
             self.resuming = Some(std::sync::Mutex::new(next));
-            self.migrations = self.migrations.saturating_add(1);
             self.migrated_from = Some(err.to_string());
             return None;
         }

@@ -159,16 +159,16 @@ const MAX_COUNT_ANSWER: usize = 8 * 1024 * 1024;
 pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
     let ctx = RequestCtx::continuation(count.request_id, Route::Other, count.started);
     let upstream = upstream_of(to);
+    // The client's headers (its credentials, for an engine or a gateway
+    // that asks for them), as the continuation carries them.
     let mut head = http::Request::new(()).into_parts().0;
     head.method = Method::POST;
     head.uri = http::Uri::from_static("/tokenize");
+    head.headers = count.headers;
     head.headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if let Some(auth) = count.authorization {
-        head.headers.insert(header::AUTHORIZATION, auth);
-    }
     let one = |body: Bytes| tokenized(h, &ctx, &upstream, &head, body);
     let [with, without] = count.probes;
     let pair = async { tokio::join!(one(with), one(without)) };

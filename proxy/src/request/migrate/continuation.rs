@@ -122,12 +122,21 @@ pub(super) fn limited(mut body: Map<String, Value>, n: u64) -> Result<Bytes, &'s
 const LIMITS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
 
 /// Whether `n` generated tokens reach one of `body`'s token limits.
-pub(super) fn exhausted(body: &Map<String, Value>, n: u64) -> bool {
+fn exhausted(body: &Map<String, Value>, n: u64) -> bool {
     LIMITS.iter().any(|k| {
         body.get(*k)
             .and_then(Value::as_u64)
             .is_some_and(|max| max <= n)
     })
+}
+
+/// The smallest token limit of a client's body, if it has one.
+pub(super) fn token_limit(body: &[u8]) -> Option<u64> {
+    let body: Map<String, Value> = serde_json::from_slice(body).ok()?;
+    LIMITS
+        .iter()
+        .filter_map(|k| body.get(*k).and_then(Value::as_u64))
+        .min()
 }
 
 /// Two `/tokenize` bodies (vLLM's `TokenizeCompletionRequest` or
@@ -143,8 +152,11 @@ pub(super) fn exhausted(body: &Map<String, Value>, n: u64) -> bool {
 /// completions, the prompt text with and without the output; chat and
 /// Responses, a one-message conversation with the partial answer as the open
 /// assistant message (after the client's own open text, if it left one)
-/// against the same without it. The template around the answer is the same in
-/// both, so the difference is the answer's tokens.
+/// against the same without it, rendered with the client's `chat_template`,
+/// `chat_template_kwargs` and `tools`. The template around the answer is the
+/// same in both, so the difference is the answer's tokens (and whatever a
+/// template draws around a finished assistant turn that its generation prompt
+/// lacks, such as an empty thinking block).
 pub(super) fn count_probes(s: &Start, t: &Transcript) -> Option<[Bytes; 2]> {
     if t.token_ids.is_some() || t.text.is_empty() {
         return None;
@@ -159,14 +171,26 @@ pub(super) fn count_probes(s: &Start, t: &Transcript) -> Option<[Bytes; 2]> {
         }
         Route::ChatCompletions | Route::Responses => {
             let before = open_text(s.route, &body).unwrap_or_default();
+            // The client's template and what it renders with (vLLM's
+            // `TokenizeChatRequest` takes them as its chat request does).
+            let template: Map<String, Value> = ["chat_template", "chat_template_kwargs", "tools"]
+                .into_iter()
+                .filter(|_| s.route == Route::ChatCompletions)
+                .filter_map(|k| Some((k.to_owned(), body.get(k)?.clone())))
+                .filter(|(_, v)| !v.is_null())
+                .collect();
             let chat = |answer: Option<String>| {
                 let mut messages = vec![json!({"role": "user", "content": "."})];
                 let open = answer.is_some();
                 if let Some(a) = answer {
                     messages.push(json!({"role": "assistant", "content": a}));
                 }
-                json!({"model": model, "messages": messages, "add_generation_prompt": !open,
-                       "continue_final_message": open})
+                let mut probe = json!({"model": model, "messages": messages,
+                    "add_generation_prompt": !open, "continue_final_message": open});
+                if let Value::Object(p) = &mut probe {
+                    p.extend(template.clone());
+                }
+                probe
             };
             let without = (!before.is_empty()).then(|| before.clone());
             [chat(Some(format!("{before}{}", t.text))), chat(without)]

@@ -68,7 +68,7 @@ use crate::body::{Migrate, Resuming, Streamed};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::{Route, UpstreamMetrics};
 use crate::otel::{Hop, RequestTrace};
-use continuation::{continuation, count_probes, exhausted, limited, unsupported_request};
+use continuation::{continuation, count_probes, limited, token_limit, unsupported_request};
 use responses::ResponsesState;
 use sse::{data_of, ends_event, event_end, sse_event};
 
@@ -112,8 +112,9 @@ pub struct Count {
     pub request_id: HeaderValue,
     /// When the client's request arrived.
     pub started: Instant,
-    /// The client's `authorization`, for an engine that asks for it.
-    pub authorization: Option<HeaderValue>,
+    /// The client's headers, credentials included, as the continuation
+    /// carries them.
+    pub headers: HeaderMap,
     pub probes: [Bytes; 2],
 }
 
@@ -205,6 +206,10 @@ pub struct Migration {
     in_prompt: Arc<AtomicU64>,
     /// Tokens carried by the continuations before the current one, in all.
     carried_before: u64,
+    /// `out.generated` when the current continuation began.
+    generated_before: u64,
+    /// The request's smallest token limit (`max_tokens` and the like).
+    limit: Option<u64>,
 }
 
 /// What the stream said so far.
@@ -277,6 +282,7 @@ struct Delta<'a> {
 impl Migration {
     pub fn new(start: Start, reroute: Box<dyn Reroute>, metrics: Arc<UpstreamMetrics>) -> Self {
         let unsupported = unsupported_request(&start);
+        let limit = token_limit(&start.body);
         Self {
             avoid: vec![start.serving],
             kv_resent: false,
@@ -291,6 +297,8 @@ impl Migration {
             rewrite: false,
             in_prompt: Arc::new(AtomicU64::new(0)),
             carried_before: 0,
+            generated_before: 0,
+            limit,
         }
     }
 
@@ -470,6 +478,10 @@ impl Migration {
         if let Some(r) = self.unsupported {
             return Some(r);
         }
+        // Every token asked for was generated: only the end was lost.
+        if self.limit.is_some_and(|l| self.generated() >= l) {
+            return Some("finished");
+        }
         if self.migrations >= self.start.max_migrations {
             return Some("limit");
         }
@@ -542,23 +554,11 @@ impl Migrate for Migration {
             return None;
         }
         let resent = self.kv_resend_now();
-        // At least this many tokens were generated: one per event with text
-        // (or the exact ids), or what a pod counted for the last continuation
-        // (a count that left none to generate ended it, and ends this one).
         // The next pod's count replaces it.
-        let estimate = self
-            .out
-            .generated
-            .max(self.in_prompt.load(Ordering::Acquire));
+        let estimate = self.generated();
         let body = match &resent {
             Some(leg) => Ok(Body::Resent(leg.clone())),
-            None => continuation(&self.start, &self.out).and_then(|b| {
-                if exhausted(&b, estimate) {
-                    Err("finished")
-                } else {
-                    Ok(Body::Continued(b))
-                }
-            }),
+            None => continuation(&self.start, &self.out).map(Body::Continued),
         };
         let body = match body {
             Ok(b) => b,
@@ -585,6 +585,7 @@ impl Migrate for Migration {
         self.pending.clear();
         self.rewrite = true;
         self.carried_before = self.carried();
+        self.generated_before = self.out.generated;
         let in_prompt = Arc::new(AtomicU64::new(estimate));
         self.in_prompt = Arc::clone(&in_prompt);
         let hop = Hop::of(trace, super::call::FORWARD, &name, self.start.attempts);
@@ -604,13 +605,13 @@ impl Migrate for Migration {
             let count = Count {
                 request_id: s.request_id.clone(),
                 started: s.started,
-                authorization: s.headers.get(http::header::AUTHORIZATION).cloned(),
+                headers: s.headers.clone(),
                 probes,
             };
             self.reroute.count(to, count)
         });
-        let named = name.clone();
-        self.upstream = name;
+        let failed = std::mem::replace(&mut self.upstream, name);
+        let request_id = s.request_id.clone();
         let reroute = Arc::clone(&self.reroute);
         let metrics = Arc::clone(&self.metrics);
         let outcome = if resent.is_some() {
@@ -623,7 +624,13 @@ impl Migrate for Migration {
                 Body::Resent(leg) => leg,
                 Body::Continued(b) => {
                     let counted = match counting {
-                        Some(c) => c.await,
+                        Some(c) => {
+                            let n = c.await;
+                            if n.is_none() {
+                                tracing::warn!(request_id = request_id.to_str().unwrap_or("-"), "the next pod could not count the output so far; its events' count stands");
+                            }
+                            n
+                        }
                         None => None,
                     };
                     // A re-tokenized text can hold fewer tokens than were
@@ -635,10 +642,10 @@ impl Migrate for Migration {
                         // The relay asks again, and the count refuses it
                         // (and is counted) then.
                         Err(reason) => {
-                            return Err(ProxyError::UpstreamFailed {
-                                upstream: named,
+                            return Err(ProxyError::UpstreamDied {
+                                upstream: failed,
                                 reason: format!(
-                                    "the output so far, counted, left no continuation: {reason}"
+                                    "it failed after the last token the client asked for ({reason}), before the stream's end"
                                 ),
                             });
                         }
@@ -674,6 +681,15 @@ enum Body {
 pub const KV_RESENT: &str = "kv_resent";
 
 impl Migration {
+    /// Tokens generated so far, at least: one per event with text (or the
+    /// exact ids), or what the pod of the current continuation counted
+    /// before it plus what came since.
+    fn generated(&self) -> u64 {
+        let since = self.out.generated.saturating_sub(self.generated_before);
+        let counted = self.in_prompt.load(Ordering::Acquire) + since;
+        self.out.generated.max(counted)
+    }
+
     /// The decode leg to send again as it was ([`KvResend`]): nothing
     /// generated yet, the lease not passed, and not sent again once already.
     fn kv_resend_now(&mut self) -> Option<Bytes> {

@@ -437,7 +437,9 @@ async fn a_count_that_reaches_the_limit_ends_the_stream() {
         ..Fake::default()
     };
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
-    let (mut m, metrics) = migration(start(Route::ChatCompletions, body), &fake);
+    let mut s = start(Route::ChatCompletions, body);
+    s.max_migrations = 1;
+    let (mut m, metrics) = migration(s, &fake);
     merged_chat(&mut m);
     let call = m
         .resume(&died(), None)
@@ -445,12 +447,65 @@ async fn a_count_that_reaches_the_limit_ends_the_stream() {
     let Err(e) = call.await else {
         panic!("no continuation: the output was whole");
     };
-    assert!(e.to_string().contains("finished"), "{e}");
+    // The error names the pod that failed, not the one that counted.
+    assert!(e.to_string().contains("last token"), "{e}");
+    assert!(
+        matches!(&e, ProxyError::UpstreamDied { upstream: UpstreamName::Engine(n), .. } if n == "e")
+    );
     assert!(fake.sent.lock().unwrap().is_empty());
-    // The relay asks again: refused at once, by the count, and counted once.
+    // The relay asks again: refused at once as finished (before the limit
+    // of one migration), and counted once.
     assert!(m.resume(&e, None).is_none());
     assert_eq!(counted(&metrics, "finished"), 1);
+    assert_eq!(counted(&metrics, "limit"), 0);
     assert_eq!(fake.probed.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_second_migration_that_cannot_count_adds_its_events_to_the_first_count() {
+    let fake = Fake {
+        answer: Bytes::from(ev(
+            json!({"id": "chatcmpl-2", "choices": [{"index": 0, "delta": {"content": " e"}}]}),
+        )),
+        counts: Some(4),
+        ..Fake::default()
+    };
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+    merged_chat(&mut m);
+    let cont = resume(&mut m).await;
+    assert_eq!(sent_json(&fake)["max_tokens"], 6);
+    m._fwd(cont).unwrap();
+    // The second pod (the one peer again, here) cannot count: the 4
+    // counted before and the one event since stand, not the 3 events in all.
+    m.reroute = Arc::new(Fake {
+        counts: None,
+        ..fake.clone()
+    });
+    m.avoid.clear();
+    resume(&mut m).await;
+    assert_eq!(sent_json(&fake)["max_tokens"], 5);
+    assert_eq!(m.carried(), 4 + 5);
+}
+
+#[tokio::test]
+async fn a_chat_count_renders_with_the_clients_template() {
+    let fake = Fake {
+        counts: Some(4),
+        ..Fake::default()
+    };
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+        "chat_template_kwargs": {"enable_thinking": false}, "tools": tools, "chat_template": null});
+    let (mut m, _) = migration(start(Route::ChatCompletions, body), &fake);
+    merged_chat(&mut m);
+    resume(&mut m).await;
+    let probes = fake.probed.lock().unwrap().pop().unwrap();
+    for p in probes.map(|b| serde_json::from_slice::<serde_json::Value>(&b).unwrap()) {
+        assert_eq!(p["chat_template_kwargs"], json!({"enable_thinking": false}));
+        assert_eq!(p["tools"], tools);
+        assert!(p.get("chat_template").is_none(), "a null is not sent: {p}");
+    }
 }
 
 #[tokio::test]
