@@ -553,19 +553,18 @@ impl Migrate for Migration {
             tracing::warn!(request_id = self.start.request_id.to_str().unwrap_or("-"), reason, error = %err, "stream not migrated");
             return None;
         }
-        let resent = self.kv_resend_now();
-        // The next pod's count replaces it.
+        // At least this many tokens were generated; the next pod's count of
+        // what went by text replaces it where larger.
         let estimate = self.generated();
-        let body = match &resent {
-            Some(leg) => Ok(Body::Resent(leg.clone())),
-            None => continuation(&self.start, &self.out).map(Body::Continued),
-        };
-        let body = match body {
-            Ok(b) => b,
-            Err(reason) => {
-                self.metrics.migration(reason);
-                return None;
-            }
+        let body = match self.kv_resend_now() {
+            Some(leg) => Body::Resent(leg),
+            None => match continuation(&self.start, &self.out) {
+                Ok(b) => Body::Continued(b),
+                Err(reason) => {
+                    self.metrics.migration(reason);
+                    return None;
+                }
+            },
         };
         let Some((to, name)) = self.reroute.pick(
             self.start.model.as_deref(),
@@ -614,10 +613,9 @@ impl Migrate for Migration {
         let request_id = s.request_id.clone();
         let reroute = Arc::clone(&self.reroute);
         let metrics = Arc::clone(&self.metrics);
-        let outcome = if resent.is_some() {
-            KV_RESENT
-        } else {
-            "migrated"
+        let outcome = match body {
+            Body::Resent(_) => KV_RESENT,
+            Body::Continued(_) => "migrated",
         };
         Some(Box::pin(async move {
             job.body = match body {
@@ -639,8 +637,8 @@ impl Migrate for Migration {
                     in_prompt.store(n, Ordering::Release);
                     match limited(b, n) {
                         Ok(b) => b,
-                        // The relay asks again, and the count refuses it
-                        // (and is counted) then.
+                        // The relay asks again: `refusal` finds the count
+                        // at the limit then, and counts it as `finished`.
                         Err(reason) => {
                             return Err(ProxyError::UpstreamDied {
                                 upstream: failed,
