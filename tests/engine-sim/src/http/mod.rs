@@ -100,16 +100,25 @@ fn full(bytes: impl Into<Bytes>) -> Body {
         .boxed()
 }
 
-/// Wraps chunks so the connection dies after `die_after` of them.
+/// Wraps chunks so the connection dies after `die_after` of them, once
+/// those are on the wire: the failure waits for one turn of the runtime, in
+/// which hyper flushes what it buffered. Otherwise a loaded machine, where
+/// the chunks are all ready at once, would lose them with the connection,
+/// and the stream would die before its first token rather than after k.
 fn chunked<S>(s: S, die_after: Option<usize>) -> Body
 where
     S: Stream<Item = Result<Bytes, std::io::Error>> + Send + Sync + 'static,
 {
-    let s = s.enumerate().map(move |(i, item)| match die_after {
-        Some(k) if i >= k => Err(std::io::Error::other(
-            "fault injection: connection dropped mid-stream",
-        )),
-        _ => item.map(Frame::data),
+    let s = s.enumerate().then(move |(i, item)| async move {
+        match die_after {
+            Some(k) if i >= k => {
+                tokio::task::yield_now().await;
+                Err(std::io::Error::other(
+                    "fault injection: connection dropped mid-stream",
+                ))
+            }
+            _ => item.map(Frame::data),
+        }
     });
     let s = s.scan(false, |dead, item| {
         // Stop after the first error so the body ends there.
