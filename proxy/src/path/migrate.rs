@@ -27,6 +27,7 @@ use crate::body::{streamed, Counted, Streamed, UpstreamBody};
 use crate::error::{ProxyError, UpstreamName};
 use crate::metrics::Route;
 use crate::otel::Hop;
+use crate::prefix::tokenize::MAX_TOKENIZE_RESPONSE;
 use crate::request::migrate::{Count, Job};
 use crate::request::{send_traced, RequestCtx, Served, Target, Upstream};
 
@@ -148,10 +149,6 @@ pub async fn send_to(
 /// it the continuation goes with the stream's own count.
 const COUNT_DEADLINE: Duration = Duration::from_secs(2);
 
-/// Largest `/tokenize` answer read (its `tokens` list: a long conversation's
-/// prompt is under 1 MiB of JSON).
-const MAX_COUNT_ANSWER: usize = 8 * 1024 * 1024;
-
 /// The tokens `to`'s `/tokenize` counts in the first probe less those in
 /// the second (`crate::request::migrate::Count`); `None` when either call
 /// fails, is refused, or the pair takes past [`COUNT_DEADLINE`]. The calls
@@ -199,7 +196,7 @@ async fn tokenized(
     if !resp.status().is_success() {
         return None;
     }
-    let bytes = Limited::new(resp.into_body(), MAX_COUNT_ANSWER)
+    let bytes = Limited::new(resp.into_body(), MAX_TOKENIZE_RESPONSE)
         .collect()
         .await
         .ok()?

@@ -33,7 +33,7 @@ use crate::request::Prompt;
 use crate::upstream::UpstreamClient;
 
 /// Largest `/tokenize` response read (a 128k-token prompt is under 1 MiB of JSON).
-const MAX_TOKENIZE_RESPONSE: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_TOKENIZE_RESPONSE: usize = 8 * 1024 * 1024;
 
 /// Why the tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]

@@ -218,12 +218,7 @@ fn open_text(route: Route, body: &Map<String, Value>) -> Option<String> {
         }
         Route::Responses => {
             let last = body.get("input")?.as_array()?.last()?;
-            (last.get("role").and_then(Value::as_str) == Some("assistant")
-                && matches!(
-                    last.get("status").and_then(Value::as_str),
-                    Some("in_progress" | "incomplete")
-                ))
-            .then(|| text(last.get("content")?))?
+            open_item(last).then(|| text(last.get("content")?))?
         }
         _ => None,
     }
@@ -242,14 +237,7 @@ fn responses_input(body: &mut Map<String, Value>, t: &Transcript) -> Result<(), 
     let Value::Array(items) = input else {
         return Err("unparsed_request");
     };
-    let open = items.last().is_some_and(|last| {
-        last.get("role").and_then(Value::as_str) == Some("assistant")
-            && matches!(
-                last.get("status").and_then(Value::as_str),
-                Some("in_progress" | "incomplete")
-            )
-    });
-    if !open {
+    if !items.last().is_some_and(open_item) {
         let id = t
             .responses
             .item_id
@@ -275,6 +263,16 @@ fn responses_input(body: &mut Map<String, Value>, t: &Transcript) -> Result<(), 
     };
     text.push_str(&t.text);
     Ok(())
+}
+
+/// A Responses input item that is an assistant message left open (`status`
+/// `in_progress` or `incomplete`), which vLLM continues.
+fn open_item(item: &Value) -> bool {
+    item.get("role").and_then(Value::as_str) == Some("assistant")
+        && matches!(
+            item.get("status").and_then(Value::as_str),
+            Some("in_progress" | "incomplete")
+        )
 }
 
 /// A completions prompt given as token ids (one prompt).
