@@ -16,7 +16,9 @@ use kvmesh_tests::mesh::{
     forwarded, indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
 };
 use kvmesh_tests::otlp::{Collector, Received};
-use kvmesh_tests::route::{add_peer, config, eventually, pd_sim, sim, sim_with, MODEL};
+use kvmesh_tests::route::{
+    add_peer, config, eventually, filters_yaml, pd_sim, sim, sim_with, MODEL,
+};
 use kvmesh_tests::sidecar::{refused_addr, start};
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -590,4 +592,97 @@ async fn a_scheduled_split_through_a_peer_sidecar_is_one_trace() {
         Some(traceparent_of(&leg).as_str())
     );
     t.assert_rooted(&client, "split-1");
+}
+
+/// A stream that goes on on another pod stays one trace: under A's execute
+/// span, the failed call's `kvmesh.forward`, the count of the output so far
+/// (`kvmesh.migration.count`, whose context both of the next pod's
+/// `/tokenize` calls carry), and the continuation's `kvmesh.forward`, whose
+/// context the next engine receives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_stream_is_one_trace_with_its_count_and_continuation() {
+    let collector = Collector::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (ea, eb) = (sim().await, sim().await);
+    // A routes to its own engine only; B, a peer, is where the stream goes on.
+    let only_a = dir.path().join("only-a.yaml");
+    std::fs::write(
+        &only_a,
+        filters_yaml("  - type: label-selector-filter\n    parameters:\n      matchLabels: {pod: a}\n  - type: queue-scorer\n"),
+    )
+    .unwrap();
+    let mut c = config(&ea, &[("pod", "a")], Some(&only_a));
+    c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
+    let a = start(c).await;
+    let b = start(config(&eb, &[("pod", "b")], None)).await;
+    add_peer(&a, &b, &[("pod", "b")]);
+    ea.faults().die_after_chunks(Some(3));
+    let (trace_id, _, tp) = client_span(300);
+    let body = serde_json::json!({"model": MODEL, "stream": true, "max_tokens": 12,
+        "temperature": 0, "messages": [{"role": "user", "content": "tell me about rivers"}]});
+    let r = fetch(
+        &http1(),
+        request(
+            "POST",
+            a.addr(),
+            "/v1/chat/completions",
+            body.to_string(),
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", "migrated-1"),
+                ("traceparent", &tp),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = r.text();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+    a.shutdown().await;
+    b.shutdown().await;
+
+    let t = Trace::of(&collector.spans(), &trace_id);
+    t.assert_rooted(&client_span(300).1, "migrated stream");
+    let request_span = t.named("kvmesh.request").next().unwrap().clone();
+    let execute = t.child(&request_span, "kvmesh.execute");
+    let mut hops: Vec<&Received> = t
+        .children(&execute)
+        .filter(|s| s.name() == "kvmesh.forward")
+        .collect();
+    hops.sort_by_key(|s| s.attr("kvmesh.attempt"));
+    assert_eq!(hops.len(), 2, "{:?}", t.names());
+    assert_eq!(hops[0].attr("kvmesh.upstream").as_deref(), Some("engine"));
+    assert_eq!(hops[1].attr("kvmesh.upstream").as_deref(), Some("peer"));
+    let count = t.child(&execute, "kvmesh.migration.count");
+    assert_eq!(count.attr("kvmesh.upstream").as_deref(), Some("peer"));
+    let counted: u64 = count
+        .attr("kvmesh.migration.counted_tokens")
+        .expect("the count's outcome")
+        .parse()
+        .unwrap();
+    assert!(counted >= 3, "{count:?}");
+    // B's engine: two `/tokenize` calls under the count's span, then the
+    // continuation under the second forward span (B's sidecar records no
+    // spans and passes the context on).
+    let got = eb.received_requests();
+    let tokenize: Vec<_> = got.iter().filter(|r| r.path == "/tokenize").collect();
+    assert_eq!(tokenize.len(), 2);
+    for r in tokenize {
+        assert_eq!(
+            r.header("traceparent"),
+            Some(traceparent_of(&count).as_str())
+        );
+    }
+    let continued: Vec<_> = got
+        .iter()
+        .filter(|r| r.path == "/v1/chat/completions")
+        .collect();
+    assert_eq!(continued.len(), 1);
+    assert_eq!(
+        continued[0].header("traceparent"),
+        Some(traceparent_of(hops[1]).as_str())
+    );
+    ea.shutdown().await;
+    eb.shutdown().await;
 }

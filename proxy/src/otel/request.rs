@@ -306,6 +306,18 @@ impl Hop {
     pub fn fail(&self, e: &dyn std::fmt::Display) {
         fail(&self.0, e);
     }
+
+    /// What a migration's count found: the tokens the output so far holds
+    /// by the next pod's tokenizer.
+    pub fn counted(&self, tokens: u64) {
+        set(
+            &self.0,
+            KeyValue::new(
+                "kvmesh.migration.counted_tokens",
+                i64::try_from(tokens).unwrap_or(i64::MAX),
+            ),
+        );
+    }
 }
 
 impl Drop for Hop {

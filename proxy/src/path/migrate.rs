@@ -153,6 +153,7 @@ const COUNT_DEADLINE: Duration = Duration::from_secs(2);
 /// the second (`crate::request::migrate::Count`); `None` when either call
 /// fails, is refused, or the pair takes past [`COUNT_DEADLINE`]. The calls
 /// are not the request's: a failure here marks nothing against the pod.
+/// Both carry the count's span as their parent, and it records the outcome.
 pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
     let ctx = RequestCtx::continuation(count.request_id, Route::Other, count.started);
     let upstream = upstream_of(to);
@@ -166,13 +167,22 @@ pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    count.hop.inject(&mut head.headers);
     let one = |body: Bytes| tokenized(h, &ctx, &upstream, &head, body);
     let [with, without] = count.probes;
     let pair = async { tokio::join!(one(with), one(without)) };
-    match tokio::time::timeout(COUNT_DEADLINE, pair).await {
-        Ok((Some(with), Some(without))) => with.checked_sub(without),
-        _ => None,
+    let counted = match tokio::time::timeout(COUNT_DEADLINE, pair).await {
+        Ok((Ok(with), Ok(without))) => with
+            .checked_sub(without)
+            .ok_or("the output counted fewer than no tokens"),
+        Ok((Err(e), _) | (_, Err(e))) => Err(e),
+        Err(_) => Err("past the count's deadline"),
+    };
+    match counted {
+        Ok(n) => count.hop.counted(n),
+        Err(why) => count.hop.fail(&why),
     }
+    counted.ok()
 }
 
 /// vLLM's `/tokenize` answer: `count`, beside the ids.
@@ -181,27 +191,28 @@ struct Tokenized {
     count: u64,
 }
 
-/// One `/tokenize` call's `count`.
+/// One `/tokenize` call's `count`, or why there is none. `head` carries
+/// the count's span already (the call makes none of its own).
 async fn tokenized(
     h: Execute<'_>,
     ctx: &RequestCtx,
     upstream: &Upstream,
     head: &http::request::Parts,
     body: Bytes,
-) -> Option<u64> {
+) -> Result<u64, &'static str> {
     let body = UpstreamBody::full(body);
     let (resp, _, _) = send_traced(&h.up, ctx, upstream, head, body, Hop::off())
         .await
-        .ok()?;
+        .map_err(|_| "a /tokenize call failed")?;
     if !resp.status().is_success() {
-        return None;
+        return Err("a /tokenize call was refused");
     }
     let bytes = Limited::new(resp.into_body(), MAX_TOKENIZE_RESPONSE)
         .collect()
         .await
-        .ok()?
+        .map_err(|_| "a /tokenize answer was cut or too large")?
         .to_bytes();
     serde_json::from_slice::<Tokenized>(&bytes)
-        .ok()
         .map(|t| t.count)
+        .map_err(|_| "a /tokenize answer had no count")
 }

@@ -116,7 +116,13 @@ pub struct Count {
     /// carries them.
     pub headers: HeaderMap,
     pub probes: [Bytes; 2],
+    /// The count's span ([`COUNT`]), under the request's: both calls carry
+    /// its context upstream.
+    pub hop: Hop,
 }
+
+/// The span of a migration's token count (its two `/tokenize` calls).
+pub const COUNT: &str = "kvmesh.migration.count";
 
 /// What the execute stage holds to give each migrating stream its own,
 /// owned [`Reroute`] (the stream outlives the stage).
@@ -606,6 +612,7 @@ impl Migrate for Migration {
                 started: s.started,
                 headers: s.headers.clone(),
                 probes,
+                hop: Hop::of(trace, COUNT, &name, s.attempts),
             };
             self.reroute.count(to, count)
         });
