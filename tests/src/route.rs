@@ -114,3 +114,14 @@ where
 pub fn filters_yaml(plugins: &str) -> String {
     format!("apiVersion: kvmesh.dev/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n{plugins}")
 }
+
+/// A filter file in `dir` that keeps only the pods labelled `pod: <name>`
+/// (so that a test decides where its requests run).
+pub fn only_pod(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let file = dir.join(format!("only-{name}.yaml"));
+    let plugins = format!(
+        "  - type: label-selector-filter\n    parameters:\n      matchLabels: {{pod: {name}}}\n  - type: queue-scorer\n"
+    );
+    std::fs::write(&file, filters_yaml(&plugins)).unwrap();
+    file
+}

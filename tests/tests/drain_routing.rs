@@ -23,7 +23,9 @@ use kvmesh_filters::sched::Role;
 use kvmesh_proxy::fleet::{EngineLoad, PodInfo};
 use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::mesh::{kv_sim, mesh_config, start_on, write_peers};
-use kvmesh_tests::route::{config, eventually, filters_yaml, labels_of, metric, sim, MODEL};
+use kvmesh_tests::route::{
+    config, eventually, filters_yaml, labels_of, metric, only_pod, sim, MODEL,
+};
 use kvmesh_tests::sidecar::{refused_addr, start};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -53,13 +55,10 @@ fn completions_served(engine: &SimHandle) -> usize {
 async fn a_draining_sidecar_routes_the_requests_it_took_to_the_peers_it_knew() {
     let peers = tempfile::NamedTempFile::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let filters = dir.path().join("filters.yaml");
-    let only_b = "  - type: label-selector-filter\n    parameters:\n      matchLabels: {pod: b}\n  - type: queue-scorer\n";
-    std::fs::write(&filters, filters_yaml(only_b)).unwrap();
     let (ea, eb) = (kv_sim().await, kv_sim().await);
     let mut ca = mesh_config(&ea, peers.path());
     ca.pod.labels.insert("pod".into(), "a".into());
-    ca.scheduling.filters = Some(filters);
+    ca.scheduling.filters = Some(only_pod(dir.path(), "b"));
     let mut cb = mesh_config(&eb, peers.path());
     cb.pod.labels.insert("pod".into(), "b".into());
     let (a, b) = (start_on(ca, None).await, start_on(cb, None).await);

@@ -17,7 +17,7 @@ use kvmesh_engine_sim::SimHandle;
 use kvmesh_proxy::SidecarHandle;
 use kvmesh_tests::access_lines::AccessLines;
 use kvmesh_tests::client::{fetch, http1, next_chunk, post_json, send};
-use kvmesh_tests::route::{add_peer, config, eventually, filters_yaml, metric, sim, MODEL};
+use kvmesh_tests::route::{add_peer, config, eventually, metric, only_pod, sim, MODEL};
 use kvmesh_tests::sidecar::start;
 use serde_json::{json, Value};
 
@@ -103,16 +103,6 @@ fn completion(prompt: &str, max_tokens: u64) -> Value {
         "stream": true, "stream_options": {"include_usage": true}, "return_token_ids": true})
 }
 
-/// A filter file that keeps only the pods labelled `pod: <name>`.
-fn only(dir: &Path, name: &str) -> std::path::PathBuf {
-    let file = dir.join(format!("only-{name}.yaml"));
-    let plugins = format!(
-        "  - type: label-selector-filter\n    parameters:\n      matchLabels: {{pod: {name}}}\n  - type: queue-scorer\n"
-    );
-    std::fs::write(&file, filters_yaml(&plugins)).unwrap();
-    file
-}
-
 /// Sidecar `a` in front of engine `ea`, routing to itself only; sidecars of
 /// the other engines, which `a` knows as peers `b`, `c`, ...
 async fn fleet(
@@ -122,7 +112,7 @@ async fn fleet(
     tune: impl FnOnce(&mut kvmesh_proxy::config::Config),
 ) -> Vec<SidecarHandle> {
     let names = ["a", "b", "c"];
-    let mut c = config(engines[0], &[("pod", "a")], Some(&only(dir, route_to)));
+    let mut c = config(engines[0], &[("pod", "a")], Some(&only_pod(dir, route_to)));
     tune(&mut c);
     let mut sidecars = vec![start(c).await];
     for (i, e) in engines.iter().enumerate().skip(1) {
@@ -486,7 +476,7 @@ async fn a_stream_whose_engine_hangs_goes_on_elsewhere_after_stream_idle() {
     let mut c = kvmesh_tests::sidecar::test_config(hung.addr());
     c.pod.models = vec![MODEL.to_owned()];
     c.pod.labels = kvmesh_tests::route::labels_of(&[("pod", "a")]);
-    c.scheduling.filters = Some(only(dir.path(), "a"));
+    c.scheduling.filters = Some(only_pod(dir.path(), "a"));
     c.timeouts.stream_idle = CfgDuration::from_millis(300);
     let a = start(c).await;
     let b = start(config(&eb, &[("pod", "b")], None)).await;
@@ -543,7 +533,7 @@ async fn the_pod_a_stream_moved_to_counts_it_in_flight() {
         let mut c = kvmesh_tests::sidecar::test_config(addr);
         c.pod.models = vec![MODEL.to_owned()];
         c.pod.labels = kvmesh_tests::route::labels_of(&[("pod", name)]);
-        c.scheduling.filters = Some(only(dir.path(), name));
+        c.scheduling.filters = Some(only_pod(dir.path(), name));
         c.timeouts.stream_idle = CfgDuration::from_millis(300);
         c
     };

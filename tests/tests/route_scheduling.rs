@@ -8,7 +8,7 @@
 use kvmesh_engine_sim::SimConfig;
 use kvmesh_tests::client::{admin_get, fetch, http1, post_json, request};
 use kvmesh_tests::route::{
-    add_peer, eventually, filters_yaml, metric, sidecar, sim, sim_with, MODEL,
+    add_peer, eventually, filters_yaml, metric, only_pod, sidecar, sim, sim_with, MODEL,
 };
 
 const COMPLETION: &str = r#"{"model":"tiny","prompt":"hello there, how are you","max_tokens":4}"#;
@@ -204,10 +204,7 @@ async fn debug_route_explains_a_decision_with_every_plugins_score_and_sends_noth
 async fn a_request_scheduled_to_a_peer_is_forwarded_there_and_served_by_its_engine() {
     let (ea, eb) = (sim().await, sim().await);
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("filters.yaml");
-    let only_b = "  - type: label-selector-filter\n    parameters:\n      matchLabels: {pod: b}\n  - type: queue-scorer\n";
-    std::fs::write(&file, filters_yaml(only_b)).unwrap();
-    let a = sidecar(&ea, &[("pod", "a")], Some(&file)).await;
+    let a = sidecar(&ea, &[("pod", "a")], Some(&only_pod(dir.path(), "b"))).await;
     let b = sidecar(&eb, &[("pod", "b")], None).await;
     let peer = add_peer(&a, &b, &[("pod", "b")]);
 

@@ -16,9 +16,7 @@ use kvmesh_tests::mesh::{
     forwarded, indexes_converged, kv_sim, mesh_config, shared_prefix_body, start_on, write_peers,
 };
 use kvmesh_tests::otlp::{Collector, Received};
-use kvmesh_tests::route::{
-    add_peer, config, eventually, filters_yaml, pd_sim, sim, sim_with, MODEL,
-};
+use kvmesh_tests::route::{add_peer, config, eventually, only_pod, pd_sim, sim, sim_with, MODEL};
 use kvmesh_tests::sidecar::{refused_addr, start};
 
 const TRACESTATE: &str = "vendor=abc,other=1";
@@ -605,13 +603,7 @@ async fn a_migrated_stream_is_one_trace_with_its_count_and_continuation() {
     let dir = tempfile::tempdir().unwrap();
     let (ea, eb) = (sim().await, sim().await);
     // A routes to its own engine only; B, a peer, is where the stream goes on.
-    let only_a = dir.path().join("only-a.yaml");
-    std::fs::write(
-        &only_a,
-        filters_yaml("  - type: label-selector-filter\n    parameters:\n      matchLabels: {pod: a}\n  - type: queue-scorer\n"),
-    )
-    .unwrap();
-    let mut c = config(&ea, &[("pod", "a")], Some(&only_a));
+    let mut c = config(&ea, &[("pod", "a")], Some(&only_pod(dir.path(), "a")));
     c.tracing = tracing(&collector, OtlpProtocol::Http, 1.0);
     let a = start(c).await;
     let b = start(config(&eb, &[("pod", "b")], None)).await;

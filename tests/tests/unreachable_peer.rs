@@ -12,7 +12,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +29,7 @@ use kvmesh_proxy::valkey::{PodRecord, Store, Writer};
 use kvmesh_proxy::Shutdown;
 use kvmesh_tests::client::{fetch, http1, post_json};
 use kvmesh_tests::mesh::write_peers;
-use kvmesh_tests::route::{config, eventually, filters_yaml, labels_of, metric, sim, MODEL};
+use kvmesh_tests::route::{config, eventually, labels_of, metric, only_pod, sim, MODEL};
 use kvmesh_tests::sidecar::{fast_valkey, start, wait_ready};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
@@ -86,19 +85,6 @@ async fn reaches_x(
         .expect("the request reached x")
         .expect("x listens");
     pending
-}
-
-/// A filter file in `dir` that keeps only the pods labelled `pod: x`.
-fn only_x(dir: &Path) -> PathBuf {
-    let filters = dir.join("only-x.yaml");
-    std::fs::write(
-        &filters,
-        filters_yaml(
-            "  - type: label-selector-filter\n    parameters:\n      matchLabels: {pod: x}\n  - type: queue-scorer\n",
-        ),
-    )
-    .unwrap();
-    filters
 }
 
 /// How the mesh port of [`stallable_mesh_port`] stops.
@@ -205,7 +191,7 @@ async fn through_the_mesh(stop: Stop) {
     let dir = tempfile::tempdir().unwrap();
     let peers = dir.path().join("peers");
     let engine = sim().await;
-    let mut c = config(&engine, &[("pod", "a")], Some(&only_x(dir.path())));
+    let mut c = config(&engine, &[("pod", "a")], Some(&only_pod(dir.path(), "x")));
     c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
     c.mesh.listen = Some("127.0.0.1:0".parse().unwrap());
     c.mesh.file = Some(peers.clone());
@@ -246,7 +232,7 @@ async fn through_the_mesh(stop: Stop) {
 #[tokio::test]
 async fn a_request_without_a_head_goes_elsewhere_when_its_peer_is_cut_off() {
     let dir = tempfile::tempdir().unwrap();
-    let filters = only_x(dir.path());
+    let filters = only_pod(dir.path(), "x");
     let engine = sim().await;
     let mut c = config(&engine, &[("pod", "a")], Some(&filters));
     c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
@@ -330,7 +316,7 @@ async fn through_valkey(deregisters: bool) {
     };
     let dir = tempfile::tempdir().unwrap();
     let engine = sim().await;
-    let mut c = config(&engine, &[("pod", "a")], Some(&only_x(dir.path())));
+    let mut c = config(&engine, &[("pod", "a")], Some(&only_pod(dir.path(), "x")));
     c.timeouts.first_byte = CfgDuration::from_secs(FIRST_BYTE.as_secs());
     c.mesh.file = None;
     c.mesh.listen = None;
