@@ -150,11 +150,12 @@ pub async fn send_to(
 const COUNT_DEADLINE: Duration = Duration::from_secs(2);
 
 /// The tokens `to`'s `/tokenize` counts in the first probe less those in
-/// the second (`crate::request::migrate::Count`); `None` when either call
-/// fails, is refused, or the pair takes past [`COUNT_DEADLINE`]. The calls
-/// are not the request's: a failure here marks nothing against the pod.
-/// Both carry the count's span as their parent, and it records the outcome.
-pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
+/// the second (`crate::request::migrate::Count`), or why there is none:
+/// either call failed or was refused, or the pair took past
+/// [`COUNT_DEADLINE`]. The calls are not the request's: a failure here marks
+/// nothing against the pod. Both carry the count's span as their parent,
+/// and it records the outcome.
+pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Result<u64, &'static str> {
     let ctx = RequestCtx::continuation(count.request_id, Route::Other, count.started);
     let upstream = upstream_of(to);
     // The client's headers (its credentials, for an engine or a gateway
@@ -182,7 +183,7 @@ pub async fn count_on(h: Execute<'_>, to: Served, count: Count) -> Option<u64> {
         Ok(n) => count.hop.counted(n),
         Err(why) => count.hop.fail(&why),
     }
-    counted.ok()
+    counted
 }
 
 /// vLLM's `/tokenize` answer: `count`, beside the ids.

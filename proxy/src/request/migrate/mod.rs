@@ -99,12 +99,12 @@ pub trait Reroute: Send + Sync {
     /// is an error.
     fn send(&self, to: Served, job: Job) -> Continuing;
     /// The tokens `to`'s `/tokenize` counts in `count.probes[0]` less those
-    /// in `count.probes[1]`; `None` when it cannot tell.
+    /// in `count.probes[1]`, or why it cannot tell.
     fn count(&self, to: Served, count: Count) -> Counting;
 }
 
-/// A token count's call: the difference, or `None`.
-pub type Counting = Pin<Box<dyn Future<Output = Option<u64>> + Send>>;
+/// A token count's call: the difference, or why there is none.
+pub type Counting = Pin<Box<dyn Future<Output = Result<u64, &'static str>> + Send>>;
 
 /// Two `/tokenize` bodies whose counts differ by what a continuation's
 /// prompt carries (`continuation::count_probes`).
@@ -629,13 +629,10 @@ impl Migrate for Migration {
                 Body::Resent(leg) => leg,
                 Body::Continued(b) => {
                     let counted = match counting {
-                        Some(c) => {
-                            let n = c.await;
-                            if n.is_none() {
-                                tracing::warn!(request_id = request_id.to_str().unwrap_or("-"), "the next pod could not count the output so far; its events' count stands");
-                            }
-                            n
-                        }
+                        Some(c) => c
+                            .await
+                            .inspect_err(|why| tracing::warn!(request_id = request_id.to_str().unwrap_or("-"), why, "the next pod could not count the output so far; its events' count stands"))
+                            .ok(),
                         None => None,
                     };
                     // A re-tokenized text can hold fewer tokens than were
